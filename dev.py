@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Set up the project's virtual environment and run one task in it.
+
+Needs nothing but ``python3`` (3.11 or newer). The environment lives in
+``.venv`` and is rebuilt only when ``pyproject.toml`` changes (a stamp file
+holds its hash), so a second run starts at once.
+
+    python3 dev.py demo            # the main job
+    python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest)
+    python3 dev.py bench NAME      # one script of bench/, e.g. dispatch
+    python3 dev.py env             # only set up the environment
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PYTHON = VENV / "bin" / "python"
+STAMP = VENV / ".jitserve-stamp"
+EXTRAS = "dev,iree"
+
+
+def _wanted_stamp() -> str:
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
+    digest.update(EXTRAS.encode())
+    return digest.hexdigest()
+
+
+def ensure_environment() -> None:
+    wanted = _wanted_stamp()
+    if STAMP.exists() and STAMP.read_text() == wanted and PYTHON.exists():
+        return
+    if sys.version_info < (3, 11):
+        sys.exit(f"jitserve needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    if not PYTHON.exists():
+        print(f"creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+    print(f"installing jitserve[{EXTRAS}] into {VENV}", flush=True)
+    subprocess.run(
+        [str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+         "-e", f"{ROOT}[{EXTRAS}]"],
+        check=True,
+    )
+    STAMP.write_text(wanted)
+
+
+def _run(argv: list[str]) -> int:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(argv, cwd=ROOT, env=env).returncode
+
+
+TASKS = {
+    "demo": lambda args: _run([str(PYTHON), "-m", "jitserve", "demo", *args]),
+    "test": lambda args: _run([str(PYTHON), "-m", "pytest", *args]),
+    "bench": lambda args: _run([str(PYTHON), str(ROOT / "bench" / f"{args[0]}.py"), *args[1:]]),
+    "env": lambda args: 0,
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in TASKS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    task, args = argv[0], argv[1:]
+    if task == "bench" and not args:
+        names = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
+        print(f"bench needs a name, one of: {', '.join(names)}", file=sys.stderr)
+        return 2
+    ensure_environment()
+    return TASKS[task](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,138 @@
+"""The compiler contract every compiler plug-in implements.
+
+A compiler turns a function and input templates into an :class:`Executable`
+(``compile``), and says which option sets run it on each device it can use
+(``partitions``). ``dispatcher`` gives ``jit`` a callable that compiles per
+input signature on first sight; the default keeps one executable per
+signature, and a compiler with a faster dispatch of its own (XLA) overrides it.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import jax
+
+from ..errors import OptionError
+from ..template import Template, check_arguments, template_of, templates_of
+
+COMMON_OPTIONS = frozenset({"compiler", "cache_dir"})
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device a compiler can run on.
+
+    ``uri`` names it (``xla:cpu:0``, ``local-task://``, ...); ``target_backend``
+    is the compiler target that fits it where a compiler needs one (IREE);
+    ``handle`` is the compiler's own device object.
+    """
+
+    compiler: str
+    driver: str
+    id: int
+    uri: str
+    description: str = ""
+    target_backend: str | None = None
+    handle: Any = field(default=None, compare=False, repr=False)
+
+
+class Executable:
+    """A compiled function for fixed input templates, called with the same pytree of arrays."""
+
+    __slots__ = ("input_templates", "input_tree", "output_container", "_run")
+
+    def __init__(
+        self,
+        run: Callable[..., Any],
+        input_templates: list[Template],
+        input_tree: Any,
+        output_container: Any,
+    ) -> None:
+        self._run = run
+        self.input_templates = input_templates
+        self.input_tree = input_tree
+        self.output_container = output_container
+
+    def __call__(self, *args: Any) -> Any:
+        return self._run(*args)
+
+    def checked_call(self, *args: Any) -> Any:
+        """Call after checking every argument against the templates (``TemplateMismatchError``)."""
+        leaves = check_arguments(args, self.input_templates, self.input_tree)
+        return self._run(*jax.tree_util.tree_unflatten(self.input_tree, leaves))
+
+
+class Compiler(abc.ABC):
+    """A compiler plug-in. Subclasses set ``name`` and ``options`` and implement ``compile``."""
+
+    name: ClassVar[str]
+    options: ClassVar[frozenset[str]] = frozenset()
+
+    def check_options(self, options: Mapping[str, Any]) -> None:
+        unknown = sorted(set(options) - COMMON_OPTIONS - self.options)
+        if unknown:
+            accepted = ", ".join(sorted(COMMON_OPTIONS | self.options))
+            raise OptionError(
+                f"unknown option {unknown[0]!r} for compiler {self.name!r}; it accepts: {accepted}"
+            )
+
+    @abc.abstractmethod
+    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
+        """Compile ``fn`` for positional arguments shaped like ``templates`` (pytrees of templates)."""
+
+    @abc.abstractmethod
+    def devices(self) -> list[Device]:
+        """Every device this compiler can run on here."""
+
+    def partitions(self, options: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """One option set per device: the given device, or every device of the default kind."""
+        return [dict(options)]
+
+    def dispatcher(
+        self, fn: Callable[..., Any], options: Mapping[str, Any], on_compile: Callable[[], None]
+    ) -> Callable[..., Any]:
+        """A callable that compiles once per input signature and then runs the executable."""
+        return SignatureDispatcher(self, fn, options, on_compile)
+
+
+class SignatureDispatcher:
+    """One executable per (pytree structure, leaf shapes and dtypes) of the arguments."""
+
+    __slots__ = ("_compiler", "_fn", "_options", "_on_compile", "_cache", "_lock")
+
+    def __init__(self, compiler: Compiler, fn: Callable[..., Any], options: Mapping[str, Any],
+                 on_compile: Callable[[], None]) -> None:
+        self._compiler = compiler
+        self._fn = fn
+        self._options = options
+        self._on_compile = on_compile
+        self._cache: dict[tuple[Any, ...], Executable] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, *[(getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves])
+        executable = self._cache.get(key)
+        if executable is None:
+            executable = self._compile(key, args)
+        return executable(*args)
+
+    def _compile(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Executable:
+        with self._lock:
+            executable = self._cache.get(key)
+            if executable is None:
+                executable = self._compiler.compile(self._fn, templates_of(args), self._options)
+                self._on_compile()
+                self._cache[key] = executable
+        return executable
+
+
+def flat_templates(templates: Sequence[Any]) -> tuple[list[Template], Any]:
+    """The flat list of templates of a pytree of templates or values, and its structure."""
+    leaves, tree = jax.tree_util.tree_flatten(tuple(templates), is_leaf=lambda x: isinstance(x, Template))
+    return [template_of(leaf) for leaf in leaves], tree
