@@ -7,6 +7,7 @@ from .errors import (
     BatchSizeError,
     CompileError,
     DefnError,
+    EvaluationError,
     JitserveError,
     OptionError,
     QueueFullError,
@@ -15,6 +16,8 @@ from .errors import (
     UnknownCompilerError,
     UnknownServerError,
 )
+from .graph import Graph, trace
+from .interpreter import Interpreter, Node
 from .defaults import default_options, options, set_default_options
 from .template import Template, template
 
@@ -26,6 +29,10 @@ __all__ = [
     "CompileError",
     "Compiled",
     "DefnError",
+    "EvaluationError",
+    "Graph",
+    "Interpreter",
+    "Node",
     "JitserveError",
     "MLIRModule",
     "OptionError",
@@ -44,4 +51,5 @@ __all__ = [
     "set_default_options",
     "template",
     "to_mlir",
+    "trace",
 ]

@@ -50,3 +50,7 @@ class ServerStoppedError(JitserveError, RuntimeError):
 
 class UnknownServerError(JitserveError, LookupError):
     """No server is registered under the requested name."""
+
+
+class EvaluationError(JitserveError, RuntimeError):
+    """A node of a graph failed while the evaluator ran it; the message names the node."""

@@ -13,6 +13,7 @@ from .base import Compiler, Device, Executable
 
 COMPILERS: dict[str, str] = {
     "xla": "jitserve.compilers.xla:XlaCompiler",
+    "evaluator": "jitserve.compilers.evaluator:EvaluatorCompiler",
 }
 
 _instances: dict[str, Compiler] = {}

@@ -44,7 +44,7 @@ class Device:
 class Executable:
     """A compiled function for fixed input templates, called with the same pytree of arrays."""
 
-    __slots__ = ("input_templates", "input_tree", "output_container", "_run")
+    __slots__ = ("input_templates", "input_tree", "output_container", "run")
 
     def __init__(
         self,
@@ -53,18 +53,18 @@ class Executable:
         input_tree: Any,
         output_container: Any,
     ) -> None:
-        self._run = run
+        self.run = run  # the unchecked call, for dispatchers that already know the signature
         self.input_templates = input_templates
         self.input_tree = input_tree
         self.output_container = output_container
 
     def __call__(self, *args: Any) -> Any:
-        return self._run(*args)
+        return self.run(*args)
 
     def checked_call(self, *args: Any) -> Any:
         """Call after checking every argument against the templates (``TemplateMismatchError``)."""
         leaves = check_arguments(args, self.input_templates, self.input_tree)
-        return self._run(*jax.tree_util.tree_unflatten(self.input_tree, leaves))
+        return self.run(*jax.tree_util.tree_unflatten(self.input_tree, leaves))
 
 
 class Compiler(abc.ABC):
@@ -111,25 +111,27 @@ class SignatureDispatcher:
         self._fn = fn
         self._options = options
         self._on_compile = on_compile
-        self._cache: dict[tuple[Any, ...], Executable] = {}
+        self._cache: dict[tuple[Any, ...], Callable[..., Any]] = {}  # signature -> Executable.run
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, *[(getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves])
-        executable = self._cache.get(key)
-        if executable is None:
-            executable = self._compile(key, args)
-        return executable(*args)
+        try:  # every argument an array: its shapes and dtypes are the key
+            key: tuple[Any, ...] = tuple([(x.shape, x.dtype) for x in args])
+        except AttributeError:
+            leaves, tree = jax.tree_util.tree_flatten(args)
+            key = (tree, *[(getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves])
+        run = self._cache.get(key)
+        if run is None:
+            run = self._compile(key, args)
+        return run(*args)
 
-    def _compile(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Executable:
+    def _compile(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Callable[..., Any]:
         with self._lock:
-            executable = self._cache.get(key)
-            if executable is None:
-                executable = self._compiler.compile(self._fn, templates_of(args), self._options)
+            run = self._cache.get(key)
+            if run is None:
+                run = self._cache[key] = self._compiler.compile(self._fn, templates_of(args), self._options).run
                 self._on_compile()
-                self._cache[key] = executable
-        return executable
+        return run
 
 
 def flat_templates(templates: Sequence[Any]) -> tuple[list[Template], Any]:

@@ -1,0 +1,31 @@
+"""The ``evaluator`` compiler: trace to a Graph and interpret it with numpy.
+
+No XLA: each node runs through the table in :mod:`jitserve.primitives`, and
+values are freed after their last use. It is the reference to debug and
+instrument a definition with (subclass :class:`jitserve.Interpreter`).
+Option ``free_after_last_use`` (default True) keeps every value alive when
+False, to compare peak memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..graph import trace
+from ..interpreter import Interpreter
+from .base import Compiler, Device, Executable, flat_templates
+
+
+class EvaluatorCompiler(Compiler):
+    name = "evaluator"
+    options = frozenset({"device", "free_after_last_use"})
+
+    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
+        graph = trace(fn, *templates)
+        interpreter = Interpreter(graph, free_after_last_use=options.get("free_after_last_use", True))
+        flat, tree = flat_templates(templates)
+        return Executable(interpreter.run, flat, tree, graph.output_container)
+
+    def devices(self) -> list[Device]:
+        return [Device(compiler=self.name, driver="cpu", id=0, uri="evaluator:cpu:0", description="numpy on the host")]

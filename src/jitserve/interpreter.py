@@ -1,0 +1,174 @@
+"""The Interpreter: run a Graph node by node with numpy (torch.fx's Interpreter).
+
+Everything that does not depend on the input values is worked out once, when
+the interpreter is built: each node's implementation from the table in
+:mod:`jitserve.primitives`, the slot of every value, and after which node each
+value is used for the last time. Running is then a loop over prepared nodes
+that frees every value, inputs included, right after its last use.
+
+``boxed_run(args_list)`` is the boxed calling convention: the interpreter
+takes the arguments out of the caller's list and clears it, so that the
+caller holds no reference and inputs can be freed early. ``run_node`` is the
+hook subclasses override to trace, count or check each node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from .errors import EvaluationError
+from .graph import Graph, graph_of_jaxpr
+from .primitives import MULTIPLE_RESULTS, PRIMITIVES, SUBGRAPH_PARAMS, accepted_params
+from .template import Template
+
+
+class Node:
+    """One prepared node: its implementation, parameters, operand and result slots, and what to free after it."""
+
+    __slots__ = ("index", "primitive", "impl", "params", "inputs", "outputs", "out_dtypes", "free",
+                 "multiple_results", "line")
+
+    def __init__(self, index: int, primitive: str, impl: Any, params: dict[str, Any], inputs: list[int],
+                 outputs: list[int | None], out_dtypes: list[np.dtype], line: str) -> None:
+        self.index = index
+        self.primitive = primitive
+        self.impl = impl
+        self.params = params
+        self.inputs = inputs
+        self.outputs = outputs
+        self.out_dtypes = out_dtypes
+        self.free: list[int] = []
+        self.multiple_results = primitive in MULTIPLE_RESULTS
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+    def __repr__(self) -> str:
+        return f"<Node {self.line}>"
+
+
+def _unsupported(primitive: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"the evaluator has no implementation of primitive {primitive!r}; "
+        f"add an entry for it to PRIMITIVES in jitserve/primitives.py"
+    )
+
+
+class Interpreter:
+    """Runs a :class:`Graph` with numpy, freeing each value after its last use."""
+
+    def __init__(self, graph: Graph, *, free_after_last_use: bool = True) -> None:
+        self.graph = graph
+        self.free_after_last_use = free_after_last_use
+        jaxpr = graph.jaxpr
+        slots: dict[Any, int] = {}
+        initial: list[Any] = []
+
+        def new_slot(value: Any = None) -> int:
+            initial.append(value)
+            return len(initial) - 1
+
+        self._input_slots = [slots.setdefault(v, new_slot()) for v in jaxpr.invars]
+        for var, const in zip(jaxpr.constvars, graph.consts):
+            slots[var] = new_slot(np.asarray(const))
+        fixed = set(range(len(self._input_slots), len(initial)))  # constants (and literals, below) stay
+
+        def operand_slot(atom: Any) -> int:
+            if isinstance(atom, jcore.Literal):
+                slot = new_slot(np.asarray(atom.val, atom.aval.dtype))
+                fixed.add(slot)
+                return slot
+            return slots[atom]
+
+        self.nodes: list[Node] = []
+        for index, eqn in enumerate(jaxpr.eqns):
+            name = eqn.primitive.name
+            impl = PRIMITIVES.get(name)
+            if impl is None:
+                raise _unsupported(name)
+            inputs = [operand_slot(a) for a in eqn.invars]
+            outputs = [None if isinstance(v, jcore.DropVar) else slots.setdefault(v, new_slot()) for v in eqn.outvars]
+            params = accepted_params(impl, self._prepare_params(name, eqn.params))
+            self.nodes.append(Node(index, name, impl, params, inputs, outputs,
+                                   [np.dtype(v.aval.dtype) for v in eqn.outvars], graph.node_line(eqn)))
+        self._output_slots = [operand_slot(a) for a in jaxpr.outvars]
+        self._initial = initial
+        self.output_templates = [Template(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
+        self._single_output = graph.out_tree.num_nodes == 1 and graph.out_tree.num_leaves == 1
+        self._dead_inputs: list[int] = []
+        if free_after_last_use:
+            self._plan_frees(fixed)
+
+    def _prepare_params(self, primitive: str, params: dict[str, Any]) -> dict[str, Any]:
+        """The node's parameters, with sub-graphs replaced by interpreters of the same class."""
+        prepared = dict(params)
+        for name in SUBGRAPH_PARAMS.get(primitive, ()):
+            value = prepared[name]
+            if isinstance(value, tuple):
+                prepared[name] = tuple(self._sub_interpreter(v, f"{primitive}.{name}[{i}]") for i, v in enumerate(value))
+            else:
+                prepared[name] = self._sub_interpreter(value, f"{primitive}.{name}")
+        return prepared
+
+    def _sub_interpreter(self, jaxpr: Any, name: str) -> "Interpreter":
+        return type(self)(graph_of_jaxpr(jaxpr, name), free_after_last_use=self.free_after_last_use)
+
+    def _plan_frees(self, fixed: set[int]) -> None:
+        """After which node each value is used for the last time (once per graph; ``x + x`` counts once)."""
+        keep = fixed | set(self._output_slots)
+        last_use: dict[int, int] = {}
+        for node in self.nodes:
+            for slot in node.inputs:
+                last_use[slot] = node.index
+            for slot in node.outputs:
+                if slot is not None:
+                    last_use.setdefault(slot, node.index)  # a result nobody reads dies at once
+        for slot, index in last_use.items():
+            if slot not in keep:
+                self.nodes[index].free.append(slot)
+        self._dead_inputs = [s for s in self._input_slots if s not in last_use and s not in keep]
+
+    def run(self, *args: Any) -> Any:
+        """Run on these arguments (the pytree structure the graph was traced with); returns the outputs."""
+        return self.boxed_run(jax.tree_util.tree_flatten(args)[0])
+
+    def boxed_run(self, args_list: list[Any]) -> Any:
+        """Run on the flat arguments in ``args_list``, which is cleared; returns the output pytree."""
+        outputs = self.run_flat(args_list)
+        return outputs[0] if self._single_output else self.graph.out_tree.unflatten(outputs)
+
+    def run_flat(self, args_list: list[Any]) -> list[Any]:
+        """Run on flat arguments (the list is cleared) and return the flat outputs."""
+        if len(args_list) != len(self._input_slots):
+            raise TypeError(f"graph {self.graph.name} takes {len(self._input_slots)} inputs, got {len(args_list)}")
+        env = self._initial.copy()
+        for position, slot in enumerate(self._input_slots):
+            env[slot] = np.asarray(args_list[position])
+        args_list.clear()
+        for slot in self._dead_inputs:
+            env[slot] = None
+        run_node = self.run_node
+        ndarray = np.ndarray
+        for node in self.nodes:
+            try:
+                results = run_node(node, [env[slot] for slot in node.inputs])
+            except Exception as error:
+                raise EvaluationError(f"While executing {node}: {type(error).__name__}: {error}") from error
+            for position, slot in enumerate(node.outputs):
+                if slot is not None:
+                    value, dtype = results[position], node.out_dtypes[position]
+                    env[slot] = value if type(value) is ndarray and value.dtype == dtype else np.asarray(value, dtype)
+            value = results = None
+            for slot in node.free:
+                env[slot] = None
+        return [env[slot] for slot in self._output_slots]
+
+    def run_node(self, node: Node, args: list[Any]) -> list[Any]:
+        """Run one node on its operand values; returns its results as a list. Override to customise."""
+        out = node.impl(*args, **node.params) if node.params else node.impl(*args)
+        return out if node.multiple_results else [out]
