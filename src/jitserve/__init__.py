@@ -11,19 +11,29 @@ from .errors import (
     JitserveError,
     OptionError,
     QueueFullError,
+    ServerExistsError,
     ServerStoppedError,
     TemplateMismatchError,
     UnknownCompilerError,
     UnknownServerError,
 )
+from .batch import Batch
 from .graph import Graph, trace
 from .interpreter import Interpreter, Node
 from .defaults import default_options, options, set_default_options
+from .serving import BatchReport, Server, Serving, batched_run, batched_run_async, serve
 from .template import Template, template
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batch",
+    "BatchReport",
+    "Server",
+    "Serving",
+    "batched_run",
+    "batched_run_async",
+    "serve",
     "BatchError",
     "BatchSizeError",
     "CompileError",
@@ -37,6 +47,7 @@ __all__ = [
     "MLIRModule",
     "OptionError",
     "QueueFullError",
+    "ServerExistsError",
     "ServerStoppedError",
     "Template",
     "TemplateMismatchError",

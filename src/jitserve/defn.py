@@ -85,7 +85,7 @@ def defn_errors() -> Iterator[None]:
         raise defn_error(error) from None
 
 
-def _resolve(explicit: Mapping[str, Any]) -> tuple[compilers.Compiler, dict[str, Any]]:
+def resolve_options(explicit: Mapping[str, Any]) -> tuple[compilers.Compiler, dict[str, Any]]:
     """The compiler and its options: current defaults, then ``explicit`` on top.
 
     Explicit options must be known to the compiler; defaults meant for other
@@ -127,7 +127,7 @@ class _JitState:
 
     def new_dispatcher(self) -> Callable[..., Any]:
         scope = _defaults.scoped()
-        compiler, opts = _resolve(self.explicit)
+        compiler, opts = resolve_options(self.explicit)
         with self.lock:
             dispatch = self.dispatchers.get(scope)
             if dispatch is None:
@@ -149,7 +149,7 @@ def jit(fn: Callable[..., Any], compiler: str | None = None, device: Any = None,
     """
     explicit = _explicit(compiler, device, options)
     if explicit:
-        _resolve(explicit)
+        resolve_options(explicit)
     state = _JitState(fn, explicit)
     dispatchers = state.dispatchers
     scoped = _defaults.scoped
@@ -199,7 +199,7 @@ class Compiled:
 def compile(fn: Callable[..., Any], templates: Sequence[Any], compiler: str | None = None,
             device: Any = None, **options: Any) -> Compiled:
     """Compile ``fn`` now for positional arguments shaped like ``templates``."""
-    chosen, opts = _resolve(_explicit(compiler, device, options))
+    chosen, opts = resolve_options(_explicit(compiler, device, options))
     with defn_errors():
         return Compiled(chosen.compile(fn, list(templates), opts))
 

@@ -54,3 +54,7 @@ class UnknownServerError(JitserveError, LookupError):
 
 class EvaluationError(JitserveError, RuntimeError):
     """A node of a graph failed while the evaluator ran it; the message names the node."""
+
+
+class ServerExistsError(JitserveError, ValueError):
+    """A server is already registered under the requested name."""

@@ -1,0 +1,197 @@
+"""Dynamic batching against the raw compiled function, and against Ray Serve.
+
+In one run, on an MLP (256 -> 1024 -> 256, float32, ReLU) compiled with XLA:
+
+1. raw: the compiled batch-64 executable called back to back (rows/s);
+2. served: 64 concurrent single-row callers, as asyncio tasks through
+   ``js.batched_run_async`` (how the network front calls it) and as threads
+   through ``js.batched_run`` (rows/s as a fraction of raw; goal >= 0.80),
+   p50/p99 latency and the mean executed batch size;
+3. padding waste with random request sizes 1..batch_size (goal <= 25%);
+4. the same 64 single-row callers through Ray Serve's ``@serve.batch`` on the
+   same jitted function (needs ``pip install 'jitserve[bench]'``; skipped
+   otherwise).
+
+    python3 dev.py bench serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jitserve as js
+
+BATCH = 64
+rng = np.random.default_rng(0)
+W1 = rng.normal(0, 0.05, (256, 1024)).astype(np.float32)
+W2 = rng.normal(0, 0.05, (1024, 256)).astype(np.float32)
+
+
+def mlp(x):
+    return jnp.maximum(x @ W1, 0.0) @ W2
+
+
+def raw_rows_per_s(seconds: float) -> float:
+    compiled = js.compile(mlp, [js.template((BATCH, 256), "float32")])
+    x = rng.normal(size=(BATCH, 256)).astype(np.float32)
+    np.asarray(compiled(x))
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        np.asarray(compiled(x))
+        calls += 1
+    return calls * BATCH / (time.perf_counter() - start)
+
+
+def closed_loop(call, callers: int, seconds: float, sizes=lambda r: 1) -> tuple[float, list[float]]:
+    """``callers`` threads calling back to back for ``seconds``; returns rows/s and latencies."""
+    latencies: list[float] = []
+    rows_done = [0]
+    lock = threading.Lock()
+    stop_at = time.perf_counter() + seconds
+
+    def worker(seed: int) -> None:
+        local = random.Random(seed)
+        x = np.random.default_rng(seed).normal(size=(BATCH, 256)).astype(np.float32)
+        mine, rows = [], 0
+        while time.perf_counter() < stop_at:
+            n = sizes(local)
+            started = time.perf_counter()
+            out = call(x[:n])
+            mine.append(time.perf_counter() - started)
+            assert out.shape == (n, 256)
+            rows += n
+        with lock:
+            latencies.extend(mine)
+            rows_done[0] += rows
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(callers)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows_done[0] / (time.perf_counter() - start), latencies
+
+
+def closed_loop_async(name: str, callers: int, seconds: float) -> tuple[float, list[float]]:
+    """``callers`` asyncio tasks in one event loop calling ``batched_run_async`` back to back."""
+    latencies: list[float] = []
+
+    async def worker(seed: int, stop_at: float) -> int:
+        x = np.random.default_rng(seed).normal(size=(1, 256)).astype(np.float32)
+        rows = 0
+        while time.perf_counter() < stop_at:
+            started = time.perf_counter()
+            out = await js.batched_run_async(name, js.Batch.concatenate([x]))
+            latencies.append(time.perf_counter() - started)
+            assert out.shape == (1, 256)
+            rows += 1
+        return rows
+
+    async def main() -> float:
+        start = time.perf_counter()
+        rows = await asyncio.gather(*(worker(s, start + seconds) for s in range(callers)))
+        return sum(rows) / (time.perf_counter() - start)
+
+    return asyncio.run(main()), latencies
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bool = False,
+           partitions: int = 1) -> dict:
+    serving = js.Serving(mlp, batch_size=BATCH, batch_timeout=batch_timeout, partitions=partitions,
+                         input_template=js.template((256,), "float32"))
+    with js.serve(serving, name=name) as server:
+        if use_async:
+            rows_per_s, latencies = closed_loop_async(name, BATCH, seconds)
+        else:
+            rows_per_s, latencies = closed_loop(lambda x: js.batched_run(name, js.Batch.concatenate([x])),
+                                                BATCH, seconds, sizes)
+        stats = server.stats()
+    executed = sum(size * count for size, count in stats["batch_sizes"].items())
+    return {
+        "rows_per_s": rows_per_s, "p50": percentile(latencies, 50), "p99": percentile(latencies, 99),
+        "mean_batch": stats["rows"] / stats["batches"], "waste": stats["padded_rows"] / executed,
+        "compiles": stats["compiles"],
+    }
+
+
+def ray_serve(seconds: float, batch_timeout: float) -> dict | None:
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        return None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    jitted = jax.jit(mlp)
+
+    @serve.deployment(max_ongoing_requests=BATCH * 2)
+    class MLP:
+        @serve.batch(max_batch_size=BATCH, batch_wait_timeout_s=batch_timeout)
+        async def __call__(self, rows: list[np.ndarray]) -> list[np.ndarray]:
+            out = np.asarray(jitted(np.concatenate(rows)))
+            return [out[i:i + 1] for i in range(len(rows))]
+
+    handle = serve.run(MLP.bind(), name="mlp", route_prefix=None)
+    handle.remote(np.zeros((1, 256), np.float32)).result()
+    try:
+        rows_per_s, latencies = closed_loop(lambda x: handle.remote(x).result(), BATCH, seconds)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return {"rows_per_s": rows_per_s, "p50": percentile(latencies, 50), "p99": percentile(latencies, 99)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each measured run")
+    parser.add_argument("--batch-timeout", type=float, default=0.002)
+    parser.add_argument("--partitions", type=int, default=1, help="partitions for the asyncio run")
+    args = parser.parse_args()
+
+    raws = [raw_rows_per_s(args.seconds / 2)]
+    single_async = served(args.seconds, args.batch_timeout, lambda r: 1, "mlp-async", use_async=True,
+                          partitions=args.partitions)
+    raws.append(raw_rows_per_s(args.seconds / 2))
+    single = served(args.seconds, args.batch_timeout, lambda r: 1, "mlp-single")
+    raws.append(raw_rows_per_s(args.seconds / 2))
+    mixed = served(args.seconds, args.batch_timeout, lambda r: r.randint(1, BATCH), "mlp-mixed")
+    raws.append(raw_rows_per_s(args.seconds / 2))
+    raw = statistics.mean(raws)  # measured between the runs: this machine's speed drifts
+    ray_result = ray_serve(args.seconds, args.batch_timeout)
+
+    print(f"MLP 256->1024->256 float32, XLA on {jax.devices()[0].device_kind}, batch_size {BATCH}, "
+          f"batch_timeout {args.batch_timeout * 1e3:g} ms, {BATCH} closed-loop callers, {args.seconds:g} s per run")
+    print("| run | rows/s | vs raw | p50 ms | p99 ms | mean batch | padding waste |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| raw compiled batch-{BATCH} (mean of {len(raws)} runs between the others) | {raw:,.0f} | 1.00 "
+          f"| | | {BATCH} | |")
+    for label, r in [("jitserve, 1-row requests, asyncio callers", single_async),
+                     ("jitserve, 1-row requests, threads", single),
+                     (f"jitserve, 1..{BATCH}-row requests, threads", mixed)]:
+        print(f"| {label} | {r['rows_per_s']:,.0f} | {r['rows_per_s'] / raw:.2f} | {r['p50'] * 1e3:.2f} "
+              f"| {r['p99'] * 1e3:.2f} | {r['mean_batch']:.1f} | {100 * r['waste']:.1f}% |")
+    if ray_result is None:
+        print("| Ray Serve @serve.batch | not installed (pip install 'jitserve[bench]') | | | | | |")
+    else:
+        print(f"| Ray Serve @serve.batch, 1-row requests | {ray_result['rows_per_s']:,.0f} "
+              f"| {ray_result['rows_per_s'] / raw:.2f} | {ray_result['p50'] * 1e3:.2f} "
+              f"| {ray_result['p99'] * 1e3:.2f} | | |")
+    print(f"compiles per served run: {single_async['compiles']}, {single['compiles']}, {mixed['compiles']} "
+          f"(all at warm-up: {len(js.Serving(mlp, batch_size=BATCH).batch_sizes)} batch sizes)")
+
+
+if __name__ == "__main__":
+    main()

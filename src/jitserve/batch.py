@@ -1,0 +1,179 @@
+"""``Batch``: rows from one or many callers, gathered lazily (``Nx.Batch``).
+
+A batch is a list of chunks, each a pytree of arrays whose axis 0 holds rows.
+Nothing is copied until :meth:`Batch.materialize` writes the rows, padded to a
+compiled size, into one array per leaf. Every row of a batch has the same
+structure, per-row shapes and dtypes (its *signature*); with the user's
+``key`` that signature decides which batches may share an execution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .errors import BatchError
+from .template import Template
+
+
+class _Chunk:
+    """Rows ``start:stop`` of a pytree of arrays (``stacked``: one entry without a row axis yet)."""
+
+    __slots__ = ("leaves", "start", "stop", "stacked")
+
+    def __init__(self, leaves: list[np.ndarray], start: int, stop: int, stacked: bool) -> None:
+        self.leaves = leaves
+        self.start = start
+        self.stop = stop
+        self.stacked = stacked
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    def cut(self, start: int, stop: int) -> "_Chunk":
+        return _Chunk(self.leaves, self.start + start, self.start + stop, self.stacked)
+
+    def write(self, outs: list[np.ndarray], at: int) -> None:
+        for out, leaf in zip(outs, self.leaves):
+            out[at:at + self.rows] = leaf if self.stacked else leaf[self.start:self.stop]
+
+
+def _leaves_and_signature(entry: Any, stacked: bool) -> tuple[list[np.ndarray], Any, tuple[Template, ...], int]:
+    leaves, tree = jax.tree_util.tree_flatten(entry)
+    if not leaves:
+        raise BatchError("an entry must hold at least one array; got an empty structure")
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    if stacked:
+        return arrays, tree, tuple(Template(a.shape, a.dtype) for a in arrays), 1
+    if any(a.ndim == 0 for a in arrays):
+        raise BatchError("Batch.concatenate needs arrays with a row axis (axis 0); got a scalar. "
+                         "Use Batch.stack for single entries")
+    rows = {a.shape[0] for a in arrays}
+    if len(rows) != 1:
+        raise BatchError(f"the arrays of one entry must have the same number of rows (axis 0); got {sorted(rows)}")
+    return arrays, tree, tuple(Template(a.shape[1:], a.dtype) for a in arrays), rows.pop()
+
+
+class Batch:
+    """Rows gathered for one execution: ``Batch.stack`` / ``Batch.concatenate``, then ``size`` and ``pad``."""
+
+    __slots__ = ("_chunks", "tree", "row_templates", "size", "pad", "user_key")
+
+    def __init__(self, chunks: list[_Chunk], tree: Any, row_templates: tuple[Template, ...],
+                 user_key: Any = None, pad: int = 0) -> None:
+        self._chunks = chunks
+        self.tree = tree
+        self.row_templates = row_templates
+        self.size = sum(c.rows for c in chunks)
+        self.pad = pad
+        self.user_key = user_key
+
+    @classmethod
+    def _build(cls, entries: Iterable[Any], stacked: bool) -> "Batch":
+        chunks: list[_Chunk] = []
+        tree = templates = None
+        for position, entry in enumerate(entries):
+            leaves, entry_tree, entry_templates, rows = _leaves_and_signature(entry, stacked)
+            if tree is None:
+                tree, templates = entry_tree, entry_templates
+            elif entry_tree != tree:
+                raise BatchError(f"entry {position} has structure {entry_tree}, but entry 0 has {tree}")
+            elif entry_templates != templates:
+                raise BatchError(
+                    f"entry {position} has rows of {', '.join(map(str, entry_templates))}, but entry 0 has rows of "
+                    f"{', '.join(map(str, templates))}; entries of a batch must agree in per-row shape and dtype"
+                )
+            if rows:
+                chunks.append(_Chunk(leaves, 0, rows, stacked))
+        if tree is None:
+            raise BatchError("a batch needs at least one entry; got none")
+        return cls(chunks, tree, templates)
+
+    @classmethod
+    def stack(cls, entries: Sequence[Any]) -> "Batch":
+        """Each entry (an array, or a tuple/dict of arrays) becomes one row."""
+        return cls._build(entries, stacked=True)
+
+    @classmethod
+    def concatenate(cls, entries: Sequence[Any]) -> "Batch":
+        """Each entry brings the rows on its axis 0."""
+        return cls._build(entries, stacked=False)
+
+    @classmethod
+    def merge(cls, batches: Sequence["Batch"]) -> "Batch":
+        """One batch holding the rows of all of ``batches``, in order."""
+        if not batches:
+            raise BatchError("Batch.merge needs at least one batch; got none")
+        first = batches[0]
+        signature = first.signature
+        for position, other in enumerate(batches[1:], start=1):
+            if other.signature != signature:
+                raise BatchError(f"batch {position} cannot merge with batch 0: their rows differ in structure, "
+                                 f"shape or dtype, or their keys differ")
+        return cls([c for b in batches for c in b._chunks], first.tree, first.row_templates, first.user_key)
+
+    def key(self, key: Any) -> "Batch":
+        """The same rows under batch key ``key``: batches with different keys never share an execution."""
+        return Batch(self._chunks, self.tree, self.row_templates, key, self.pad)
+
+    @property
+    def signature(self) -> tuple[Any, ...]:
+        """What decides which rows may share an execution: key, structure, per-row shapes and dtypes."""
+        return (self.user_key, self.tree, self.row_templates)
+
+    def split(self, rows: int) -> tuple["Batch", "Batch"]:
+        """The first ``rows`` rows and the rest (either may be empty)."""
+        if rows < 0:
+            raise BatchError(f"cannot split at a negative row count ({rows})")
+        head: list[_Chunk] = []
+        tail: list[_Chunk] = []
+        left = rows
+        for chunk in self._chunks:
+            if left >= chunk.rows:
+                head.append(chunk)
+                left -= chunk.rows
+            elif left > 0:
+                head.append(chunk.cut(0, left))
+                tail.append(chunk.cut(left, chunk.rows))
+                left = 0
+            else:
+                tail.append(chunk)
+        make = lambda chunks: Batch(chunks, self.tree, self.row_templates, self.user_key)  # noqa: E731
+        return make(head), make(tail)
+
+    def chunks(self, rows: int) -> list["Batch"]:
+        """Consecutive batches of at most ``rows`` rows each."""
+        parts = []
+        rest = self
+        while rest.size > rows:
+            part, rest = rest.split(rows)
+            parts.append(part)
+        parts.append(rest)
+        return parts
+
+    def pad_to(self, rows: int) -> "Batch":
+        """The same rows, to be zero-padded to ``rows`` rows when materialized (``pad`` = the extra rows)."""
+        if rows < self.size:
+            raise BatchError(f"cannot pad a batch of {self.size} rows down to {rows}")
+        return Batch(self._chunks, self.tree, self.row_templates, self.user_key, rows - self.size)
+
+    def materialize(self) -> Any:
+        """The rows as a pytree of arrays, zero-padded by ``pad`` rows (one allocation per leaf)."""
+        total = self.size + self.pad
+        outs = [np.empty((total, *t.shape), t.dtype) for t in self.row_templates]
+        at = 0
+        for chunk in self._chunks:
+            chunk.write(outs, at)
+            at += chunk.rows
+        for out in outs:
+            out[at:] = 0
+        return jax.tree_util.tree_unflatten(self.tree, outs)
+
+    def __repr__(self) -> str:
+        key = "" if self.user_key is None else f", key: {self.user_key!r}"
+        return f"#Batch<size: {self.size}, pad: {self.pad}{key}, rows: {', '.join(map(str, self.row_templates))}>"
+

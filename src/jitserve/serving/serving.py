@@ -1,0 +1,207 @@
+"""``Serving``: a batch function, how it is compiled, and how batches are sized.
+
+A serving holds the user's function and its batching configuration. Every
+executed batch is zero-padded up to one of ``batch_sizes`` (the static shapes
+compiled ahead of time; PopRT's behaviour with ``[batch_size]``) and the
+padding rows are cut from the results. :meth:`Serving.run` executes inline in
+the caller, any size, in chunks of at most ``batch_size``; a server
+(:func:`jitserve.serve`) batches concurrent callers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import compilers
+from ..batch import Batch
+from ..defn import defn_errors, resolve_options
+from ..errors import BatchError, OptionError
+from ..template import Template, template_of
+
+EAGER = "eager"
+OVERSIZE_MODES = ("split", "error")
+
+
+def _default_batch_sizes(batch_size: int) -> list[int]:
+    sizes = [1 << k for k in range(batch_size.bit_length()) if 1 << k < batch_size]
+    return [*sizes, batch_size]
+
+
+def _check_batch_sizes(batch_size: int, batch_sizes: Sequence[int] | None) -> list[int]:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise OptionError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if batch_sizes is None:
+        return _default_batch_sizes(batch_size)
+    sizes = sorted(set(int(s) for s in batch_sizes))
+    if not sizes or sizes[0] < 1 or sizes[-1] != batch_size:
+        raise OptionError(
+            f"batch_sizes must be positive and end at batch_size ({batch_size}), got {list(batch_sizes)}"
+        )
+    return sizes
+
+
+class Executor:
+    """One partition's executables: one per (padded batch size, row signature), compiled on first use."""
+
+    def __init__(self, serving: "Serving", options: Mapping[str, Any], on_compile: Callable[[], None]) -> None:
+        self.serving = serving
+        self.options = dict(options)
+        self._on_compile = on_compile
+        self._compiled: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
+        self._lock = threading.Lock()
+
+    def compiled(self, rows: int, tree: Any, row_templates: tuple[Template, ...]) -> Callable[[Any], Any]:
+        key = (rows, tree, row_templates)
+        run = self._compiled.get(key)
+        if run is None:
+            with self._lock:
+                run = self._compiled.get(key)
+                if run is None:
+                    run = self._compiled[key] = self._compile(rows, tree, row_templates)
+        return run
+
+    def _compile(self, rows: int, tree: Any, row_templates: tuple[Template, ...]) -> Callable[[Any], Any]:
+        serving = self.serving
+        if serving.compiler_name == EAGER:
+            return serving.fn
+        templates = jax.tree_util.tree_unflatten(tree, [Template((rows, *t.shape), t.dtype) for t in row_templates])
+        with defn_errors():
+            executable = compilers.get(serving.compiler_name).compile(serving.fn, [templates], self.options)
+        self._on_compile()
+        return executable.run
+
+    def execute(self, batch: Batch) -> Any:
+        """Run one batch (``batch.size`` rows padded by ``batch.pad``); outputs cut to the real rows, as numpy."""
+        rows = batch.size + batch.pad
+        run = self.compiled(rows, batch.tree, batch.row_templates)
+        outputs = run(batch.materialize())
+        return _cut_rows(outputs, rows, batch.size)
+
+
+def _cut_rows(outputs: Any, rows: int, keep: int) -> Any:
+    leaves, tree = jax.tree_util.tree_flatten(outputs)
+    cut = []
+    for leaf in leaves:
+        array = np.asarray(leaf)
+        if array.ndim == 0 or array.shape[0] != rows:
+            raise BatchError(
+                f"the serving function must return batch-major outputs (axis 0 = the {rows} rows of the batch); "
+                f"got an output of {template_of(array)}"
+            )
+        cut.append(array if keep == rows else array[:keep])
+    return jax.tree_util.tree_unflatten(tree, cut)
+
+
+def concatenate_outputs(parts: Sequence[Any]) -> Any:
+    """Outputs of consecutive row ranges joined on axis 0 (the parts of a split request)."""
+    if len(parts) == 1:
+        return parts[0]
+    flat = [jax.tree_util.tree_flatten(p) for p in parts]
+    tree = flat[0][1]
+    return jax.tree_util.tree_unflatten(tree, [np.concatenate(leaves) for leaves in zip(*(f[0] for f in flat))])
+
+
+class Serving:
+    """A function served with dynamic batching; see :func:`jitserve.serve` for the server."""
+
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        *,
+        batch_size: int = 1,
+        batch_timeout: float = 0.1,
+        batch_sizes: Sequence[int] | None = None,
+        oversize: str = "split",
+        partitions: int = 1,
+        max_queue: int | None = None,
+        input_template: Any = None,
+        preprocess: Callable[[Any], Batch] | None = None,
+        postprocess: Callable[[Any], Any] | None = None,
+        compiler: str | None = None,
+        **compiler_options: Any,
+    ) -> None:
+        self.fn = fn
+        self.batch_sizes = _check_batch_sizes(batch_size, batch_sizes)
+        self.batch_size = batch_size
+        if batch_timeout < 0:
+            raise OptionError(f"batch_timeout must be >= 0 seconds, got {batch_timeout!r}")
+        self.batch_timeout = float(batch_timeout)
+        if oversize not in OVERSIZE_MODES:
+            raise OptionError(f"oversize must be one of {', '.join(OVERSIZE_MODES)}, got {oversize!r}")
+        self.oversize = oversize
+        if not isinstance(partitions, int) or partitions < 1:
+            raise OptionError(f"partitions must be a positive integer, got {partitions!r}")
+        self.partitions = partitions
+        if max_queue is not None and max_queue < 1:
+            raise OptionError(f"max_queue must be a positive number of rows or None, got {max_queue!r}")
+        self.max_queue = max_queue
+        self.input_template = (
+            None if input_template is None
+            else jax.tree_util.tree_map(template_of, input_template, is_leaf=lambda x: isinstance(x, Template))
+        )
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        if compiler == EAGER:
+            self.compiler_name, self.compiler_options = EAGER, dict(compiler_options)
+        else:
+            chosen, self.compiler_options = resolve_options(
+                {**({"compiler": compiler} if compiler else {}), **compiler_options})
+            self.compiler_name = chosen.name
+        self._inline: Executor | None = None
+        self._inline_lock = threading.Lock()
+
+    def padded_size(self, rows: int) -> int:
+        """The compiled batch size a batch of ``rows`` rows is padded to."""
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
+
+    def partition_options(self) -> list[dict[str, Any]]:
+        """One option set per partition: one per device where there are several, cycled to ``partitions``."""
+        if self.compiler_name == EAGER:
+            per_device = [dict(self.compiler_options)]
+        else:
+            per_device = compilers.get(self.compiler_name).partitions(self.compiler_options)
+        return [per_device[i % len(per_device)] for i in range(self.partitions)]
+
+    def template_signature(self) -> tuple[Any, tuple[Template, ...]] | None:
+        """The (structure, per-row templates) of ``input_template``, or None."""
+        if self.input_template is None:
+            return None
+        leaves, tree = jax.tree_util.tree_flatten(self.input_template)
+        return tree, tuple(leaves)
+
+    def to_batch(self, value: Any) -> Batch:
+        """The caller's input as a Batch: through ``preprocess`` when given, else it must be one."""
+        batch = self.preprocess(value) if self.preprocess is not None else value
+        if not isinstance(batch, Batch):
+            raise BatchError(
+                f"expected a jitserve.Batch (build one with Batch.stack or Batch.concatenate), "
+                f"got {type(batch).__name__}"
+            )
+        if batch.size == 0:
+            raise BatchError("the batch holds no rows; send at least one")
+        return batch
+
+    def finish(self, outputs: Any) -> Any:
+        return self.postprocess(outputs) if self.postprocess is not None else outputs
+
+    def run(self, value: Any) -> Any:
+        """Run inline in the caller: any number of rows, in padded chunks of at most ``batch_size``."""
+        batch = self.to_batch(value)
+        if self._inline is None:
+            with self._inline_lock:
+                if self._inline is None:
+                    self._inline = Executor(self, self.partition_options()[0], lambda: None)
+        parts = []
+        for chunk in batch.chunks(self.batch_size):
+            parts.append(self._inline.execute(chunk.pad_to(self.padded_size(chunk.size))))
+        return self.finish(concatenate_outputs(parts))
+
+    def __repr__(self) -> str:
+        return (f"Serving({getattr(self.fn, '__name__', self.fn)!r}, batch_size={self.batch_size}, "
+                f"batch_sizes={self.batch_sizes}, compiler={self.compiler_name!r})")

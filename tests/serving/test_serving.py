@@ -1,0 +1,353 @@
+"""Serving and the in-process server: seeds 000 and 003, concurrency, faults, bounds, timeouts, async."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jitserve as js
+
+
+def double(x):
+    return x * 2
+
+
+# seed 000: Nx.Serving batch size -------------------------------------------------------------
+
+def test_seed_000_batch_size_1():
+    serving_1 = js.Serving(double, oversize="error")
+    batch = js.Batch.stack([np.array([1])])
+    assert repr(batch).startswith("#Batch<size: 1, pad: 0")
+    assert serving_1.run(batch).tolist() == [[2]]
+    with js.serve(serving_1, name="BatchSize1"):
+        assert js.batched_run("BatchSize1", batch).tolist() == [[2]]
+        two = js.Batch.stack([np.array([1]), np.array([2])])
+        assert two.size == 2
+        assert serving_1.run(two).tolist() == [[2], [4]], "run takes any size"
+        with pytest.raises(js.BatchSizeError) as info:
+            js.batched_run("BatchSize1", two)
+        assert str(info.value) == "batch size (2) cannot exceed server batch size of 1"
+
+
+def test_seed_000_batch_size_2():
+    serving_2 = js.Serving(double, batch_size=2, oversize="error")
+    two = js.Batch.stack([np.array([1]), np.array([2])])
+    assert serving_2.run(two).tolist() == [[2], [4]]
+    with js.serve(serving_2, name="BatchSize2"):
+        assert js.batched_run("BatchSize2", two).tolist() == [[2], [4]]
+        assert js.batched_run("BatchSize2", js.Batch.stack([np.array([1])])).tolist() == [[2]]
+        three = js.Batch.stack([np.array([1]), np.array([2]), np.array([3])])
+        with pytest.raises(js.BatchSizeError, match=r"^batch size \(3\) cannot exceed server batch size of 2$"):
+            js.batched_run("BatchSize2", three)
+    serving_3 = js.Serving(double, batch_size=3, oversize="error")
+    with js.serve(serving_3, name="BatchSize3"):
+        assert js.batched_run("BatchSize3", two).tolist() == [[2], [4]]
+
+
+def test_oversize_split_is_the_default():
+    with js.serve(js.Serving(double, batch_size=2), name="split") as server:
+        rows = js.Batch.stack([np.array([k]) for k in range(5)])
+        assert js.batched_run("split", rows).tolist() == [[0], [2], [4], [6], [8]]
+        assert server.stats()["rows"] == 5
+
+
+# seed 003: PopRT dynamic batch ---------------------------------------------------------------
+
+def test_seed_003_static_batch_4_serves_1_4_7_with_one_compile():
+    def add(entry):
+        return entry["X"] + entry["Y"]
+
+    serving = js.Serving(add, batch_size=4, batch_sizes=[4], batch_timeout=0.0003)
+    rng = np.random.default_rng(3)
+    with js.serve(serving, name="poprt") as server:
+        for batch_size in [1, 4, 7]:
+            x = rng.uniform(0, 1, [batch_size, 2]).astype(np.float32)
+            y = rng.uniform(0, 1, [batch_size, 2]).astype(np.float32)
+            out = js.batched_run("poprt", js.Batch.concatenate([{"X": x, "Y": y}]))
+            np.testing.assert_array_equal(out, x + y)
+        stats = server.stats()
+    assert stats["compiles"] == 1
+    assert stats["padded_rows"] == 3 + 0 + 1
+    assert stats["batch_sizes"] == {4: 4}
+    assert stats["rows"] == 12
+
+
+def test_seed_003_inline_run_pads_and_loops():
+    serving = js.Serving(lambda e: e[0] + e[1], batch_size=4, batch_sizes=[4])
+    x = np.arange(14, dtype=np.float32).reshape(7, 2)
+    np.testing.assert_array_equal(serving.run(js.Batch.concatenate([(x, x)])), 2 * x)
+
+
+# static shapes, warm-up, compilers -----------------------------------------------------------
+
+def test_default_batch_sizes_are_powers_of_two_up_to_batch_size():
+    assert js.Serving(double, batch_size=6).batch_sizes == [1, 2, 4, 6]
+    assert js.Serving(double, batch_size=8).batch_sizes == [1, 2, 4, 8]
+    assert js.Serving(double, batch_size=1).batch_sizes == [1]
+    with pytest.raises(js.OptionError, match=r"batch_sizes must be positive and end at batch_size \(4\)"):
+        js.Serving(double, batch_size=4, batch_sizes=[2])
+
+
+def test_warm_up_compiles_every_size_then_no_request_compiles():
+    serving = js.Serving(lambda x: jnp.tanh(x), batch_size=8, batch_timeout=0.001,
+                         input_template=js.template((3,), "float32"))
+    with js.serve(serving, name="warm") as server:
+        assert server.stats()["compiles"] == 4, "1, 2, 4 and 8 compiled before the first request"
+        for rows in [1, 3, 5, 8, 13]:
+            x = np.ones((rows, 3), np.float32)
+            np.testing.assert_allclose(js.batched_run("warm", js.Batch.concatenate([x])), np.tanh(x), rtol=1e-6)
+        assert server.stats()["compiles"] == 4
+
+
+@pytest.mark.parametrize("compiler", ["xla", "evaluator", "eager"])
+def test_compilers_by_name(compiler):
+    fn = (lambda x: np.sqrt(x) + 1) if compiler == "eager" else (lambda x: jnp.sqrt(x) + 1)
+    serving = js.Serving(fn, batch_size=4, batch_timeout=0.001, compiler=compiler)
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    with js.serve(serving, name=f"c-{compiler}") as server:
+        np.testing.assert_allclose(js.batched_run(f"c-{compiler}", js.Batch.concatenate([x])), np.sqrt(x) + 1,
+                                   rtol=1e-6)
+        assert server.stats()["compiles"] == (0 if compiler == "eager" else 1)
+
+
+def test_tuple_and_dict_outputs_are_cut_per_caller():
+    serving = js.Serving(lambda e: {"sum": e[0] + e[1], "both": (e[0], e[1] * 10)}, batch_size=8, batch_timeout=0.05)
+    with js.serve(serving, name="pytree"):
+        results = {}
+
+        def call(k):
+            results[k] = js.batched_run("pytree", js.Batch.stack([(np.float32(k), np.float32(1))]))
+
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for k, out in results.items():
+        assert out["sum"].tolist() == [k + 1] and out["both"][0].tolist() == [k] and out["both"][1].tolist() == [10]
+
+
+# concurrency ---------------------------------------------------------------------------------
+
+def test_many_threads_random_sizes_every_result_checked():
+    serving = js.Serving(lambda x: x * 3 + 1, batch_size=16, batch_timeout=0.002, partitions=2)
+    failures: list[str] = []
+    done = []
+
+    def caller(seed):
+        rng = random.Random(seed)
+        for _ in range(15):
+            rows = rng.randint(1, 40)
+            x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) + seed * 1000
+            out = js.batched_run("many", js.Batch.concatenate([x]))
+            if not np.array_equal(out, x * 3 + 1):
+                failures.append(f"caller {seed} got wrong rows")
+        done.append(seed)
+
+    with js.serve(serving, name="many") as server:
+        threads = [threading.Thread(target=caller, args=(s,)) for s in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        stats = server.stats()
+    assert not failures and sorted(done) == list(range(12))
+    assert stats["requests"] == 12 * 15
+    assert stats["errors"] == 0 and stats["queue_depth"] == 0
+    assert max(stats["batch_sizes"]) <= 16
+    assert stats["rows"] == sum(stats["batch_sizes"][s] * s for s in stats["batch_sizes"]) - stats["padded_rows"]
+
+
+def test_concurrent_callers_share_batches():
+    serving = js.Serving(double, batch_size=8, batch_timeout=0.2)
+    barrier = threading.Barrier(8)
+    with js.serve(serving, name="share") as server:
+        def call(k):
+            barrier.wait()
+            assert js.batched_run("share", js.Batch.stack([np.array([k])])).tolist() == [[2 * k]]
+
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = server.stats()
+    assert stats["batches"] < 8, "rows of concurrent callers were combined"
+
+
+def test_different_row_shapes_and_keys_never_share_a_batch():
+    seen = []
+
+    def record(x):
+        seen.append(x.shape)
+        return x
+
+    serving = js.Serving(record, batch_size=8, batch_timeout=0.05, compiler="eager")
+    with js.serve(serving, name="keys"):
+        threads = [
+            threading.Thread(target=js.batched_run, args=("keys", js.Batch.stack([np.ones(2)]))),
+            threading.Thread(target=js.batched_run, args=("keys", js.Batch.stack([np.ones(3)]))),
+            threading.Thread(target=js.batched_run, args=("keys", js.Batch.stack([np.ones(2)]).key("other"))),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(seen) == [(1, 2), (1, 2), (1, 3)]
+
+
+# faults, bounds, timeouts, stop --------------------------------------------------------------
+
+def test_failing_batch_fails_only_its_callers_and_server_keeps_serving():
+    def fragile(x):
+        if np.any(x < 0):
+            raise ValueError("negative input")
+        return x + 1
+
+    serving = js.Serving(fragile, batch_size=4, batch_timeout=0.001, compiler="eager")
+    with js.serve(serving, name="fragile") as server:
+        with pytest.raises(ValueError, match="negative input"):
+            js.batched_run("fragile", js.Batch.stack([np.array([-1.0])]))
+        assert js.batched_run("fragile", js.Batch.stack([np.array([1.0])])).tolist() == [[2.0]]
+        assert server.stats()["errors"] == 1
+
+
+def test_queue_bound_rejects_at_once():
+    gate = threading.Event()
+
+    def slow(x):
+        gate.wait(10)
+        return x
+
+    serving = js.Serving(slow, batch_size=2, batch_timeout=0, max_queue=3, compiler="eager")
+    with js.serve(serving, name="bounded") as server:
+        first = threading.Thread(target=js.batched_run, args=("bounded", js.Batch.stack([np.ones(1)] * 2)))
+        first.start()
+        deadline = time.monotonic() + 5
+        while server.stats()["in_flight"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        queued = threading.Thread(target=js.batched_run, args=("bounded", js.Batch.stack([np.ones(1)] * 3)))
+        queued.start()
+        while server.stats()["queue_depth"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(js.QueueFullError) as info:
+            js.batched_run("bounded", js.Batch.stack([np.ones(1)]))
+        assert str(info.value) == ("server 'bounded' queue is full: 3 rows queued, max_queue is 3; "
+                                   "a request of 1 rows was rejected")
+        gate.set()
+        first.join(5), queued.join(5)
+        assert server.stats()["rejected"] == 1
+
+
+def test_timeout_before_start_means_rows_never_run():
+    gate = threading.Event()
+    ran = []
+
+    def slow(x):
+        ran.append(x.copy())
+        gate.wait(10)
+        return x
+
+    serving = js.Serving(slow, batch_size=1, batch_timeout=0, compiler="eager")
+    with js.serve(serving, name="slow") as server:
+        blocker = threading.Thread(target=js.batched_run, args=("slow", js.Batch.stack([np.array([1.0])])))
+        blocker.start()
+        while server.stats()["in_flight"] == 0:
+            time.sleep(0.001)
+        with pytest.raises(TimeoutError, match="timed out after 0.05s before its rows started"):
+            js.batched_run("slow", js.Batch.stack([np.array([99.0])]), timeout=0.05)
+        gate.set()
+        blocker.join(5)
+        assert js.batched_run("slow", js.Batch.stack([np.array([2.0])]), timeout=5).tolist() == [[2.0]]
+        stats = server.stats()
+    assert [r.tolist() for r in ran] == [[[1.0]], [[2.0]]], "the timed-out rows never ran"
+    assert stats["timeouts"] == 1
+
+
+def test_stop_drains_and_refuses_new_calls():
+    serving = js.Serving(double, batch_size=4, batch_timeout=5.0)
+    server = js.serve(serving, name="drain")
+    results = []
+    caller = threading.Thread(target=lambda: results.append(js.batched_run("drain", js.Batch.stack([np.array([3])]))))
+    caller.start()
+    while server.stats()["queue_depth"] == 0:
+        time.sleep(0.001)
+    server.stop()
+    caller.join(5)
+    assert results[0].tolist() == [[6]], "queued work ran although its batch timeout had not passed"
+    with pytest.raises(js.UnknownServerError, match="no server named 'drain' is running"):
+        js.batched_run("drain", js.Batch.stack([np.array([1])]))
+    with pytest.raises(js.ServerStoppedError, match="server 'drain' is stopped and takes no new requests"):
+        server.submit(js.Batch.stack([np.array([1])]))
+
+
+def test_names_are_unique_and_unknown_names_are_errors():
+    with js.serve(js.Serving(double), name="unique"):
+        with pytest.raises(js.ServerExistsError, match="a server named 'unique' is already running"):
+            js.serve(js.Serving(double), name="unique")
+    with pytest.raises(js.UnknownServerError, match="no server named 'nowhere' is running here"):
+        js.batched_run("nowhere", js.Batch.stack([np.ones(1)]))
+
+
+def test_bad_input_is_a_clear_error():
+    with js.serve(js.Serving(double), name="bad"):
+        with pytest.raises(js.BatchError, match="expected a jitserve.Batch .* got ndarray"):
+            js.batched_run("bad", np.ones(3))
+
+
+def test_preprocess_and_postprocess_run_for_the_caller():
+    serving = js.Serving(double, batch_size=4, batch_timeout=0.001,
+                         preprocess=lambda values: js.Batch.stack([np.array([v]) for v in values]),
+                         postprocess=lambda out: out[:, 0].tolist())
+    assert serving.run([1, 2, 3]) == [2, 4, 6]
+    with js.serve(serving, name="prepost"):
+        assert js.batched_run("prepost", [5, 6]) == [10, 12]
+
+
+def test_batch_listener_sees_size_padding_and_times():
+    reports = []
+    serving = js.Serving(double, batch_size=4, batch_timeout=0.001)
+    with js.serve(serving, name="listen") as server:
+        server.add_batch_listener(reports.append)
+        js.batched_run("listen", js.Batch.stack([np.array([1])] * 3))
+    assert len(reports) == 1
+    report = reports[0]
+    assert (report.size, report.padded_size, report.server, report.error) == (3, 4, "listen", None)
+    assert report.execution_s > 0 and report.queue_wait_s >= 0
+
+
+# async ---------------------------------------------------------------------------------------
+
+def test_async_callers():
+    serving = js.Serving(double, batch_size=8, batch_timeout=0.01)
+
+    async def main():
+        calls = [js.batched_run_async("async", js.Batch.stack([np.array([k])])) for k in range(20)]
+        return await asyncio.gather(*calls)
+
+    with js.serve(serving, name="async") as server:
+        results = asyncio.run(main())
+        assert server.stats()["batches"] < 20
+    assert [r.tolist() for r in results] == [[[2 * k]] for k in range(20)]
+
+
+def test_async_timeout_withdraws_the_request():
+    gate = threading.Event()
+    serving = js.Serving(lambda x: (gate.wait(10), x)[1], batch_size=1, batch_timeout=0, compiler="eager")
+
+    async def main():
+        first = asyncio.ensure_future(js.batched_run_async("async-slow", js.Batch.stack([np.array([1])])))
+        await asyncio.sleep(0.05)
+        with pytest.raises(TimeoutError, match="before its rows started"):
+            await js.batched_run_async("async-slow", js.Batch.stack([np.array([2])]), timeout=0.05)
+        gate.set()
+        return await first
+
+    with js.serve(serving, name="async-slow"):
+        assert asyncio.run(main()).tolist() == [[1]]
