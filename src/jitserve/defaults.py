@@ -77,15 +77,16 @@ def intern(items: Mapping[str, Any]) -> Options:
     return found
 
 
-def _initial_defaults() -> Options:
+def _base_defaults() -> dict[str, Any]:
+    """What every default option set starts from: the xla compiler, and the environment's cache directory."""
     items: dict[str, Any] = {"compiler": DEFAULT_COMPILER}
     if os.environ.get(CACHE_DIR_ENV):
         items["cache_dir"] = os.environ[CACHE_DIR_ENV]
-    return intern(items)
+    return items
 
 
 EMPTY = intern({})
-_defaults = _initial_defaults()
+_defaults = intern(_base_defaults())
 _scoped: contextvars.ContextVar[Options] = contextvars.ContextVar("jitserve_options", default=EMPTY)
 _effective: dict[Options, Options] = {}  # scoped overlay -> defaults with it laid over
 _dependents: "weakref.WeakSet[Any]" = weakref.WeakSet()  # caches keyed by scoped overlays
@@ -97,11 +98,11 @@ def set_default_options(**options: Any) -> dict[str, Any]:
 
     ``compiler`` falls back to ``"xla"`` when not given. ``cache_dir`` turns on
     the persistent compile cache (also set by the ``JITSERVE_CACHE_DIR``
-    environment variable).
+    environment variable, which stays the default when not given).
     """
     global _defaults
     previous = dict(_defaults)
-    _defaults = intern({"compiler": DEFAULT_COMPILER, **options})
+    _defaults = intern({**_base_defaults(), **options})
     _effective.clear()
     for dependent in list(_dependents):
         dependent.clear_cache()

@@ -14,6 +14,7 @@ from .base import Compiler, Device, Executable
 COMPILERS: dict[str, str] = {
     "xla": "jitserve.compilers.xla:XlaCompiler",
     "evaluator": "jitserve.compilers.evaluator:EvaluatorCompiler",
+    "iree": "jitserve.compilers.iree:IreeCompiler",
 }
 
 _instances: dict[str, Compiler] = {}

@@ -84,11 +84,18 @@ class Executor:
         return _cut_rows(outputs, rows, batch.size)
 
 
+def _owned_host_array(value: Any) -> np.ndarray:
+    """A numpy copy of a device array (jax, or IREE's, whose host view may be reused by later calls):
+    callers keep slices of the outputs."""
+    to_host = getattr(value, "to_host", None)
+    return np.array(to_host() if to_host is not None else value)
+
+
 def _cut_rows(outputs: Any, rows: int, keep: int) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(outputs)
     cut = []
     for leaf in leaves:
-        array = np.asarray(leaf)
+        array = leaf if type(leaf) is np.ndarray else _owned_host_array(leaf)
         if array.ndim == 0 or array.shape[0] != rows:
             raise BatchError(
                 f"the serving function must return batch-major outputs (axis 0 = the {rows} rows of the batch); "

@@ -1,0 +1,85 @@
+"""IREE against numpy, the evaluator and XLA on softmax 1000x1000x5 (seed 002's table for this
+machine), and the per-call cost of ``jitserve.iree.call`` against a raw ``iree.runtime`` call.
+
+The call overhead is measured on seed 002's 4-element module, where the call is all there is,
+in ABBA rounds (raw, ours, ours, raw); best per-call times and their ratio. Goal: <= 1.10.
+
+    python3 dev.py bench iree
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Run as a script, this file's folder leads sys.path and this file would shadow the iree package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import numpy as np  # noqa: E402
+
+import jitserve as js  # noqa: E402
+from jitserve import iree  # noqa: E402
+from jitserve.cli import softmax, softmax_numpy, time_call  # noqa: E402
+
+SEED_MLIR = """
+module {
+  func.func public @main(%arg0: tensor<4xf32>, %arg1: tensor<4xi32>) -> tensor<4xf32> {
+    %0 = stablehlo.cosine %arg0 : tensor<4xf32>
+    %1 = stablehlo.convert %arg1 : (tensor<4xi32>) -> tensor<4xf32>
+    %2 = stablehlo.sine %1 : tensor<4xf32>
+    %3 = stablehlo.add %0, %2 : tensor<4xf32>
+    return %3 : tensor<4xf32>
+  }
+}
+"""
+
+
+def per_call_us(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per softmax cell")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+
+    x = (np.arange(1000 * 1000 * 5, dtype=np.float32).reshape(1000, 1000, 5)) / (1024 * 1024)
+    rows = [("numpy eager", time_call(lambda: softmax_numpy(x), args.budget))]
+    for name in ["evaluator", "xla", "iree"]:
+        compiled = js.compile(softmax, [js.template(x.shape, "float32")], compiler=name)
+        rows.append((name, time_call(lambda: np.asarray(compiled(x)), args.budget)))
+    print("softmax on 1000x1000x5 float32 (median; results as numpy arrays):")
+    print("| compiler | time | vs numpy eager |")
+    print("|---|---|---|")
+    for name, seconds in rows:
+        print(f"| {name} | {seconds * 1e3:.1f} ms | {rows[0][1] / seconds:.2f}x |")
+
+    module = iree.compile(SEED_MLIR, iree.default_flags("local-task"), output_container=js.template((4,), "float32"))
+    inputs = [np.array([1.0, 2.0, 3.0, 4.0], np.float32), np.array([1, -1, 1, -1], np.int32)]
+    iree.call(module, inputs)
+    raw = module.function("local-task://")
+    ours = lambda: iree.call(module, inputs)  # noqa: E731
+    bare = lambda: raw(*inputs)  # noqa: E731
+    raws, oursl, ratios = [], [], []
+    for _ in range(args.rounds):
+        a = per_call_us(bare, args.calls)
+        b = per_call_us(ours, args.calls) + per_call_us(ours, args.calls)
+        a += per_call_us(bare, args.calls)
+        raws.append(a / 2), oursl.append(b / 2), ratios.append(b / a)
+    print()
+    print(f"call overhead, seed 002's module on local-task ({args.rounds} rounds x {args.calls} calls):")
+    print("| raw iree.runtime best (us/call) | jitserve.iree.call best (us/call) | best ratio | median ratio |")
+    print("|---|---|---|---|")
+    print(f"| {min(raws):.2f} | {min(oursl):.2f} | {min(oursl) / min(raws):.3f} | {statistics.median(ratios):.3f} |")
+
+
+if __name__ == "__main__":
+    main()

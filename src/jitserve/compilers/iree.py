@@ -1,0 +1,58 @@
+"""The ``iree`` compiler: lower to StableHLO, compile with IREE, run on an IREE device.
+
+Options: ``iree_compiler_flags`` (default: the target backend that fits the
+device, StableHLO input, the host CPU for llvm-cpu), ``iree_runtime_options``
+(``{"device": Device or URI}``; ``device`` also works on its own), default
+``local-task://``. Only the inputs the module uses are passed to it. Results
+are IREE DeviceArrays (``np.asarray`` turns them into numpy arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import iree
+from ..defn import to_mlir
+from .base import Compiler, Device, Executable, flat_templates
+
+
+def _device(options: Mapping[str, Any]) -> Any:
+    runtime = options.get("iree_runtime_options") or {}
+    return runtime.get("device", options.get("device"))
+
+
+class IreeCompiler(Compiler):
+    name = "iree"
+    options = frozenset({"device", "iree_compiler_flags", "iree_runtime_options"})
+
+    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
+        device = _device(options)
+        lowered = to_mlir(fn, list(templates))
+        flags = options.get("iree_compiler_flags") or iree.default_flags(device)
+        module = iree.compile(lowered.mlir_module, flags, lowered.output_container, options.get("cache_dir"))
+        invoke = module.function(device)
+        used = lowered.used_inputs
+        dtypes = [lowered.input_templates[i].dtype for i in used]
+        out_tree = jax.tree_util.tree_structure(lowered.output_container)
+        flatten = jax.tree_util.tree_flatten
+
+        def run(*args: Any) -> Any:
+            leaves = flatten(args)[0]
+            inputs = [x if hasattr(x, "shape") else np.asarray(x, dt) for x, dt in zip([leaves[i] for i in used], dtypes)]
+            out = invoke(*inputs)
+            return out_tree.unflatten(out if isinstance(out, tuple) else (out,))
+
+        flat, tree = flat_templates(templates)
+        return Executable(run, flat, tree, lowered.output_container)
+
+    def devices(self) -> list[Device]:
+        return [device for driver in iree.list_drivers() for device in iree.list_devices(driver)]
+
+    def partitions(self, options: Mapping[str, Any]) -> list[dict[str, Any]]:
+        if _device(options) is not None:
+            return [dict(options)]
+        return [{**options, "device": device} for device in iree.list_devices(iree.DEFAULT_DRIVER)] or [dict(options)]

@@ -1,0 +1,179 @@
+"""jitserve.iree and compiler="iree": seed 002's flows on the real IREE compiler and runtime."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jitserve as js
+
+iree = pytest.importorskip("jitserve.iree")
+
+SEED_MLIR = """
+module {
+  func.func public @main(%arg0: tensor<4xf32>, %arg1: tensor<4xi32>) -> tensor<4xf32> {
+    %0 = stablehlo.cosine %arg0 : tensor<4xf32>
+    %1 = stablehlo.convert %arg1 : (tensor<4xi32>) -> tensor<4xf32>
+    %2 = stablehlo.sine %1 : tensor<4xf32>
+    %3 = stablehlo.add %0, %2 : tensor<4xf32>
+    return %3 : tensor<4xf32>
+  }
+}
+"""
+SEED_RESULT = [1.3817732, -1.2576177, -0.1485215, -1.4951146]
+CPU_FLAGS = ["--iree-hal-target-backends=llvm-cpu", "--iree-input-type=stablehlo_xla",
+             "--iree-execution-model=async-internal", "--iree-llvmcpu-target-cpu=host"]
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("JITSERVE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "jitserve-cache"))
+
+
+def softmax(t):
+    return jnp.exp(t) / jnp.sum(jnp.exp(t), axis=-1, keepdims=True)
+
+
+def seed_inputs():
+    return [np.array([1.0, 2.0, 3.0, 4.0], np.float32), np.array([1, -1, 1, -1], np.int32)]
+
+
+def test_list_drivers_and_devices():
+    drivers = iree.list_drivers()
+    assert drivers["local-sync"] == "Local execution using a lightweight inline synchronous queue"
+    assert drivers["local-task"] == "Local execution using the IREE multithreading task system"
+    dev = iree.list_devices("local-task")[0]
+    assert (dev.driver, dev.uri, dev.target_backend, dev.compiler) == ("local-task", "local-task://", "llvm-cpu", "iree")
+    for gpu in ("cuda", "vulkan", "hip"):
+        if gpu in drivers:
+            assert isinstance(iree.list_devices(gpu), list), "a driver with no device gives [], never a crash"
+    with pytest.raises(js.OptionError, match="unknown IREE driver 'metal-nope'"):
+        iree.list_devices("metal-nope")
+
+
+@pytest.mark.parametrize("driver", ["local-task", "local-sync"])
+def test_seed_module_on_cpu_drivers(driver):
+    module = iree.compile(SEED_MLIR, CPU_FLAGS, output_container=js.template((4,), "float32"))
+    dev = iree.list_devices(driver)[0]
+    out = iree.call(module, seed_inputs(), device=dev)
+    np.testing.assert_allclose(np.asarray(out), SEED_RESULT, rtol=1e-6)
+    assert module.input_templates() == [js.template((4,), "float32"), js.template((4,), "int32")]
+
+
+def test_function_to_mlir_to_compile_to_call_softmax():
+    x = np.arange(1000 * 1000 * 5, dtype=np.float32).reshape(1000, 1000, 5) / (1024 * 1024)
+    lowered = js.to_mlir(softmax, [x])
+    module = iree.compile(lowered.mlir_module, iree.default_flags("local-task"), output_container=lowered.output_container)
+    out = iree.call(module, [x], device="local-task://")
+    first = [0.1999996155500412, 0.19999980926513672, 0.20000000298023224, 0.20000018179416656, 0.20000037550926208]
+    np.testing.assert_allclose(np.asarray(out)[0, 0], first, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(softmax)(x)), rtol=1e-5)
+
+
+def test_iree_as_the_default_compiler_through_options():
+    dev = iree.list_devices("local-task")[0]
+    js.set_default_options(compiler="iree", iree_compiler_flags=iree.default_flags(dev),
+                           iree_runtime_options={"device": dev})
+    compiled_softmax = js.compile(softmax, [js.template((1000, 1000, 5), "float32")])
+    x = np.arange(1000 * 1000 * 5, dtype=np.float32).reshape(1000, 1000, 5) / (1024 * 1024)
+    out = compiled_softmax(x)
+    assert type(out).__name__ == "DeviceArray", "results stay on the IREE device until asked for"
+    np.testing.assert_allclose(np.asarray(out)[0, 0, 2], 0.2, rtol=1e-6)
+    fn = js.defn(lambda a, unused, b: {"s": a + b, "p": a * b})
+    result = fn(np.ones(3, np.float32), np.zeros(2), np.full(3, 2.0, np.float32))
+    assert np.asarray(result["s"]).tolist() == [3, 3, 3] and np.asarray(result["p"]).tolist() == [2, 2, 2]
+    assert fn.compiles == 1
+
+
+def test_chained_calls_keep_results_on_the_device():
+    module = iree.compile(SEED_MLIR, CPU_FLAGS, output_container=js.template((4,), "float32"))
+    first = iree.call(module, seed_inputs())
+    add_one = iree.compile(js.to_mlir(lambda t: t + 1, [js.template((4,), "float32")]).mlir_module,
+                           output_container=js.template((4,), "float32"))
+    second = iree.call(add_one, [first])
+    np.testing.assert_allclose(np.asarray(second), np.array(SEED_RESULT) + 1, rtol=1e-6)
+
+
+def test_compile_cache_hits_in_one_process():
+    before = dict(iree.compile_cache.stats)
+    text = js.to_mlir(lambda t: t * 3 - 2, [js.template((7,), "float32")]).mlir_module
+    iree.compile(text, CPU_FLAGS)
+    iree.compile(text, CPU_FLAGS)
+    after = iree.compile_cache.stats
+    assert after["compiles"] + after["disk_hits"] - before["compiles"] - before["disk_hits"] == 1
+    assert after["memory_hits"] - before["memory_hits"] == 1
+
+
+CROSS_PROCESS = """
+import json, numpy as np, jax.numpy as jnp, jitserve as js
+from jitserve import iree
+c = js.compile(lambda t: jnp.tanh(t) * 5, [js.template((9,), "float32")], compiler="iree")
+value = float(np.asarray(c(np.ones(9, np.float32)))[0])
+print(json.dumps({"value": value, **iree.compile_cache.stats}))
+"""
+
+
+def test_compile_cache_across_processes(tmp_path):
+    env = dict(os.environ, JITSERVE_CACHE_DIR=str(tmp_path / "shared-cache"))
+    import json
+
+    runs = [json.loads(subprocess.run([sys.executable, "-c", CROSS_PROCESS], env=env, capture_output=True,
+                                      text=True, check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["compiles"] == 1 and runs[0]["disk_hits"] == 0
+    assert runs[1]["compiles"] == 0 and runs[1]["disk_hits"] == 1, "the second process compiles nothing"
+    assert runs[0]["value"] == runs[1]["value"] == pytest.approx(np.tanh(1.0) * 5, rel=1e-6)
+    assert len(list((tmp_path / "shared-cache" / "iree").glob("*.vmfb"))) == 1
+
+
+def test_bad_mlir_is_a_compile_error_and_the_process_lives():
+    with pytest.raises(js.CompileError) as info:
+        iree.compile("module { bad }", CPU_FLAGS)
+    assert "custom op 'bad' is unknown" in str(info.value)
+    with pytest.raises(js.CompileError, match="IREE could not compile the module"):
+        iree.compile(SEED_MLIR.replace("stablehlo.sine %1", "stablehlo.sine %9"), CPU_FLAGS)
+    module = iree.compile(SEED_MLIR, CPU_FLAGS)
+    np.testing.assert_allclose(np.asarray(iree.call(module, seed_inputs())), SEED_RESULT, rtol=1e-6)
+
+
+def test_wrong_inputs_are_clear_errors_before_iree():
+    module = iree.compile(SEED_MLIR, CPU_FLAGS)
+    x, i = seed_inputs()
+    with pytest.raises(js.TemplateMismatchError, match="^function 'main' takes 2 inputs, got 1$"):
+        iree.call(module, [x])
+    with pytest.raises(js.TemplateMismatchError, match=r"^argument 1: expected int32\(4\), got float32\(4\)$"):
+        iree.call(module, [x, x])
+    with pytest.raises(js.TemplateMismatchError, match=r"^argument 0: expected float32\(4\), got float32\(5\)$"):
+        iree.call(module, [np.ones(5, np.float32), i])
+    with pytest.raises(js.OptionError, match="the module has no function 'nope'"):
+        iree.call(module, [x, i], function="nope")
+    with pytest.raises(js.OptionError, match="cannot open IREE device 'nosuchdriver://'"):
+        iree.call(module, [x, i], device="nosuchdriver://")
+
+
+def test_serving_with_iree():
+    serving = js.Serving(lambda x: jnp.tanh(x), batch_size=4, batch_timeout=0.001, compiler="iree",
+                         input_template=js.template((3,), "float32"))
+    with js.serve(serving, name="iree-serving") as server:
+        x = np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3)
+        np.testing.assert_allclose(js.batched_run("iree-serving", js.Batch.concatenate([x])), np.tanh(x), rtol=1e-6)
+        assert server.stats()["compiles"] == 3
+
+
+def test_devices_include_iree():
+    uris = [d.uri for d in js.devices() if d.compiler == "iree"]
+    assert "local-task://" in uris and "local-sync://" in uris
+
+
+@pytest.mark.skipif(not any(True for _ in (iree.list_devices("cuda") if "cuda" in iree.list_drivers() else [])),
+                    reason="no CUDA device here")
+def test_cuda_driver_runs_the_seed_module():
+    dev = iree.list_devices("cuda")[0]
+    module = iree.compile(SEED_MLIR, ["--iree-hal-target-backends=cuda", "--iree-cuda-target=sm_80",
+                                      "--iree-input-type=stablehlo"])
+    np.testing.assert_allclose(np.asarray(iree.call(module, seed_inputs(), device=dev)), SEED_RESULT, rtol=1e-5)
