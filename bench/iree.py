@@ -24,17 +24,7 @@ import jitserve as js  # noqa: E402
 from jitserve import iree  # noqa: E402
 from jitserve.cli import softmax, softmax_numpy, time_call  # noqa: E402
 
-SEED_MLIR = """
-module {
-  func.func public @main(%arg0: tensor<4xf32>, %arg1: tensor<4xi32>) -> tensor<4xf32> {
-    %0 = stablehlo.cosine %arg0 : tensor<4xf32>
-    %1 = stablehlo.convert %arg1 : (tensor<4xi32>) -> tensor<4xf32>
-    %2 = stablehlo.sine %1 : tensor<4xf32>
-    %3 = stablehlo.add %0, %2 : tensor<4xf32>
-    return %3 : tensor<4xf32>
-  }
-}
-"""
+SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # seed 002
 
 
 def per_call_us(fn, calls: int) -> float:

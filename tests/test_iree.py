@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,17 +16,7 @@ import jitserve as js
 
 iree = pytest.importorskip("jitserve.iree")
 
-SEED_MLIR = """
-module {
-  func.func public @main(%arg0: tensor<4xf32>, %arg1: tensor<4xi32>) -> tensor<4xf32> {
-    %0 = stablehlo.cosine %arg0 : tensor<4xf32>
-    %1 = stablehlo.convert %arg1 : (tensor<4xi32>) -> tensor<4xf32>
-    %2 = stablehlo.sine %1 : tensor<4xf32>
-    %3 = stablehlo.add %0, %2 : tensor<4xf32>
-    return %3 : tensor<4xf32>
-  }
-}
-"""
+SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # seed 002
 SEED_RESULT = [1.3817732, -1.2576177, -0.1485215, -1.4951146]
 CPU_FLAGS = ["--iree-hal-target-backends=llvm-cpu", "--iree-input-type=stablehlo_xla",
              "--iree-execution-model=async-internal", "--iree-llvmcpu-target-cpu=host"]
