@@ -5,10 +5,13 @@ Needs nothing but ``python3`` (3.11 or newer). The environment lives in
 ``.venv`` and is rebuilt only when ``pyproject.toml`` changes (a stamp file
 holds its hash), so a second run starts at once.
 
-    python3 dev.py demo            # the main job
+    python3 dev.py serve [ARGS]    # the main job: serve the bundled example model (HTTP :8000, gRPC :8001)
     python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest)
+    python3 dev.py demo            # softmax with every installed compiler against numpy
     python3 dev.py bench NAME      # one script of bench/, e.g. dispatch
     python3 dev.py env             # only set up the environment
+
+The task replaces this process (exec), so signals such as SIGTERM reach it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".jitserve-stamp"
-EXTRAS = "dev,iree"
+EXTRAS = "dev,iree,http"
 
 
 def _wanted_stamp() -> str:
@@ -51,15 +54,19 @@ def ensure_environment() -> None:
     STAMP.write_text(wanted)
 
 
-def _run(argv: list[str]) -> int:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(argv, cwd=ROOT, env=env).returncode
+def _exec(argv: list[str]) -> int:
+    os.chdir(ROOT)
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    os.execv(argv[0], argv)
+    return 1  # not reached
 
 
 TASKS = {
-    "demo": lambda args: _run([str(PYTHON), "-m", "jitserve", "demo", *args]),
-    "test": lambda args: _run([str(PYTHON), "-m", "pytest", *args]),
-    "bench": lambda args: _run([str(PYTHON), str(ROOT / "bench" / f"{args[0]}.py"), *args[1:]]),
+    "serve": lambda args: _exec([str(PYTHON), "-m", "jitserve", "serve", "examples/mlp.py:serving", "--name", "mlp",
+                                 *args]),
+    "demo": lambda args: _exec([str(PYTHON), "-m", "jitserve", "demo", *args]),
+    "test": lambda args: _exec([str(PYTHON), "-m", "pytest", *args]),
+    "bench": lambda args: _exec([str(PYTHON), str(ROOT / "bench" / f"{args[0]}.py"), *args[1:]]),
     "env": lambda args: 0,
 }
 

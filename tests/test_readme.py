@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,20 +21,46 @@ README = (ROOT / "README.md").read_text()
 
 def test_readme_opens_with_the_two_commands():
     first_block = re.search(r"```sh\n(.*?)```", README, re.S).group(1).splitlines()
-    assert [line.split("#")[0].strip() for line in first_block] == ["python3 dev.py demo", "python3 dev.py test"]
+    assert [line.split("#")[0].strip() for line in first_block] == ["python3 dev.py serve", "python3 dev.py test"]
 
 
-@pytest.mark.parametrize("index", range(len(re.findall(r"```python\n", README))))
+EXAMPLES = [code for code in re.findall(r"```python\n(.*?)```", README, re.S) if "localhost:8000" not in code]
+
+
+@pytest.mark.parametrize("index", range(len(EXAMPLES)))
 def test_readme_python_examples_run(index):
-    code = re.findall(r"```python\n(.*?)```", README, re.S)[index]
+    code = EXAMPLES[index]
     exec(compile(code, f"README.md[python {index}]", "exec"), {"__name__": "readme"})
+
+
+CLIENT_EXAMPLE = next(code for code in re.findall(r"```python\n(.*?)```", README, re.S) if "localhost:8000" in code)
+CURL_LINES = re.search(r"```sh\n(curl .*?)```", README, re.S).group(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(port: int, process: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("the server did not become ready")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("JITSERVE_FRESH_CLONE") == "1", reason="already inside the fresh-clone run")
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git to clone")
 def test_two_commands_from_a_fresh_clone(tmp_path):
-    """Clone the working tree, then run both README commands there (a new .venv)."""
+    """Clone the working tree, run both README commands there (a new .venv), and the README's client code."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
     for path in subprocess.run(["git", "ls-files", "--others", "--modified", "--exclude-standard"],
@@ -41,10 +71,28 @@ def test_two_commands_from_a_fresh_clone(tmp_path):
             shutil.copy2(ROOT / path, target)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     env["JITSERVE_FRESH_CLONE"] = "1"
-    demo = subprocess.run([sys.executable, "dev.py", "demo", "--budget", "0.05"], cwd=clone, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert demo.returncode == 0, demo.stderr[-3000:]
-    assert "| 1000x1000x5 |" in demo.stdout and "numpy eager" in demo.stdout
+    port, grpc_port = _free_port(), _free_port()
+    serve = subprocess.Popen([sys.executable, "dev.py", "serve", "--port", str(port), "--grpc-port", str(grpc_port)],
+                             cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_ready(port, serve, 1800)
+        client_code = CLIENT_EXAMPLE.replace("localhost:8000", f"127.0.0.1:{port}")
+        client = subprocess.run([str(clone / ".venv/bin/python"), "-c", client_code], capture_output=True, text=True,
+                                timeout=120)
+        assert client.returncode == 0, client.stderr
+        assert client.stdout.count("[") >= 3, client.stdout
+        for command in re.findall(r"^curl .*?(?=^curl |\Z)", CURL_LINES, re.S | re.M):
+            if shutil.which("curl") is None:
+                break
+            shell = command.replace("localhost:8000", f"127.0.0.1:{port}").replace("\n", " ")
+            result = subprocess.run(["bash", "-c", shell.split("#")[0]], capture_output=True, text=True, timeout=60)
+            assert result.returncode == 0 and result.stdout, (shell, result.stderr)
+            assert "error" not in result.stdout
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        output, _ = serve.communicate(timeout=120)
+    assert serve.returncode == 0, output[-3000:]
+    assert "SIGTERM: shutting down" in output
     test = subprocess.run([sys.executable, "dev.py", "test", "-q", "tests/test_readme.py"], cwd=clone, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert test.returncode == 0, test.stdout[-3000:]

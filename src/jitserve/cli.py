@@ -1,14 +1,18 @@
-"""The ``jitserve`` command line: ``demo``, ``devices`` and ``mlir``.
+"""The ``jitserve`` command line: ``serve``, ``demo``, ``devices`` and ``mlir``.
 
-``demo`` is seed 001/002's table for this machine: softmax on 1,000,
-1,000,000 and 1000x1000x5 elements with every installed compiler, next to
-numpy eager.
+``serve TARGET`` serves a ``Serving`` (or a dict of name -> Serving) named by
+``path/to/file.py:attr`` or ``package.module:attr`` over HTTP and gRPC with
+the Open Inference Protocol. ``demo`` is seed 001/002's table for this
+machine: softmax on 1,000, 1,000,000 and 1000x1000x5 elements with every
+installed compiler, next to numpy eager.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import logging
 import statistics
 import sys
 import time
@@ -98,9 +102,59 @@ def mlir(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_target(target: str) -> Any:
+    """The object named by ``path/to/file.py:attr`` or ``package.module:attr``."""
+    location, _, attribute = target.rpartition(":")
+    if not location or not attribute:
+        raise SystemExit(f"TARGET must look like path/to/file.py:attr or package.module:attr, got {target!r}")
+    if location.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"jitserve_target_{abs(hash(location))}", location)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"cannot load {location}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(location)
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise SystemExit(f"{location} has no attribute {attribute!r}") from None
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from .protocol import app
+    from .serving import Serving
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    found = load_target(args.target)
+    servings = found if isinstance(found, dict) else {args.name or args.target.rpartition(":")[2]: found}
+    changes = {k: v for k, v in [("batch_size", args.batch_size), ("batch_timeout", args.batch_timeout),
+                                 ("compiler", args.compiler)] if v is not None}
+    for name, serving in servings.items():
+        if not isinstance(serving, Serving):
+            raise SystemExit(f"{args.target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving")
+        servings[name] = serving.replace(**changes) if changes else serving
+    app.run(servings, host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
+            request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jitserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="serve a Serving over HTTP and gRPC (Open Inference Protocol)")
+    serve_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")
+    serve_parser.add_argument("--name", help="the model name (default: the attribute's name)")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve_parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    serve_parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
+    serve_parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    serve_parser.add_argument("--batch-size", type=int, help="override the serving's batch_size")
+    serve_parser.add_argument("--batch-timeout", type=float, help="override the serving's batch_timeout (seconds)")
+    serve_parser.add_argument("--compiler", help="override the serving's compiler (xla, iree, evaluator, eager)")
+    serve_parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
+    serve_parser.add_argument("--max-body-bytes", type=int, default=64 * 2**20, help="largest request body")
+    serve_parser.set_defaults(run=serve_command)
     demo_parser = commands.add_parser("demo", help="softmax with every installed compiler vs numpy")
     demo_parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per cell")
     demo_parser.set_defaults(run=demo)

@@ -58,3 +58,7 @@ class EvaluationError(JitserveError, RuntimeError):
 
 class ServerExistsError(JitserveError, ValueError):
     """A server is already registered under the requested name."""
+
+
+class ProtocolError(JitserveError, ValueError):
+    """A network request does not follow the Open Inference Protocol or does not fit the model."""

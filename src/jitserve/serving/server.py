@@ -158,6 +158,11 @@ class Server:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop()`` was called: no new requests are taken."""
+        return self._stopping
+
     def add_batch_listener(self, listener: Callable[[BatchReport], None]) -> None:
         """Call ``listener(report)`` in the worker thread after every executed batch."""
         self._listeners.append(listener)

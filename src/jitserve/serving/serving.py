@@ -133,6 +133,8 @@ class Serving:
         compiler: str | None = None,
         **compiler_options: Any,
     ) -> None:
+        self._arguments = {k: v for k, v in locals().items() if k not in ("self", "compiler_options", "__class__")}
+        self._arguments.update(compiler_options)
         self.fn = fn
         self.batch_sizes = _check_batch_sizes(batch_size, batch_sizes)
         self.batch_size = batch_size
@@ -162,6 +164,13 @@ class Serving:
             self.compiler_name = chosen.name
         self._inline: Executor | None = None
         self._inline_lock = threading.Lock()
+
+    def replace(self, **changes: Any) -> "Serving":
+        """A new Serving with some arguments changed (a new ``batch_size`` drops explicit ``batch_sizes``)."""
+        arguments = {**self._arguments, **changes}
+        if "batch_size" in changes and "batch_sizes" not in changes:
+            arguments["batch_sizes"] = None
+        return Serving(**arguments)
 
     def padded_size(self, rows: int) -> int:
         """The compiled batch size a batch of ``rows`` rows is padded to."""

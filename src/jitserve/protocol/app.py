@@ -1,0 +1,60 @@
+"""Run the HTTP and gRPC fronts for named servings until SIGINT or SIGTERM.
+
+Start-up: every serving is served in process (warm-up compiles first, logged
+with progress), then gRPC and HTTP bind (127.0.0.1 unless told otherwise) and
+their URLs are logged. Shutdown on a signal: stop accepting, let in-flight
+requests finish, drain every server's queue, exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+import uvicorn
+
+from ..serving.registry import serve
+from ..serving.server import Server
+from ..serving.serving import Serving
+from .grpc import GrpcServer
+from .http import DEFAULT_MAX_BODY_BYTES, HttpFront
+from .service import InferenceService
+
+log = logging.getLogger("jitserve.serve")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def run(servings: Mapping[str, Serving], host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = 8001,
+        request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Serve ``servings`` by name over HTTP (and gRPC unless ``grpc_port`` is None) until a signal."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    servers: dict[str, Server] = {}
+    grpc_server = None
+    try:
+        for name, serving in servings.items():
+            log.info("starting model '%s': %r", name, serving)
+            servers[name] = serve(serving, name=name)
+        service = InferenceService(servers, request_timeout)
+        if grpc_port is not None:
+            grpc_server = GrpcServer(service, host, grpc_port, max_body_bytes)
+            grpc_server.start()
+            log.info("gRPC: %s:%d (inference.GRPCInferenceService)", host, grpc_server.port)
+        config = uvicorn.Config(HttpFront(service, max_body_bytes), host=host, port=port, lifespan="off",
+                                access_log=False, log_level="warning", timeout_graceful_shutdown=30)
+        http_server = uvicorn.Server(config)
+        log.info("HTTP: http://%s:%d/v2 (models: %s; metrics at /metrics)", host, port, ", ".join(servers))
+        asyncio.run(http_server.serve())
+    except KeyboardInterrupt as reason:
+        log.info("%s: shutting down", str(reason) or "SIGINT")
+    finally:
+        if grpc_server is not None:
+            grpc_server.stop()
+        for name, server in servers.items():
+            server.stop()
+            log.info("model '%s' drained and stopped: %s", name, server.stats())

@@ -1,0 +1,208 @@
+"""Tensors on the wire: Open Inference Protocol datatypes, names and checks.
+
+A :class:`ModelSpec` says what a served model looks like over the network:
+its input names, datatypes and per-row shapes (from the serving's
+``input_template``; -1 for the batch axis) and its outputs. It turns decoded
+request tensors into a :class:`jitserve.Batch` and outputs into named arrays.
+Input names are the dict keys of an entry, else ``input`` (``input_0``,
+``input_1``, ... for a tuple); outputs likewise with ``output``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..batch import Batch
+from ..errors import ProtocolError
+from ..serving.server import Server
+from ..serving.serving import EAGER
+from ..template import Template
+
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8), "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+}
+DATATYPE_OF: dict[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
+
+
+def datatype_of(dtype: Any) -> str:
+    name = DATATYPE_OF.get(np.dtype(dtype))
+    if name is None:
+        raise ProtocolError(f"dtype {np.dtype(dtype).name} has no Open Inference Protocol datatype")
+    return name
+
+
+def dtype_of(tensor: str, datatype: str) -> np.dtype:
+    dtype = DATATYPES.get(datatype)
+    if dtype is None:
+        if datatype == "BYTES":
+            raise ProtocolError(f"input '{tensor}': BYTES tensors are not supported; send numeric tensors")
+        raise ProtocolError(f"input '{tensor}': unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}")
+    return dtype
+
+
+def check_shape(tensor: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                        for d in shape):
+        raise ProtocolError(f"input '{tensor}': shape must be a list of non-negative integers, got {shape!r}")
+    return tuple(shape)
+
+
+def decode_raw(tensor: str, datatype: str, shape: Any, raw: bytes | memoryview) -> np.ndarray:
+    """A tensor from its little-endian binary contents."""
+    dtype, dims = dtype_of(tensor, datatype), check_shape(tensor, shape)
+    expected = math.prod(dims) * dtype.itemsize
+    if len(raw) != expected:
+        raise ProtocolError(f"input '{tensor}': {len(raw)} bytes of binary data, expected {expected} "
+                            f"for {datatype} {list(dims)}")
+    return np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(dims)
+
+
+_SOURCE_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}  # JSON value kinds each target kind accepts
+
+
+def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.ndarray:
+    """A tensor from a (flat or nested) list of JSON values."""
+    dtype, dims = dtype_of(tensor, datatype), check_shape(tensor, shape)
+    try:
+        array = np.asarray(values)
+    except ValueError:
+        raise ProtocolError(f"input '{tensor}': data is a ragged nested list; send a flat list") from None
+    if array.size != math.prod(dims):
+        raise ProtocolError(f"input '{tensor}': {array.size} values, expected {math.prod(dims)} for shape {list(dims)}")
+    if array.size == 0:
+        return np.zeros(dims, dtype)
+    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind]:
+        raise ProtocolError(f"input '{tensor}': data must be {datatype} values")
+    converted = array.astype(dtype).reshape(dims)
+    if dtype.kind in "iu" and not np.array_equal(converted.reshape(array.shape), array):
+        raise ProtocolError(f"input '{tensor}': data does not fit {datatype}")
+    return converted
+
+
+def _tensor_names(tree: Any, prefix: str) -> list[str]:
+    """Names of the leaves of a structure: dict keys, ``prefix`` for one array, ``prefix_i`` for tuples."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, Template))[0]]
+    names = []
+    for path in paths:
+        parts = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
+        if not parts:
+            names.append(prefix)
+        elif hasattr(path[0], "idx"):
+            names.append("_".join([prefix, *parts]))
+        else:
+            names.append(".".join(parts))
+    return names
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    row_shape: tuple[int, ...]
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.row_shape]}
+
+
+class ModelSpec:
+    """A served model as the network sees it."""
+
+    def __init__(self, name: str, server: Server) -> None:
+        self.name = name
+        self.server = server
+        serving = server.serving
+        self._input_tree = None
+        self.inputs: list[TensorSpec] = []
+        if serving.input_template is not None:
+            leaves, self._input_tree = jax.tree_util.tree_flatten(serving.input_template)
+            self.inputs = [TensorSpec(n, datatype_of(t.dtype), t.shape)
+                           for n, t in zip(_tensor_names(serving.input_template, "input"), leaves)]
+        self._outputs: list[TensorSpec] | None = None
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        """Output names, datatypes and per-row shapes, worked out once from a batch of one row."""
+        if self._outputs is None:
+            self._outputs = [] if self._input_tree is None else self._infer_outputs()
+        return self._outputs
+
+    def _infer_outputs(self) -> list[TensorSpec]:
+        serving = self.server.serving
+        one_row = jax.tree_util.tree_map(lambda t: Template((1, *t.shape), t.dtype), serving.input_template,
+                                         is_leaf=lambda x: isinstance(x, Template))
+        if serving.compiler_name == EAGER:
+            shapes = serving.fn(jax.tree_util.tree_map(lambda t: t.zeros(), one_row,
+                                                       is_leaf=lambda x: isinstance(x, Template)))
+        else:
+            shapes = jax.eval_shape(serving.fn, jax.tree_util.tree_map(
+                lambda t: t.abstract(), one_row, is_leaf=lambda x: isinstance(x, Template)))
+        leaves = jax.tree_util.tree_leaves(shapes)
+        return [TensorSpec(n, datatype_of(leaf.dtype), tuple(leaf.shape[1:]))
+                for n, leaf in zip(_tensor_names(shapes, "output"), leaves)]
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": self.name, "versions": ["1"], "platform": "jitserve",
+                "inputs": [t.metadata() for t in self.inputs], "outputs": [t.metadata() for t in self.outputs]}
+
+    def to_batch(self, tensors: Mapping[str, np.ndarray]) -> Batch:
+        """The request's tensors (by name, batch on axis 0) as one batch, checked against the inputs."""
+        if not tensors:
+            raise ProtocolError(f"the request has no inputs; model '{self.name}' expects "
+                                f"{', '.join(t.name for t in self.inputs) or 'at least one'}")
+        if self._input_tree is None:
+            entry: Any = next(iter(tensors.values())) if len(tensors) == 1 else dict(tensors)
+        else:
+            expected = {t.name: t for t in self.inputs}
+            unknown = sorted(set(tensors) - set(expected))
+            if unknown:
+                raise ProtocolError(f"unknown input '{unknown[0]}' for model '{self.name}'; "
+                                    f"expected: {', '.join(expected)}")
+            missing = [n for n in expected if n not in tensors]
+            if missing:
+                raise ProtocolError(f"model '{self.name}' needs input '{missing[0]}', which the request lacks")
+            for spec in self.inputs:
+                array = tensors[spec.name]
+                if datatype_of(array.dtype) != spec.datatype:
+                    raise ProtocolError(f"input '{spec.name}' has datatype {datatype_of(array.dtype)}, "
+                                        f"but model '{self.name}' expects {spec.datatype}")
+                if array.ndim == 0 or array.shape[1:] != spec.row_shape:
+                    raise ProtocolError(f"input '{spec.name}' has shape {list(array.shape)}, but model "
+                                        f"'{self.name}' expects {[-1, *spec.row_shape]}")
+            entry = jax.tree_util.tree_unflatten(self._input_tree, [tensors[t.name] for t in self.inputs])
+        rows = {a.shape[0] if a.ndim else None for a in tensors.values()}
+        if None in rows:
+            raise ProtocolError("inputs need a batch axis (axis 0 holds the rows); got a scalar")
+        if len(rows) != 1:
+            raise ProtocolError(f"all inputs must have the same batch size (axis 0); got {sorted(rows)}")
+        if 0 in rows:
+            raise ProtocolError("the inputs hold no rows (batch size 0); send at least one")
+        return Batch.concatenate([entry])
+
+    @staticmethod
+    def named_outputs(outputs: Any) -> list[tuple[str, np.ndarray]]:
+        leaves = jax.tree_util.tree_leaves(outputs)
+        return list(zip(_tensor_names(outputs, "output"), (np.asarray(leaf) for leaf in leaves)))
+
+
+def select_outputs(outputs: Sequence[tuple[str, np.ndarray]], requested: Sequence[str] | None,
+                   model: str) -> list[tuple[str, np.ndarray]]:
+    """The outputs the request asked for (all when it names none)."""
+    if not requested:
+        return list(outputs)
+    available = dict(outputs)
+    unknown = [n for n in requested if n not in available]
+    if unknown:
+        raise ProtocolError(f"unknown output '{unknown[0]}' for model '{model}'; it has: {', '.join(available)}")
+    return [(n, available[n]) for n in requested]

@@ -1,0 +1,159 @@
+"""The Open Inference Protocol over gRPC: ``inference.GRPCInferenceService``.
+
+The messages come from ``inference.proto`` through its compiled descriptor
+set (``inference.binpb``), loaded into a private descriptor pool: no generated
+code, and no clash with a client such as tritonclient that registers the same
+message names in the same process. The server is ``grpc.aio`` on an event
+loop of its own thread; inference goes through the same servers as HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from ..errors import ProtocolError
+from .codec import datatype_of, decode_raw, decode_values, dtype_of
+from .service import InferenceService, status_of
+
+log = logging.getLogger("jitserve.grpc")
+
+SERVICE = "inference.GRPCInferenceService"
+_DESCRIPTORS = Path(__file__).with_name("inference.binpb")
+
+
+def _message_classes() -> dict[str, Any]:
+    pool = descriptor_pool.DescriptorPool()
+    for file in descriptor_pb2.FileDescriptorSet.FromString(_DESCRIPTORS.read_bytes()).file:
+        pool.Add(file)
+    service = pool.FindServiceByName(SERVICE)
+    names = {m.input_type.full_name for m in service.methods} | {m.output_type.full_name for m in service.methods}
+    return {name.split(".", 1)[1]: message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+            for name in names}
+
+
+MESSAGES = _message_classes()
+
+# datatype -> the typed contents field that carries it
+CONTENTS_FIELDS: dict[str, str] = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
+}
+
+
+class GrpcFront:
+    """The servicer: one coroutine per RPC."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - protocol names
+        return MESSAGES["ServerLiveResponse"](live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return MESSAGES["ServerReadyResponse"](ready=self.service.ready())
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if request.name not in self.service.models:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model '{request.name}'")
+        return MESSAGES["ModelReadyResponse"](ready=self.service.ready())
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return MESSAGES["ServerMetadataResponse"](**self.service.server_metadata())
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            metadata = self.service.model(request.name).metadata()
+        except Exception as error:  # noqa: BLE001
+            await context.abort(getattr(grpc.StatusCode, status_of(error)[1]), str(error))
+        return MESSAGES["ModelMetadataResponse"](**metadata)
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+        model = request.model_name
+        try:
+            tensors = _decode_inputs(request)
+            outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None)
+        except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
+            status = status_of(error)[1]
+            if status == "INTERNAL":
+                log.exception("model '%s' failed", model)
+            self.service.count(model, "grpc", status)
+            await context.abort(getattr(grpc.StatusCode, status), str(error))
+        self.service.count(model, "grpc", "OK")
+        response = MESSAGES["ModelInferResponse"](model_name=model, model_version="1", id=request.id)
+        for name, array in outputs:
+            response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
+            response.raw_output_contents.append(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
+        return response
+
+
+def _decode_inputs(request: Any) -> dict[str, np.ndarray]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+    tensors: dict[str, np.ndarray] = {}
+    for position, tensor in enumerate(request.inputs):
+        if tensor.name in tensors:
+            raise ProtocolError(f"input '{tensor.name}' is given twice")
+        shape = list(tensor.shape)
+        if raw:
+            tensors[tensor.name] = decode_raw(tensor.name, tensor.datatype, shape, raw[position])
+            continue
+        dtype_of(tensor.name, tensor.datatype)
+        field = CONTENTS_FIELDS.get(tensor.datatype)
+        if field is None:
+            raise ProtocolError(f"input '{tensor.name}': {tensor.datatype} needs raw_input_contents")
+        tensors[tensor.name] = decode_values(tensor.name, tensor.datatype, shape, list(getattr(tensor.contents, field)))
+    return tensors
+
+
+def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:
+    pool = {}
+    for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"):
+        request_class = MESSAGES[f"{method}Request"]
+        response_class = MESSAGES[f"{method}Response"]
+        pool[method] = grpc.unary_unary_rpc_method_handler(
+            getattr(front, method), request_deserializer=request_class.FromString,
+            response_serializer=response_class.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE, pool)
+
+
+class GrpcServer:
+    """``grpc.aio`` on its own thread and event loop; ``start`` binds, ``stop`` drains and ends it."""
+
+    def __init__(self, service: InferenceService, host: str, port: int, max_message_bytes: int) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jitserve-grpc", daemon=True)
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        self._server: Any = None
+        self._address = f"{host}:{port}"
+        self._build: Callable[[], Any] = lambda: grpc.aio.server(options=options)
+        self._front = GrpcFront(service)
+        self.port = port
+
+    def start(self) -> None:
+        self._thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+
+    async def _start(self) -> int:
+        self._server = self._build()
+        self._server.add_generic_rpc_handlers((_handlers(self._front),))
+        port = self._server.add_insecure_port(self._address)
+        await self._server.start()
+        return port
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()

@@ -1,0 +1,236 @@
+"""The Open Inference Protocol over HTTP/REST, as a bare ASGI application run by uvicorn.
+
+Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2``,
+``/v2/models/{m}[/versions/{v}]``, ``/v2/models/{m}[/versions/{v}]/ready``,
+``POST /v2/models/{m}[/versions/{v}]/infer`` (JSON tensors and the binary
+tensor extension that tritonclient uses by default) and ``GET /metrics``.
+Errors are ``{"error": "..."}`` with 400, 404, 413, 503, 504 (500 only when the
+model's own function fails); nothing a client sends stops the server.
+
+Why this stack: uvicorn with uvloop and httptools is the fastest mainstream
+Python HTTP server, and a bare ASGI callable adds no framework routing or
+validation layers to the hot path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProtocolError
+from .codec import datatype_of, decode_raw, decode_values
+from .metrics import CONTENT_TYPE
+from .service import InferenceService, status_of
+
+log = logging.getLogger("jitserve.http")
+
+HEADER_LENGTH = b"inference-header-content-length"
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+Response = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+def _json(status: int, payload: Any) -> Response:
+    return status, JSON_HEADERS, json.dumps(payload).encode()
+
+
+def _error(status: int, message: str) -> Response:
+    return _json(status, {"error": message})
+
+
+class HttpFront:
+    """The ASGI application."""
+
+    def __init__(self, service: InferenceService, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.service = service
+        self.max_body_bytes = max_body_bytes
+        model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+        self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response]]]] = [
+            ("POST", re.compile(model + "/infer"), self.infer),
+            ("GET", re.compile(r"/v2/health/live"), self.live),
+            ("GET", re.compile(r"/v2/health/ready"), self.ready),
+            ("GET", re.compile(r"/v2"), self.server_metadata),
+            ("GET", re.compile(model + "/ready"), self.model_ready),
+            ("GET", re.compile(model), self.model_metadata),
+            ("GET", re.compile(r"/metrics"), self.metrics),
+        ]
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            status, headers, body = await self.route(scope, receive)
+        except Exception as error:  # noqa: BLE001 - every failure becomes a response, never a dead server
+            log.exception("unexpected error serving %s %s", scope.get("method"), scope.get("path"))
+            status, headers, body = _error(500, f"{type(error).__name__}: {error}")
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def route(self, scope: dict[str, Any], receive: Callable[..., Any]) -> Response:
+        method, path = scope["method"], scope["path"]
+        allowed = []
+        for route_method, pattern, handler in self.routes:
+            match = pattern.fullmatch(path)
+            if match is None:
+                continue
+            if route_method != method:
+                allowed.append(route_method)
+                continue
+            if method == "POST":
+                return await handler(scope, receive, **match.groupdict())
+            return await handler(**match.groupdict())
+        if allowed:
+            return _error(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
+        return _error(404, f"no such endpoint: {method} {path}")
+
+    async def live(self) -> Response:
+        return _json(200, {"live": True})
+
+    async def ready(self) -> Response:
+        ready = self.service.ready()
+        return _json(200 if ready else 503, {"ready": ready})
+
+    async def server_metadata(self) -> Response:
+        return _json(200, self.service.server_metadata())
+
+    async def model_metadata(self, model: str, version: str | None) -> Response:
+        try:
+            return _json(200, self.service.model(model).metadata())
+        except Exception as error:  # noqa: BLE001
+            return _error(status_of(error)[0], str(error))
+
+    async def model_ready(self, model: str, version: str | None) -> Response:
+        if model not in self.service.models:
+            return _error(404, f"unknown model '{model}'; this server has: {', '.join(self.service.models)}")
+        ready = self.service.ready()
+        return _json(200 if ready else 503, {"name": model, "ready": ready})
+
+    async def metrics(self) -> Response:
+        return 200, [(b"content-type", CONTENT_TYPE.encode())], self.service.metrics.render()
+
+    async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> tuple[bytes, int | None]:
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _TooLarge(int(declared), self.max_body_bytes)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _TooLarge(size, self.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        header_length = headers.get(HEADER_LENGTH)
+        if header_length is not None and not header_length.isdigit():
+            raise ProtocolError(f"Inference-Header-Content-Length must be a number of bytes, got {header_length!r}")
+        return b"".join(chunks), None if header_length is None else int(header_length)
+
+    async def infer(self, scope: dict[str, Any], receive: Callable[..., Any], model: str, version: str | None) -> Response:
+        try:
+            body, header_length = await self._read_body(scope, receive)
+            request, binary = _split_body(body, header_length)
+            tensors, requested, binary_outputs = _decode_request(request, binary)
+            outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None)
+            response = _encode_response(model, request.get("id"), outputs, dict(requested), binary_outputs)
+            status = 200
+        except _TooLarge as error:
+            response, status = _error(413, str(error)), 413
+        except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
+            status = status_of(error)[0]
+            if status == 500:
+                log.exception("model '%s' failed", model)
+            response = _error(status, str(error))
+        self.service.count(model, "http", status)
+        return response
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request body of {size} bytes exceeds the limit of {limit} bytes")
+
+
+def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], memoryview]:
+    if header_length is not None and header_length > len(body):
+        raise ProtocolError(f"Inference-Header-Content-Length is {header_length}, but the body has {len(body)} bytes")
+    view = memoryview(body)
+    header = view[:header_length] if header_length is not None else view
+    try:
+        request = json.loads(bytes(header))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ProtocolError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError("the request must be a JSON object with an 'inputs' list")
+    return request, view[header_length:] if header_length is not None else view[:0]
+
+
+def _decode_request(request: dict[str, Any], binary: memoryview
+                    ) -> tuple[dict[str, np.ndarray], list[tuple[str, bool | None]], bool]:
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ProtocolError("the request needs a non-empty 'inputs' list")
+    tensors: dict[str, np.ndarray] = {}
+    offset = 0
+    for tensor in inputs:
+        if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
+            raise ProtocolError("each input must be an object with a string 'name'")
+        name = tensor["name"]
+        if name in tensors:
+            raise ProtocolError(f"input '{name}' is given twice")
+        datatype, shape = tensor.get("datatype"), tensor.get("shape")
+        if not isinstance(datatype, str):
+            raise ProtocolError(f"input '{name}' needs a string 'datatype'")
+        parameters = tensor.get("parameters") or {}
+        size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise ProtocolError(f"input '{name}': binary_data_size {size!r} does not fit the "
+                                    f"{len(binary) - offset} binary bytes left in the body")
+            tensors[name] = decode_raw(name, datatype, shape, binary[offset:offset + size])
+            offset += size
+        elif "data" in tensor:
+            tensors[name] = decode_values(name, datatype, shape, tensor["data"])
+        else:
+            raise ProtocolError(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
+    parameters = request.get("parameters") or {}
+    binary_all = bool(parameters.get("binary_data_output", False)) if isinstance(parameters, dict) else False
+    requested: list[tuple[str, bool | None]] = []
+    for output in request.get("outputs") or []:
+        if not isinstance(output, dict) or not isinstance(output.get("name"), str):
+            raise ProtocolError("each requested output must be an object with a string 'name'")
+        output_parameters = output.get("parameters") or {}
+        requested.append((output["name"], output_parameters.get("binary_data")
+                          if isinstance(output_parameters, dict) else None))
+    return tensors, requested, binary_all
+
+
+def _encode_response(model: str, request_id: Any, outputs: list[tuple[str, np.ndarray]],
+                     binary_requested: dict[str, bool | None], binary_all: bool) -> Response:
+    described, blobs = [], []
+    for name, array in outputs:
+        entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
+        as_binary = binary_requested.get(name)
+        if as_binary if as_binary is not None else binary_all:
+            blob = np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        described.append(entry)
+    payload: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described}
+    if request_id is not None:
+        payload["id"] = request_id
+    header = json.dumps(payload).encode()
+    if not blobs:
+        return 200, JSON_HEADERS, header
+    headers = [(b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(len(header)).encode())]
+    return 200, headers, b"".join([header, *blobs])

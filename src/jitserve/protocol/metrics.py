@@ -1,0 +1,64 @@
+"""Prometheus metrics of the network front, fed by the servers' batch listeners.
+
+Requests by model, protocol and status; queue depth and compiles read from
+each server's stats at scrape time; executed batch sizes, padding rows, queue
+wait and execution time from every executed batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from ..serving.server import BatchReport, Server
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _ServerStats:
+    """Reads queue depth and compile counts from the servers when scraped."""
+
+    def __init__(self, servers: Mapping[str, Server]) -> None:
+        self.servers = servers
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("jitserve_queue_depth", "Rows waiting in the queue", labels=["model"])
+        compiles = GaugeMetricFamily("jitserve_compiles", "Executables compiled so far", labels=["model"])
+        for name, server in self.servers.items():
+            stats = server.stats()
+            depth.add_metric([name], stats["queue_depth"])
+            compiles.add_metric([name], stats["compiles"])
+        yield depth
+        yield compiles
+
+
+class Metrics:
+    """One registry per network front (so that several fronts in one process do not collide)."""
+
+    def __init__(self, servers: Mapping[str, Server]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("jitserve_requests", "Inference requests", ["model", "protocol", "status"],
+                                registry=self.registry)
+        self.batch_size = Histogram("jitserve_batch_size", "Executed batch size, padding included", ["model"],
+                                    buckets=_BATCH_BUCKETS, registry=self.registry)
+        self.padding = Counter("jitserve_padding_rows", "Padding rows executed", ["model"], registry=self.registry)
+        self.queue_wait = Histogram("jitserve_queue_wait_seconds", "Longest wait of a row in each batch", ["model"],
+                                    buckets=_TIME_BUCKETS, registry=self.registry)
+        self.execution = Histogram("jitserve_execution_seconds", "Execution time of each batch", ["model"],
+                                   buckets=_TIME_BUCKETS, registry=self.registry)
+        self.registry.register(_ServerStats(servers))
+        for server in servers.values():
+            server.add_batch_listener(self.on_batch)
+
+    def on_batch(self, report: BatchReport) -> None:
+        self.batch_size.labels(report.server).observe(report.padded_size)
+        self.padding.labels(report.server).inc(report.padded_size - report.size)
+        self.queue_wait.labels(report.server).observe(report.queue_wait_s)
+        self.execution.labels(report.server).observe(report.execution_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""What the HTTP and gRPC fronts share: the models, inference, and errors as statuses.
+
+Every network request goes through the model's server (``submit`` and
+``result_async``), so HTTP and gRPC callers share batches with each other and
+with in-process callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..errors import (
+    BatchError,
+    BatchSizeError,
+    ProtocolError,
+    QueueFullError,
+    ServerStoppedError,
+    TemplateMismatchError,
+    UnknownServerError,
+)
+from ..serving.server import Server
+from .codec import ModelSpec, select_outputs
+from .metrics import Metrics
+
+EXTENSIONS = ["binary_tensor_data"]
+
+# exception class -> (HTTP status, gRPC status name); the first match in order wins
+STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
+    (UnknownServerError, 404, "NOT_FOUND"),
+    (ProtocolError, 400, "INVALID_ARGUMENT"),
+    (BatchError, 400, "INVALID_ARGUMENT"),
+    (BatchSizeError, 400, "INVALID_ARGUMENT"),
+    (TemplateMismatchError, 400, "INVALID_ARGUMENT"),
+    (QueueFullError, 503, "UNAVAILABLE"),
+    (ServerStoppedError, 503, "UNAVAILABLE"),
+    (TimeoutError, 504, "DEADLINE_EXCEEDED"),
+)
+
+
+def status_of(error: BaseException) -> tuple[int, str]:
+    """The HTTP and gRPC status for an error; anything unexpected is 500 / INTERNAL."""
+    for kind, http, grpc in STATUSES:
+        if isinstance(error, kind):
+            return http, grpc
+    return 500, "INTERNAL"
+
+
+class InferenceService:
+    """The served models by name, and inference on them."""
+
+    def __init__(self, servers: Mapping[str, Server], request_timeout: float | None = None) -> None:
+        self.models = {name: ModelSpec(name, server) for name, server in servers.items()}
+        self.request_timeout = request_timeout
+        self.metrics = Metrics(servers)
+
+    def model(self, name: str) -> ModelSpec:
+        spec = self.models.get(name)
+        if spec is None:
+            raise UnknownServerError(f"unknown model '{name}'; this server has: {', '.join(self.models) or 'none'}")
+        return spec
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "jitserve", "version": __version__, "extensions": EXTENSIONS}
+
+    def ready(self) -> bool:
+        return all(not spec.server.stopping for spec in self.models.values())
+
+    async def infer(self, model: str, tensors: Mapping[str, np.ndarray],
+                    requested: Sequence[str] | None) -> list[tuple[str, np.ndarray]]:
+        """Run one request's tensors on ``model``; the named outputs it asked for."""
+        spec = self.model(model)
+        batch = spec.to_batch(tensors)
+        server = spec.server
+        request = server.submit(batch, asyncio.get_running_loop())
+        outputs = await server.result_async(request, self.request_timeout)
+        return select_outputs(spec.named_outputs(outputs), requested, model)
+
+    def count(self, model: str, protocol: str, status: int | str) -> None:
+        self.metrics.requests.labels(model if model in self.models else "", protocol, str(status)).inc()

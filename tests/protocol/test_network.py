@@ -1,0 +1,331 @@
+"""The real `jitserve serve` CLI on loopback ports, driven by tritonclient and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("uvicorn")
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from network_models import example  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_BODY = 200_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    def __init__(self, process: subprocess.Popen, port: int, grpc_port: int) -> None:
+        self.process, self.port, self.grpc_port = process, port, grpc_port
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                timeout: float = 30) -> tuple[int, dict, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        finally:
+            connection.close()
+
+    def infer_json(self, model: str, payload, timeout: float = 30) -> tuple[int, dict]:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        status, _, data = self.request("POST", f"/v2/models/{model}/infer", body, timeout=timeout)
+        return status, json.loads(data)
+
+    def assert_healthy(self) -> None:
+        status, _, _ = self.request("GET", "/v2/health/live")
+        assert status == 200
+        assert self.process.poll() is None
+
+
+def start(*extra: str) -> Running:
+    port, grpc_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jitserve", "serve", str(ROOT / "tests/protocol/network_models.py") + ":models",
+         "--port", str(port), "--grpc-port", str(grpc_port), "--max-body-bytes", str(MAX_BODY), *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    running = Running(process, port, grpc_port)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"jitserve serve exited early:\n{process.stdout.read()}")
+        try:
+            if running.request("GET", "/v2/health/ready", timeout=2)[0] == 200:
+                return running
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError("jitserve serve did not become ready in 120 s")
+
+
+def stop(running: Running) -> str:
+    running.process.send_signal(signal.SIGTERM)
+    output, _ = running.process.communicate(timeout=60)
+    assert running.process.returncode == 0, output
+    return output
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = start("--request-timeout", "0.3")
+    yield running
+    output = stop(running)
+    assert "SIGTERM: shutting down" in output
+    assert "127.0.0.1" in output and "0.0.0.0" not in output
+
+
+def reference_mlp(x: np.ndarray) -> np.ndarray:
+    hidden = np.maximum(x @ example.W1, 0.0)
+    logits = hidden @ example.W2
+    return np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+
+
+# tritonclient, http and grpc ------------------------------------------------------------------
+
+@pytest.mark.parametrize("client_module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_tritonclient_health_metadata_and_infer(server, client_module):
+    port = server.port if client_module is httpclient else server.grpc_port
+    client = client_module.InferenceServerClient(f"127.0.0.1:{port}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("mlp")
+    metadata = client.get_server_metadata()
+    metadata = metadata if isinstance(metadata, dict) else {"name": metadata.name, "extensions": list(metadata.extensions)}
+    assert metadata["name"] == "jitserve" and "binary_tensor_data" in metadata["extensions"]
+    model = client.get_model_metadata("mlp")
+    if not isinstance(model, dict):
+        model = {"inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in model.inputs],
+                 "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in model.outputs]}
+    assert model["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 16]}]
+    assert model["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 4]}]
+    x = np.random.default_rng(1).normal(size=(5, 16)).astype(np.float32)
+    for binary in ([True, False] if client_module is httpclient else [True]):
+        tensor = client_module.InferInput("input", [5, 16], "FP32")
+        tensor.set_data_from_numpy(x, **({"binary_data": binary} if client_module is httpclient else {}))
+        outputs = [client_module.InferRequestedOutput("output", **(
+            {"binary_data": binary} if client_module is httpclient else {}))]
+        result = client.infer("mlp", [tensor], outputs=outputs)
+        np.testing.assert_allclose(result.as_numpy("output"), reference_mlp(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("client_module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_tritonclient_dict_inputs_and_outputs(server, client_module):
+    port = server.port if client_module is httpclient else server.grpc_port
+    client = client_module.InferenceServerClient(f"127.0.0.1:{port}")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    scale = np.array([2.0, 3.0], np.float32)
+    inputs = [client_module.InferInput("x", [2, 4], "FP32"), client_module.InferInput("scale", [2], "FP32")]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(scale)
+    result = client.infer("affine", inputs)
+    np.testing.assert_allclose(result.as_numpy("y"), x * scale[:, None] + 1)
+    np.testing.assert_allclose(result.as_numpy("norm"), np.linalg.norm(x, axis=-1), rtol=1e-6)
+
+
+def test_grpc_errors_carry_status_and_message(server):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    tensor = grpcclient.InferInput("input", [1, 3], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 3), np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("mlp", [tensor])
+    assert "INVALID_ARGUMENT" in str(info.value.status())
+    assert "input 'input' has shape [1, 3], but model 'mlp' expects [-1, 16]" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("nope", [tensor])
+    assert "NOT_FOUND" in str(info.value.status()) and "unknown model 'nope'" in info.value.message()
+    server.assert_healthy()
+
+
+# bad input over raw HTTP ---------------------------------------------------------------------
+
+def mlp_input(**overrides):
+    tensor = {"name": "input", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}
+    tensor.update(overrides)
+    return {"inputs": [tensor]}
+
+
+BAD_REQUESTS = [
+    (b"{not json", 400, "the request body is not valid JSON"),
+    (b"[1, 2]", 400, "the request must be a JSON object with an 'inputs' list"),
+    ({"inputs": []}, 400, "the request needs a non-empty 'inputs' list"),
+    (mlp_input(datatype="FP64"), 400, "input 'input' has datatype FP64, but model 'mlp' expects FP32"),
+    (mlp_input(datatype="BYTES"), 400, "input 'input': BYTES tensors are not supported"),
+    (mlp_input(datatype="FLOAT"), 400, "input 'input': unknown datatype 'FLOAT'"),
+    (mlp_input(shape=[1, 15], data=[0.5] * 15), 400, "input 'input' has shape [1, 15], but model 'mlp' expects [-1, 16]"),
+    (mlp_input(shape=[2, 16]), 400, "input 'input': 16 values, expected 32 for shape [2, 16]"),
+    (mlp_input(shape=[0, 16], data=[]), 400, "the inputs hold no rows (batch size 0)"),
+    (mlp_input(shape="1x16"), 400, "input 'input': shape must be a list of non-negative integers"),
+    (mlp_input(data=["a"] * 16), 400, "input 'input': data must be FP32 values"),
+    (mlp_input(name="inputs"), 400, "unknown input 'inputs' for model 'mlp'; expected: input"),
+    (mlp_input(data=None) | {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16]}]}, 400,
+     "input 'input' has neither 'data' nor a binary_data_size parameter"),
+    ({**mlp_input(), "outputs": [{"name": "logits"}]}, 400, "unknown output 'logits' for model 'mlp'; it has: output"),
+]
+
+
+@pytest.mark.parametrize(("payload", "status", "message"), BAD_REQUESTS)
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, payload, status, message):
+    got, body = server.infer_json("mlp", payload)
+    assert got == status
+    assert message in body["error"]
+    server.assert_healthy()
+
+
+def test_unknown_model_and_endpoint(server):
+    status, body = server.infer_json("nope", mlp_input())
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, slow"
+    status, _, data = server.request("GET", "/v2/models/nope")
+    assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
+    status, _, data = server.request("GET", "/v3/anything")
+    assert status == 404 and json.loads(data)["error"] == "no such endpoint: GET /v3/anything"
+    status, _, data = server.request("GET", "/v2/models/mlp/infer")
+    assert status == 405
+    server.assert_healthy()
+
+
+def test_body_over_the_limit_is_413(server):
+    big = mlp_input(data=[0.5] * 16)
+    big["padding"] = "x" * (MAX_BODY + 10)
+    status, body = server.infer_json("mlp", big)
+    assert status == 413 and f"exceeds the limit of {MAX_BODY} bytes" in body["error"]
+    server.assert_healthy()
+
+
+def test_binary_extension_errors(server):
+    header = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],
+                                     "parameters": {"binary_data_size": 64}}]}).encode()
+    status, _, data = server.request("POST", "/v2/models/mlp/infer", header + b"\0" * 10,
+                                     {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and "binary_data_size 64 does not fit the 10 binary bytes left" in json.loads(data)["error"]
+    status, _, data = server.request("POST", "/v2/models/mlp/infer", header, {"Inference-Header-Content-Length": "999"})
+    assert status == 400 and "Inference-Header-Content-Length is 999" in json.loads(data)["error"]
+    server.assert_healthy()
+
+
+def test_integer_inputs_are_checked_for_range(server):
+    status, body = server.infer_json("ints", {"inputs": [{"name": "input", "datatype": "INT32", "shape": [1, 3],
+                                                          "data": [1, 2, 3]}]})
+    assert status == 200 and body["outputs"][0]["data"] == [2, 4, 6]
+    status, body = server.infer_json("ints", {"inputs": [{"name": "input", "datatype": "INT32", "shape": [1, 3],
+                                                          "data": [1, 2, 2**40]}]})
+    assert status == 400 and "data does not fit INT32" in body["error"]
+    status, body = server.infer_json("ints", {"inputs": [{"name": "input", "datatype": "INT32", "shape": [1, 3],
+                                                          "data": [1.5, 2, 3]}]})
+    assert status == 400 and "data must be INT32 values" in body["error"]
+
+
+def test_queue_full_is_503_and_timeout_is_504(server):
+    results = {}
+
+    def call(key, delay):
+        time.sleep(delay)
+        results[key] = server.infer_json("slow", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1],
+                                                              "data": [1.0]}]})
+
+    threads = [threading.Thread(target=call, args=(k, d)) for k, d in [("running", 0), ("queued", 0.15),
+                                                                       ("rejected", 0.3)]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results["running"] == (200, results["running"][1]) and results["running"][1]["outputs"][0]["data"] == [2.0]
+    assert results["rejected"][0] == 503 and "queue is full" in results["rejected"][1]["error"]
+    assert results["queued"][0] == 504 and "timed out after 0.3s before its rows started" in results["queued"][1]["error"]
+    server.assert_healthy()
+
+
+def test_concurrent_load_every_result_checked(server):
+    failures, done = [], []
+
+    def caller(seed):
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            rows = int(rng.integers(1, 40))
+            x = rng.normal(size=(rows, 16)).astype(np.float32)
+            tensor = httpclient.InferInput("input", [rows, 16], "FP32")
+            tensor.set_data_from_numpy(x)
+            out = client.infer("mlp", [tensor]).as_numpy("output")
+            if not np.allclose(out, reference_mlp(x), rtol=1e-5, atol=1e-6):
+                failures.append(seed)
+        done.append(seed)
+
+    threads = [threading.Thread(target=caller, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures and sorted(done) == list(range(8))
+
+
+def test_metrics(server):
+    server.infer_json("mlp", mlp_input())
+    status, headers, data = server.request("GET", "/metrics")
+    text = data.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert 'jitserve_requests_total{model="mlp",protocol="http",status="200"}' in text
+    assert 'jitserve_batch_size_bucket{le="1.0",model="mlp"}' in text
+    assert 'jitserve_queue_depth{model="mlp"} 0.0' in text
+    assert 'jitserve_compiles{model="mlp"} 6.0' in text
+    assert "jitserve_padding_rows_total" in text and "jitserve_execution_seconds_bucket" in text
+
+
+# fuzz ----------------------------------------------------------------------------------------
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=5),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                        max_size=3), max_leaves=12)
+tensors = st.fixed_dictionaries(
+    {"name": st.sampled_from(["input", "x", "scale", ""]),
+     "datatype": st.sampled_from(["FP32", "FP64", "INT32", "BOOL", "BYTES", "UINT8", "??"]),
+     "shape": st.one_of(st.lists(st.integers(-2, 20), max_size=3), json_values)},
+    optional={"data": st.one_of(st.lists(st.floats(width=32) | st.integers(-5, 5), max_size=40), json_values),
+              "parameters": st.one_of(st.fixed_dictionaries({"binary_data_size": st.integers(-4, 100)}), json_values)})
+bodies = st.one_of(
+    st.fixed_dictionaries({"inputs": st.lists(tensors, max_size=3)},
+                          optional={"outputs": st.lists(st.fixed_dictionaries({"name": st.text(max_size=6)}), max_size=2),
+                                    "parameters": json_values}),
+    json_values)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, model=st.sampled_from(["mlp", "affine", "ints", "missing"]))
+def test_fuzz_infer_never_5xx_never_hangs(server, body, model):
+    status, _, data = server.request("POST", f"/v2/models/{model}/infer", json.dumps(body).encode(), timeout=10)
+    assert status < 500, data
+    if status != 200:
+        assert "error" in json.loads(data)
+
+
+def test_sigterm_drains_in_flight_requests():
+    running = start()
+    results = []
+    caller = threading.Thread(target=lambda: results.append(running.infer_json(
+        "slow", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [4.0]}]})))
+    caller.start()
+    time.sleep(0.2)
+    output = stop(running)
+    caller.join(30)
+    assert results and results[0][0] == 200 and results[0][1]["outputs"][0]["data"] == [5.0]
+    assert "model 'slow' drained and stopped" in output
+    assert os.name != "posix" or running.process.returncode == 0
