@@ -5,7 +5,6 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 
 import jitserve as js
 
