@@ -66,7 +66,8 @@ TASKS = {
                                  *args]),
     "demo": lambda args: _exec([str(PYTHON), "-m", "jitserve", "demo", *args]),
     "test": lambda args: _exec([str(PYTHON), "-m", "pytest", *args]),
-    "bench": lambda args: _exec([str(PYTHON), str(ROOT / "bench" / f"{args[0]}.py"), *args[1:]]),
+    # -P: bench/ must not lead sys.path, where bench/http.py and bench/iree.py would shadow http and iree
+    "bench": lambda args: _exec([str(PYTHON), "-P", str(ROOT / "bench" / f"{args[0]}.py"), *args[1:]]),
     "env": lambda args: 0,
 }
 

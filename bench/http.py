@@ -19,26 +19,22 @@ Needs ``pip install 'jitserve[bench]'`` for LitServe.
 
 from __future__ import annotations
 
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
-# Run as a script, this file's folder leads sys.path and this file would shadow the http package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import argparse  # noqa: E402
-import http.client  # noqa: E402
-import json  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import jitserve as js  # noqa: E402
+import jitserve as js
 
 BATCH, TIMEOUT, FEATURES = 64, 0.002, 256
 rng = np.random.default_rng(0)
@@ -194,7 +190,7 @@ def main() -> None:
         ours.wait(60)
     litserve_result = None
     if ls is not None:
-        lit = subprocess.Popen([sys.executable, str(here), "--litserve-server", str(lit_port)],
+        lit = subprocess.Popen([sys.executable, "-P", str(here), "--litserve-server", str(lit_port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             wait_ready(lit_port, "/health", lit)

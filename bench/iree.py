@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder leads sys.path and this file would shadow the iree package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import jitserve as js  # noqa: E402
-from jitserve import iree  # noqa: E402
-from jitserve.cli import softmax, softmax_numpy, time_call  # noqa: E402
+import jitserve as js
+from jitserve import iree
+from jitserve.cli import softmax, softmax_numpy, time_call
 
 SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # seed 002
 

@@ -132,7 +132,8 @@ def ray_serve(seconds: float, batch_timeout: float) -> dict | None:
     try:
         import ray
         from ray import serve
-    except ImportError:
+    except Exception as error:  # noqa: BLE001 - not installed, or its dependencies clash with this environment's
+        print(f"Ray Serve unavailable here: {type(error).__name__}: {str(error)[:200]}")
         return None
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     jitted = jax.jit(mlp)
@@ -184,7 +185,7 @@ def main() -> None:
         print(f"| {label} | {r['rows_per_s']:,.0f} | {r['rows_per_s'] / raw:.2f} | {r['p50'] * 1e3:.2f} "
               f"| {r['p99'] * 1e3:.2f} | {r['mean_batch']:.1f} | {100 * r['waste']:.1f}% |")
     if ray_result is None:
-        print("| Ray Serve @serve.batch | not installed (pip install 'jitserve[bench]') | | | | | |")
+        print("| Ray Serve @serve.batch | unavailable (see above; pip install 'jitserve[bench]') | | | | | |")
     else:
         print(f"| Ray Serve @serve.batch, 1-row requests | {ray_result['rows_per_s']:,.0f} "
               f"| {ray_result['rows_per_s'] / raw:.2f} | {ray_result['p50'] * 1e3:.2f} "

@@ -3,8 +3,9 @@
 A batch is a list of chunks, each a pytree of arrays whose axis 0 holds rows.
 Nothing is copied until :meth:`Batch.materialize` writes the rows, padded to a
 compiled size, into one array per leaf. Every row of a batch has the same
-structure, per-row shapes and dtypes (its *signature*); with the user's
-``key`` that signature decides which batches may share an execution.
+structure, per-row shapes and dtypes (its *signature*, kept as plain tuples so
+that hashing it on the hot path is cheap); with the user's ``key`` that
+signature decides which batches may share an execution.
 """
 
 from __future__ import annotations
@@ -42,35 +43,47 @@ class _Chunk:
             out[at:at + self.rows] = leaf if self.stacked else leaf[self.start:self.stop]
 
 
-def _leaves_and_signature(entry: Any, stacked: bool) -> tuple[list[np.ndarray], Any, tuple[Template, ...], int]:
+RowSignature = tuple[tuple[tuple[int, ...], np.dtype], ...]  # (per-row shape, dtype) of each leaf
+
+
+def _describe(rows: RowSignature) -> str:
+    return ", ".join(str(Template(shape, dtype)) for shape, dtype in rows)
+
+
+def _leaves_and_signature(entry: Any, stacked: bool) -> tuple[list[np.ndarray], Any, RowSignature, int]:
     leaves, tree = jax.tree_util.tree_flatten(entry)
     if not leaves:
         raise BatchError("an entry must hold at least one array; got an empty structure")
     arrays = [np.asarray(leaf) for leaf in leaves]
     if stacked:
-        return arrays, tree, tuple(Template(a.shape, a.dtype) for a in arrays), 1
+        return arrays, tree, tuple([(a.shape, a.dtype) for a in arrays]), 1
     if any(a.ndim == 0 for a in arrays):
         raise BatchError("Batch.concatenate needs arrays with a row axis (axis 0); got a scalar. "
                          "Use Batch.stack for single entries")
     rows = {a.shape[0] for a in arrays}
     if len(rows) != 1:
         raise BatchError(f"the arrays of one entry must have the same number of rows (axis 0); got {sorted(rows)}")
-    return arrays, tree, tuple(Template(a.shape[1:], a.dtype) for a in arrays), rows.pop()
+    return arrays, tree, tuple([(a.shape[1:], a.dtype) for a in arrays]), rows.pop()
 
 
 class Batch:
     """Rows gathered for one execution: ``Batch.stack`` / ``Batch.concatenate``, then ``size`` and ``pad``."""
 
-    __slots__ = ("_chunks", "tree", "row_templates", "size", "pad", "user_key")
+    __slots__ = ("_chunks", "tree", "rows", "size", "pad", "user_key")
 
-    def __init__(self, chunks: list[_Chunk], tree: Any, row_templates: tuple[Template, ...],
-                 user_key: Any = None, pad: int = 0) -> None:
+    def __init__(self, chunks: list[_Chunk], tree: Any, rows: RowSignature, user_key: Any = None,
+                 pad: int = 0) -> None:
         self._chunks = chunks
         self.tree = tree
-        self.row_templates = row_templates
-        self.size = sum(c.rows for c in chunks)
+        self.rows = rows
+        self.size = chunks[0].rows if len(chunks) == 1 else sum([c.rows for c in chunks])
         self.pad = pad
         self.user_key = user_key
+
+    @property
+    def row_templates(self) -> tuple[Template, ...]:
+        """The template of one row of each leaf."""
+        return tuple(Template(shape, dtype) for shape, dtype in self.rows)
 
     @classmethod
     def _build(cls, entries: Iterable[Any], stacked: bool) -> "Batch":
@@ -84,8 +97,8 @@ class Batch:
                 raise BatchError(f"entry {position} has structure {entry_tree}, but entry 0 has {tree}")
             elif entry_templates != templates:
                 raise BatchError(
-                    f"entry {position} has rows of {', '.join(map(str, entry_templates))}, but entry 0 has rows of "
-                    f"{', '.join(map(str, templates))}; entries of a batch must agree in per-row shape and dtype"
+                    f"entry {position} has rows of {_describe(entry_templates)}, but entry 0 has rows of "
+                    f"{_describe(templates)}; entries of a batch must agree in per-row shape and dtype"
                 )
             if rows:
                 chunks.append(_Chunk(leaves, 0, rows, stacked))
@@ -114,16 +127,22 @@ class Batch:
             if other.signature != signature:
                 raise BatchError(f"batch {position} cannot merge with batch 0: their rows differ in structure, "
                                  f"shape or dtype, or their keys differ")
-        return cls([c for b in batches for c in b._chunks], first.tree, first.row_templates, first.user_key)
+        return cls.join(batches)
+
+    @classmethod
+    def join(cls, batches: Sequence["Batch"]) -> "Batch":
+        """``merge`` for batches already known to share one signature (a server queue's), unchecked."""
+        first = batches[0]
+        return cls([c for b in batches for c in b._chunks], first.tree, first.rows, first.user_key)
 
     def key(self, key: Any) -> "Batch":
         """The same rows under batch key ``key``: batches with different keys never share an execution."""
-        return Batch(self._chunks, self.tree, self.row_templates, key, self.pad)
+        return Batch(self._chunks, self.tree, self.rows, key, self.pad)
 
     @property
     def signature(self) -> tuple[Any, ...]:
         """What decides which rows may share an execution: key, structure, per-row shapes and dtypes."""
-        return (self.user_key, self.tree, self.row_templates)
+        return (self.user_key, self.tree, self.rows)
 
     def split(self, rows: int) -> tuple["Batch", "Batch"]:
         """The first ``rows`` rows and the rest (either may be empty)."""
@@ -142,7 +161,7 @@ class Batch:
                 left = 0
             else:
                 tail.append(chunk)
-        make = lambda chunks: Batch(chunks, self.tree, self.row_templates, self.user_key)  # noqa: E731
+        make = lambda chunks: Batch(chunks, self.tree, self.rows, self.user_key)  # noqa: E731
         return make(head), make(tail)
 
     def chunks(self, rows: int) -> list["Batch"]:
@@ -159,12 +178,12 @@ class Batch:
         """The same rows, to be zero-padded to ``rows`` rows when materialized (``pad`` = the extra rows)."""
         if rows < self.size:
             raise BatchError(f"cannot pad a batch of {self.size} rows down to {rows}")
-        return Batch(self._chunks, self.tree, self.row_templates, self.user_key, rows - self.size)
+        return Batch(self._chunks, self.tree, self.rows, self.user_key, rows - self.size)
 
     def materialize(self) -> Any:
         """The rows as a pytree of arrays, zero-padded by ``pad`` rows (one allocation per leaf)."""
         total = self.size + self.pad
-        outs = [np.empty((total, *t.shape), t.dtype) for t in self.row_templates]
+        outs = [np.empty((total, *shape), dtype) for shape, dtype in self.rows]
         at = 0
         for chunk in self._chunks:
             chunk.write(outs, at)
@@ -175,5 +194,5 @@ class Batch:
 
     def __repr__(self) -> str:
         key = "" if self.user_key is None else f", key: {self.user_key!r}"
-        return f"#Batch<size: {self.size}, pad: {self.pad}{key}, rows: {', '.join(map(str, self.row_templates))}>"
+        return f"#Batch<size: {self.size}, pad: {self.pad}{key}, rows: {_describe(self.rows)}>"
 

@@ -128,12 +128,12 @@ class Server:
         signature = self.serving.template_signature()
         if signature is None:
             return
-        tree, row_templates = signature
+        tree, row_signature = signature
         work = [(p, size) for p in self._partitions for size in self.serving.batch_sizes]
         progress = _Progress(f"{self.name}: compiling {len(self.serving.batch_sizes)} batch sizes", len(work))
         for done, (partition, size) in enumerate(work, start=1):
             started = time.perf_counter()
-            partition.executor.compiled(size, tree, row_templates)
+            partition.executor.compiled(size, tree, row_signature)
             log.info("server %s: partition %d compiled batch size %d in %.3fs",
                      self.name, partition.index, size, time.perf_counter() - started)
             progress.update(done)
@@ -307,7 +307,7 @@ class Server:
         if not queue:
             del self._queues[signature]
             del self._queued_rows[signature]
-        merged = Batch.merge([piece.batch for piece in taken])
+        merged = Batch.join([piece.batch for piece in taken])
         return taken, merged.pad_to(self.serving.padded_size(rows))
 
     def _next_batch(self) -> tuple[list[_Piece], Batch, float] | None:
@@ -367,12 +367,14 @@ class Server:
     def _deliver(pieces: list[_Piece], outputs: Any) -> list[_Request]:
         """Give each piece its rows of the outputs; returns the requests now complete."""
         leaves, tree = jax.tree_util.tree_flatten(outputs)
+        single = leaves[0] if len(leaves) == 1 and tree.num_nodes == 1 else None  # one array: no unflattening
         finished = []
         at = 0
         for piece in pieces:
             rows = piece.batch.size
             request = piece.request
-            request.parts.append((piece.offset, tree.unflatten([leaf[at:at + rows] for leaf in leaves])))
+            part = single[at:at + rows] if single is not None else tree.unflatten([leaf[at:at + rows] for leaf in leaves])
+            request.parts.append((piece.offset, part))
             at += rows
             request.rows_left -= rows
             if request.rows_left == 0:

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from .. import compilers
-from ..batch import Batch
+from ..batch import Batch, RowSignature
 from ..defn import defn_errors, resolve_options
 from ..errors import BatchError, OptionError
 from ..template import Template, template_of
@@ -56,21 +56,21 @@ class Executor:
         self._compiled: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
         self._lock = threading.Lock()
 
-    def compiled(self, rows: int, tree: Any, row_templates: tuple[Template, ...]) -> Callable[[Any], Any]:
-        key = (rows, tree, row_templates)
+    def compiled(self, rows: int, tree: Any, row_signature: RowSignature) -> Callable[[Any], Any]:
+        key = (rows, tree, row_signature)
         run = self._compiled.get(key)
         if run is None:
             with self._lock:
                 run = self._compiled.get(key)
                 if run is None:
-                    run = self._compiled[key] = self._compile(rows, tree, row_templates)
+                    run = self._compiled[key] = self._compile(rows, tree, row_signature)
         return run
 
-    def _compile(self, rows: int, tree: Any, row_templates: tuple[Template, ...]) -> Callable[[Any], Any]:
+    def _compile(self, rows: int, tree: Any, row_signature: RowSignature) -> Callable[[Any], Any]:
         serving = self.serving
         if serving.compiler_name == EAGER:
             return serving.fn
-        templates = jax.tree_util.tree_unflatten(tree, [Template((rows, *t.shape), t.dtype) for t in row_templates])
+        templates = jax.tree_util.tree_unflatten(tree, [Template((rows, *shape), dtype) for shape, dtype in row_signature])
         with defn_errors():
             executable = compilers.get(serving.compiler_name).compile(serving.fn, [templates], self.options)
         self._on_compile()
@@ -79,7 +79,7 @@ class Executor:
     def execute(self, batch: Batch) -> Any:
         """Run one batch (``batch.size`` rows padded by ``batch.pad``); outputs cut to the real rows, as numpy."""
         rows = batch.size + batch.pad
-        run = self.compiled(rows, batch.tree, batch.row_templates)
+        run = self.compiled(rows, batch.tree, batch.rows)
         outputs = run(batch.materialize())
         return _cut_rows(outputs, rows, batch.size)
 
@@ -184,12 +184,12 @@ class Serving:
             per_device = compilers.get(self.compiler_name).partitions(self.compiler_options)
         return [per_device[i % len(per_device)] for i in range(self.partitions)]
 
-    def template_signature(self) -> tuple[Any, tuple[Template, ...]] | None:
-        """The (structure, per-row templates) of ``input_template``, or None."""
+    def template_signature(self) -> tuple[Any, RowSignature] | None:
+        """The (structure, per-row signature) batches shaped like ``input_template`` have, or None."""
         if self.input_template is None:
             return None
         leaves, tree = jax.tree_util.tree_flatten(self.input_template)
-        return tree, tuple(leaves)
+        return tree, tuple((t.shape, t.dtype) for t in leaves)
 
     def to_batch(self, value: Any) -> Batch:
         """The caller's input as a Batch: through ``preprocess`` when given, else it must be one."""
