@@ -107,6 +107,33 @@ def test_run_node_hook_sees_subgraph_nodes_too():
     assert interpreter.primitives.count("sin") == 3, "the loop body runs through the same hook"
 
 
+def test_generated_path_frees_the_input_early_and_names_failing_nodes():
+    assert js.Interpreter(js.trace(lambda x: x + 1, np.ones(2)))._straight_line is not None
+    assert RecordingInterpreter(js.trace(lambda x: x + 1, np.ones(2)))._straight_line is None, "hooks use the loop"
+    seen = []
+
+    def fn(v):
+        y = jnp.sin(v) * 2
+        jax.debug.callback(lambda _: seen.append(watched() is None), y)
+        return y + 1
+
+    x = np.ones(1000, np.float32)
+    watched = weakref.ref(x)
+    graph = js.trace(fn, x)
+    args = [x]
+    del x
+    out = js.Interpreter(graph).boxed_run(args)
+    assert args == [] and seen == [True], "the input was freed before the callback ran"
+    np.testing.assert_allclose(out, np.sin(1.0) * 2 + 1, rtol=1e-6)
+
+    def failing(_):
+        raise FloatingPointError("bad value")
+
+    graph = js.trace(lambda v: (jax.debug.callback(failing, v), v * 2)[1], np.ones(2, np.float32))
+    with pytest.raises(js.EvaluationError, match=r"^While executing debug_callback\[.*FloatingPointError: bad value"):
+        js.Interpreter(graph).run(np.ones(2, np.float32))
+
+
 def test_error_names_the_node_and_chains_the_cause():
     class Failing(js.Interpreter):
         def run_node(self, node, args):

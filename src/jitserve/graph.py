@@ -88,6 +88,8 @@ class Graph:
         types = ", ".join(str(_aval_template(v.aval)) for v in eqn.outvars)
         inputs = " ".join(self.atom(a) for a in eqn.invars)
         bracket = f"[{params}]" if params else ""
+        if not eqn.outvars:  # run for its effect (a debug callback): nothing to name
+            return f"{eqn.primitive.name}{bracket} {inputs}"
         return f"{results} = {eqn.primitive.name}{bracket} {inputs} : {types}"
 
     def lines(self) -> Iterator[str]:

@@ -10,10 +10,16 @@ that frees every value, inputs included, right after its last use.
 takes the arguments out of the caller's list and clears it, so that the
 caller holds no reference and inputs can be freed early. ``run_node`` is the
 hook subclasses override to trace, count or check each node.
+
+When ``run_node`` is not overridden, the prepared nodes are also written out
+as one straight-line Python function (as torch.fx's GraphModule does), with
+the same calls, dtype checks and ``del`` after each value's last use: the same
+semantics without the loop's per-node bookkeeping.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -103,6 +109,44 @@ class Interpreter:
         self._dead_inputs: list[int] = []
         if free_after_last_use:
             self._plan_frees(fixed)
+        self._straight_line = self._generate() if type(self).run_node is Interpreter.run_node else None
+
+    def _generate(self) -> Callable[[list[Any]], list[Any]]:
+        """The nodes as one generated function ``run(args) -> outputs`` (clears ``args``)."""
+        namespace: dict[str, Any] = {"asarray": np.asarray, "ndarray": np.ndarray, "EvaluationError": EvaluationError,
+                                     "nodes": self.nodes}
+        for slot, value in enumerate(self._initial):
+            if value is not None:
+                namespace[f"s{slot}"] = value
+        dead = set(self._dead_inputs)
+        lines = ["def run(args):"]
+        lines += [f"    s{slot} = asarray(args[{position}])" for position, slot in enumerate(self._input_slots)
+                  if slot not in dead]
+        lines += ["    args.clear()", "    try:", "        k = -1"]
+        for node in self.nodes:
+            k = node.index
+            namespace[f"f{k}"] = node.impl
+            operands = ", ".join(f"s{slot}" for slot in node.inputs)
+            if node.params:
+                namespace[f"p{k}"] = node.params
+                operands += f"{', ' if operands else ''}**p{k}"
+            lines += [f"        k = {k}", f"        r = f{k}({operands})"]
+            for position, slot in enumerate(node.outputs):
+                if slot is None:
+                    continue
+                dtype = f"d{k}_{position}"
+                namespace[dtype] = node.out_dtypes[position]
+                value = f"r[{position}]" if node.multiple_results else "r"
+                lines.append(f"        v = {value}")
+                lines.append(f"        s{slot} = v if type(v) is ndarray and v.dtype == {dtype} else asarray(v, {dtype})")
+            if node.free:
+                lines.append(f"        del {', '.join(f's{slot}' for slot in node.free)}")
+        lines += ["    except Exception as error:",
+                  "        raise EvaluationError(f'While executing {nodes[k]}: {type(error).__name__}: {error}') "
+                  "from error",
+                  f"    return [{', '.join(f's{slot}' for slot in self._output_slots)}]"]
+        exec(compile("\n".join(lines), f"<jitserve graph {self.graph.name}>", "exec"), namespace)  # noqa: S102
+        return namespace["run"]
 
     def _prepare_params(self, primitive: str, params: dict[str, Any]) -> dict[str, Any]:
         """The node's parameters, with sub-graphs replaced by interpreters of the same class."""
@@ -146,6 +190,8 @@ class Interpreter:
         """Run on flat arguments (the list is cleared) and return the flat outputs."""
         if len(args_list) != len(self._input_slots):
             raise TypeError(f"graph {self.graph.name} takes {len(self._input_slots)} inputs, got {len(args_list)}")
+        if self._straight_line is not None:
+            return self._straight_line(args_list)
         env = self._initial.copy()
         for position, slot in enumerate(self._input_slots):
             env[slot] = np.asarray(args_list[position])
