@@ -351,3 +351,27 @@ def test_async_timeout_withdraws_the_request():
 
     with js.serve(serving, name="async-slow"):
         assert asyncio.run(main()).tolist() == [[1]]
+
+
+def test_cancelled_async_caller_takes_its_rows_off_the_queue():
+    gate = threading.Event()
+    ran = []
+    serving = js.Serving(lambda x: (ran.append(x.copy()), gate.wait(10), x)[2], batch_size=1, batch_timeout=0,
+                         compiler="eager")
+
+    async def main(server):
+        first = asyncio.ensure_future(js.batched_run_async("cancel", js.Batch.stack([np.array([1])])))
+        while server.stats()["in_flight"] == 0:
+            await asyncio.sleep(0.001)
+        second = asyncio.ensure_future(js.batched_run_async("cancel", js.Batch.stack([np.array([2])])))
+        await asyncio.sleep(0.02)
+        second.cancel()
+        await asyncio.sleep(0.02)
+        gate.set()
+        return await first
+
+    with js.serve(serving, name="cancel") as server:
+        assert asyncio.run(main(server)).tolist() == [[1]]
+        stats = server.stats()
+    assert [r.tolist() for r in ran] == [[[1]]], "the cancelled caller's rows never ran"
+    assert stats["cancelled"] == 1 and stats["queue_depth"] == 0

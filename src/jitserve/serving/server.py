@@ -107,7 +107,7 @@ class Server:
         self._listeners: list[Callable[[BatchReport], None]] = []
         self._stats: dict[str, Any] = {
             "requests": 0, "batches": 0, "rows": 0, "padded_rows": 0, "compiles": 0, "errors": 0,
-            "rejected": 0, "timeouts": 0, "queue_depth": 0, "batch_sizes": {}, "queue_wait_s": 0.0,
+            "rejected": 0, "timeouts": 0, "cancelled": 0, "queue_depth": 0, "batch_sizes": {}, "queue_wait_s": 0.0,
             "execution_s": 0.0,
         }
         self._partitions = [
@@ -221,22 +221,27 @@ class Server:
     def result(self, request: _Request, timeout: float | None) -> Any:
         """Wait for the request; on ``timeout`` before its rows started, withdraw it and raise TimeoutError."""
         if not request.done.acquire(timeout=-1 if timeout is None else timeout):
-            if self._withdraw(request):
+            if self._withdraw(request, timed_out=True):
                 raise self._timeout_error(timeout)
             request.done.acquire()
         return self._outcome(request)
 
     async def result_async(self, request: _Request, timeout: float | None) -> Any:
-        """``result`` for a request submitted with its event loop."""
-        if timeout is None:
-            await request.future
-        else:
-            try:
-                await asyncio.wait_for(asyncio.shield(request.future), timeout)
-            except TimeoutError:
-                if self._withdraw(request):
-                    raise self._timeout_error(timeout) from None
+        """``result`` for a request submitted with its event loop. A caller cancelled before its rows
+        started (a client that went away) takes them off the queue."""
+        try:
+            if timeout is None:
                 await request.future
+            else:
+                try:
+                    await asyncio.wait_for(asyncio.shield(request.future), timeout)
+                except TimeoutError:
+                    if self._withdraw(request, timed_out=True):
+                        raise self._timeout_error(timeout) from None
+                    await request.future
+        except asyncio.CancelledError:
+            self._withdraw(request, timed_out=False)
+            raise
         return self._outcome(request)
 
     def _timeout_error(self, timeout: float | None) -> TimeoutError:
@@ -250,7 +255,7 @@ class Server:
             parts.sort(key=lambda part: part[0])
         return self.serving.finish(concatenate_outputs([outputs for _, outputs in parts]))
 
-    def _withdraw(self, request: _Request) -> bool:
+    def _withdraw(self, request: _Request, timed_out: bool) -> bool:
         """Take a request that has not started off the queues; False if its rows already started."""
         with self._cond:
             if request.started:
@@ -262,7 +267,7 @@ class Server:
                     self._queue_depth -= piece.batch.size
                 if not queue:
                     del self._queues[signature], self._queued_rows[signature]
-            self._stats["timeouts"] += 1
+            self._stats["timeouts" if timed_out else "cancelled"] += 1
             return True
 
     # partitions ------------------------------------------------------------------------------
