@@ -23,10 +23,8 @@ import argparse
 import http.client
 import json
 import socket
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jitserve as js
+from jitserve.loadtest import closed_loop
 
 BATCH, TIMEOUT, FEATURES = 64, 0.002, 256
 rng = np.random.default_rng(0)
@@ -104,32 +103,6 @@ def wait_ready(port: int, path: str, process: subprocess.Popen, seconds: float =
     raise SystemExit(f"server on port {port} not ready in {seconds} s")
 
 
-def closed_loop(make_call, callers: int, seconds: float) -> tuple[float, list[float]]:
-    latencies: list[float] = []
-    rows = [0]
-    lock = threading.Lock()
-    stop_at = time.perf_counter() + seconds
-
-    def worker(seed: int) -> None:
-        call = make_call(seed)
-        mine = []
-        while time.perf_counter() < stop_at:
-            started = time.perf_counter()
-            call()
-            mine.append(time.perf_counter() - started)
-        with lock:
-            latencies.extend(mine)
-            rows[0] += len(mine)
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(callers)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return rows[0] / (time.perf_counter() - start), latencies
-
-
 def tritonclient_caller(port: int):
     import tritonclient.http as httpclient
 
@@ -139,9 +112,9 @@ def tritonclient_caller(port: int):
         tensor = httpclient.InferInput("input", [1, FEATURES], "FP32")
         tensor.set_data_from_numpy(x)
 
-        def call():
-            out = client.infer("mlp", [tensor]).as_numpy("output")
-            assert out.shape == (1, FEATURES)
+        def call() -> int:
+            assert client.infer("mlp", [tensor]).as_numpy("output").shape == (1, FEATURES)
+            return 1
         return call
     return make
 
@@ -152,11 +125,12 @@ def json_caller(port: int, path: str, body_of):
         x = np.random.default_rng(seed).normal(size=(FEATURES,)).astype(np.float32)
         body = json.dumps(body_of(x)).encode()
 
-        def call():
+        def call() -> int:
             connection.request("POST", path, body, {"Content-Type": "application/json"})
             response = connection.getresponse()
             data = response.read()
             assert response.status == 200, data
+            return 1
         return call
     return make
 
@@ -205,16 +179,14 @@ def main() -> None:
     print("| server, client | requests/s | p50 ms | p99 ms |")
     print("|---|---|---|---|")
     rows = list(results.items()) + ([("LitServe, plain HTTP + JSON", litserve_result)] if litserve_result else [])
-    for label, (rate, latencies) in rows:
-        q = statistics.quantiles(latencies, n=100)
-        print(f"| {label} | {rate:,.0f} | {q[49] * 1e3:.2f} | {q[98] * 1e3:.2f} |")
+    for label, load in rows:
+        print(f"| {label} | {load.rows_per_s:,.0f} | {load.percentile(50) * 1e3:.2f} | {load.percentile(99) * 1e3:.2f} |")
     if litserve_result is None:
         print("LitServe not installed: pip install 'jitserve[bench]'")
         return
-    lit_rate, lit_latencies = litserve_result
-    for label, (rate, latencies) in results.items():
-        p99, lit_p99 = statistics.quantiles(latencies, n=100)[98], statistics.quantiles(lit_latencies, n=100)[98]
-        print(f"{label}: {rate / lit_rate:.2f}x LitServe's throughput, p99 {p99 * 1e3:.1f} ms vs {lit_p99 * 1e3:.1f} ms")
+    for label, load in results.items():
+        print(f"{label}: {load.rows_per_s / litserve_result.rows_per_s:.2f}x LitServe's throughput, "
+              f"p99 {load.percentile(99) * 1e3:.1f} ms vs {litserve_result.percentile(99) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

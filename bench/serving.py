@@ -18,10 +18,8 @@ In one run, on an MLP (256 -> 1024 -> 256, float32, ReLU) compiled with XLA:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import statistics
-import threading
 import time
 
 import jax
@@ -29,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jitserve as js
+from jitserve.loadtest import closed_loop, closed_loop_async
 
 BATCH = 64
 rng = np.random.default_rng(0)
@@ -51,78 +50,32 @@ def raw_rows_per_s(seconds: float) -> float:
     return calls * BATCH / (time.perf_counter() - start)
 
 
-def closed_loop(call, callers: int, seconds: float, sizes=lambda r: 1) -> tuple[float, list[float]]:
-    """``callers`` threads calling back to back for ``seconds``; returns rows/s and latencies."""
-    latencies: list[float] = []
-    rows_done = [0]
-    lock = threading.Lock()
-    stop_at = time.perf_counter() + seconds
-
-    def worker(seed: int) -> None:
-        local = random.Random(seed)
-        x = np.random.default_rng(seed).normal(size=(BATCH, 256)).astype(np.float32)
-        mine, rows = [], 0
-        while time.perf_counter() < stop_at:
-            n = sizes(local)
-            started = time.perf_counter()
-            out = call(x[:n])
-            mine.append(time.perf_counter() - started)
-            assert out.shape == (n, 256)
-            rows += n
-        with lock:
-            latencies.extend(mine)
-            rows_done[0] += rows
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(callers)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return rows_done[0] / (time.perf_counter() - start), latencies
-
-
-def closed_loop_async(name: str, callers: int, seconds: float) -> tuple[float, list[float]]:
-    """``callers`` asyncio tasks in one event loop calling ``batched_run_async`` back to back."""
-    latencies: list[float] = []
-
-    async def worker(seed: int, stop_at: float) -> int:
-        x = np.random.default_rng(seed).normal(size=(1, 256)).astype(np.float32)
-        rows = 0
-        while time.perf_counter() < stop_at:
-            started = time.perf_counter()
-            out = await js.batched_run_async(name, js.Batch.concatenate([x]))
-            latencies.append(time.perf_counter() - started)
-            assert out.shape == (1, 256)
-            rows += 1
-        return rows
-
-    async def main() -> float:
-        start = time.perf_counter()
-        rows = await asyncio.gather(*(worker(s, start + seconds) for s in range(callers)))
-        return sum(rows) / (time.perf_counter() - start)
-
-    return asyncio.run(main()), latencies
-
-
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
-
-
 def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bool = False,
            partitions: int = 1) -> dict:
     serving = js.Serving(mlp, batch_size=BATCH, batch_timeout=batch_timeout, partitions=partitions,
                          input_template=js.template((256,), "float32"))
+
+    def make_call(seed: int):
+        local = random.Random(seed)
+        x = np.random.default_rng(seed).normal(size=(BATCH, 256)).astype(np.float32)
+
+        def call() -> int:
+            n = sizes(local)
+            assert js.batched_run(name, js.Batch.concatenate([x[:n]])).shape == (n, 256)
+            return n
+
+        async def call_async() -> int:
+            assert (await js.batched_run_async(name, js.Batch.concatenate([x[:1]]))).shape == (1, 256)
+            return 1
+
+        return call_async if use_async else call
+
     with js.serve(serving, name=name) as server:
-        if use_async:
-            rows_per_s, latencies = closed_loop_async(name, BATCH, seconds)
-        else:
-            rows_per_s, latencies = closed_loop(lambda x: js.batched_run(name, js.Batch.concatenate([x])),
-                                                BATCH, seconds, sizes)
+        load = (closed_loop_async if use_async else closed_loop)(make_call, BATCH, seconds)
         stats = server.stats()
     executed = sum(size * count for size, count in stats["batch_sizes"].items())
     return {
-        "rows_per_s": rows_per_s, "p50": percentile(latencies, 50), "p99": percentile(latencies, 99),
+        "rows_per_s": load.rows_per_s, "p50": load.percentile(50), "p99": load.percentile(99),
         "mean_batch": stats["rows"] / stats["batches"], "waste": stats["padded_rows"] / executed,
         "compiles": stats["compiles"],
     }
@@ -147,12 +100,17 @@ def ray_serve(seconds: float, batch_timeout: float) -> dict | None:
 
     handle = serve.run(MLP.bind(), name="mlp", route_prefix=None)
     handle.remote(np.zeros((1, 256), np.float32)).result()
+
+    def make_call(seed: int):
+        x = np.random.default_rng(seed).normal(size=(1, 256)).astype(np.float32)
+        return lambda: (handle.remote(x).result(), 1)[1]
+
     try:
-        rows_per_s, latencies = closed_loop(lambda x: handle.remote(x).result(), BATCH, seconds)
+        load = closed_loop(make_call, BATCH, seconds)
     finally:
         serve.shutdown()
         ray.shutdown()
-    return {"rows_per_s": rows_per_s, "p50": percentile(latencies, 50), "p99": percentile(latencies, 99)}
+    return {"rows_per_s": load.rows_per_s, "p50": load.percentile(50), "p99": load.percentile(99)}
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
-"""The ``jitserve`` command line: ``serve``, ``demo``, ``devices`` and ``mlir``.
+"""The ``jitserve`` command line: ``serve``, ``bench``, ``demo``, ``devices`` and ``mlir``.
 
 ``serve TARGET`` serves a ``Serving`` (or a dict of name -> Serving) named by
 ``path/to/file.py:attr`` or ``package.module:attr`` over HTTP and gRPC with
-the Open Inference Protocol. ``demo`` is seed 001/002's table for this
+the Open Inference Protocol. ``bench TARGET`` serves it in process and drives
+it with closed-loop callers for a while. ``demo`` is seed 001/002's table for this
 machine: softmax on 1,000, 1,000,000 and 1000x1000x5 elements with every
 installed compiler, next to numpy eager.
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 from . import compilers
 from .defn import devices, jit, to_mlir
+from .template import Template
 
 DEMO_SHAPES: dict[str, tuple[int, ...]] = {
     "1,000": (1_000,),
@@ -121,11 +123,10 @@ def load_target(target: str) -> Any:
         raise SystemExit(f"{location} has no attribute {attribute!r}") from None
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    from .protocol import app
+def load_servings(args: argparse.Namespace) -> dict[str, Any]:
+    """The target's servings by name, with the command line's overrides applied."""
     from .serving import Serving
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     found = load_target(args.target)
     servings = found if isinstance(found, dict) else {args.name or args.target.rpartition(":")[2]: found}
     changes = {k: v for k, v in [("batch_size", args.batch_size), ("batch_timeout", args.batch_timeout),
@@ -134,8 +135,54 @@ def serve_command(args: argparse.Namespace) -> int:
         if not isinstance(serving, Serving):
             raise SystemExit(f"{args.target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving")
         servings[name] = serving.replace(**changes) if changes else serving
-    app.run(servings, host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
+    return servings
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from .protocol import app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app.run(load_servings(args), host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
             request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes)
+    return 0
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from .batch import Batch
+    from .loadtest import closed_loop, closed_loop_async
+    from .serving import batched_run, batched_run_async, serve
+
+    servings = load_servings(args)
+    name = args.name if args.name in servings else next(iter(servings))
+    serving = servings[name]
+    if serving.input_template is None:
+        raise SystemExit(f"model '{name}' has no input_template: jitserve bench needs one to make inputs")
+
+    def make_call(seed: int) -> Any:
+        rng = np.random.default_rng(seed)
+        entry = jax.tree_util.tree_map(lambda t: rng.uniform(size=(args.rows, *t.shape)).astype(t.dtype),
+                                       serving.input_template, is_leaf=lambda x: isinstance(x, Template))
+        batch = Batch.concatenate([entry])
+
+        async def call_async() -> int:
+            await batched_run_async(name, batch)
+            return args.rows
+
+        return call_async if args.use_async else (lambda: (batched_run(name, batch), args.rows)[1])
+
+    with serve(serving, name=name) as server:
+        before = server.stats()
+        load = (closed_loop_async if args.use_async else closed_loop)(make_call, args.callers, args.seconds)
+        stats = server.stats()
+    batches = stats["batches"] - before["batches"]
+    executed = sum(size * count for size, count in stats["batch_sizes"].items())
+    print(f"model '{name}': {serving!r}, {args.callers} {'asyncio tasks' if args.use_async else 'threads'} "
+          f"x {args.rows} rows per request, {args.seconds:g} s")
+    print("| rows/s | p50 ms | p99 ms | mean batch | padding waste | compiles during load |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {load.rows_per_s:,.0f} | {load.percentile(50) * 1e3:.2f} | {load.percentile(99) * 1e3:.2f} "
+          f"| {(stats['rows'] - before['rows']) / max(batches, 1):.1f} "
+          f"| {100 * stats['padded_rows'] / max(executed, 1):.1f}% | {stats['compiles'] - before['compiles']} |")
     return 0
 
 
@@ -155,6 +202,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
     serve_parser.add_argument("--max-body-bytes", type=int, default=64 * 2**20, help="largest request body")
     serve_parser.set_defaults(run=serve_command)
+    bench_parser = commands.add_parser("bench", help="drive a Serving in process with closed-loop callers")
+    bench_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")
+    bench_parser.add_argument("--name", help="which model of a dict (default: the first)")
+    bench_parser.add_argument("--callers", type=int, default=32, help="concurrent callers")
+    bench_parser.add_argument("--seconds", type=float, default=5.0, help="how long to drive it")
+    bench_parser.add_argument("--rows", type=int, default=1, help="rows per request")
+    bench_parser.add_argument("--async", dest="use_async", action="store_true", help="asyncio callers, not threads")
+    for option in ("--batch-size", "--batch-timeout", "--compiler"):
+        bench_parser.add_argument(option, type={"--batch-size": int, "--batch-timeout": float}.get(option, str),
+                                  help="override the serving's " + option[2:].replace("-", "_"))
+    bench_parser.set_defaults(run=bench_command)
     demo_parser = commands.add_parser("demo", help="softmax with every installed compiler vs numpy")
     demo_parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per cell")
     demo_parser.set_defaults(run=demo)

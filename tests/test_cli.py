@@ -1,0 +1,81 @@
+"""The command line: devices, mlir, demo's table and bench, run as a user would."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import jitserve as js
+from jitserve.cli import main
+from jitserve.loadtest import closed_loop, closed_loop_async
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jitserve", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_devices(capsys):
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^xla\s+xla:cpu:0\s+cpu$", out, re.M)
+    assert "evaluator:cpu:0" in out
+
+
+def test_mlir_prints_stablehlo(capsys):
+    assert main(["mlir", "jitserve.cli:softmax", "--shape", "2x3"]) == 0
+    out = capsys.readouterr().out
+    assert "func.func public @main(%arg0: tensor<2x3xf32>)" in out and "stablehlo.exponential" in out
+
+
+def test_demo_prints_a_row_per_size_and_compiler():
+    result = run_cli("demo", "--budget", "0.01")
+    assert result.returncode == 0, result.stderr
+    header = result.stdout.splitlines()[0]
+    assert "numpy eager" in header and "xla" in header and "evaluator" in header
+    for size in ["| 1,000 ", "| 1,000,000 ", "| 1000x1000x5 "]:
+        assert size in result.stdout
+
+
+def test_bench_drives_a_serving_and_reports():
+    result = run_cli("bench", "examples/mlp.py:serving", "--seconds", "0.5", "--callers", "4", "--rows", "3")
+    assert result.returncode == 0, result.stderr
+    row = result.stdout.strip().splitlines()[-1]
+    rate, p50, p99, mean_batch, waste, compiles = [cell.strip() for cell in row.strip("|").split("|")]
+    assert float(rate.replace(",", "")) > 0 and float(p99) >= float(p50) > 0
+    assert 3 <= float(mean_batch) <= 32 and compiles == "0"
+    result = run_cli("bench", "examples/mlp.py:serving", "--seconds", "0.3", "--async", "--batch-size", "8")
+    assert result.returncode == 0, result.stderr
+    assert "batch_size=8" in result.stdout and "asyncio tasks" in result.stdout
+
+
+def test_bad_target_is_a_clear_error():
+    result = run_cli("serve", "examples/mlp.py")
+    assert result.returncode != 0
+    assert "TARGET must look like path/to/file.py:attr or package.module:attr" in result.stderr
+    result = run_cli("serve", "examples/mlp.py:W1")
+    assert "'W1' is a ndarray, not a jitserve.Serving" in result.stderr
+
+
+def test_closed_loops_count_rows_and_latencies():
+    serving = js.Serving(lambda x: x + 1, batch_size=4, batch_timeout=0.001, compiler="eager")
+    with js.serve(serving, name="loadtest"):
+        batch = js.Batch.stack([np.ones(2)])
+        threads = closed_loop(lambda seed: lambda: (js.batched_run("loadtest", batch), 1)[1], 3, 0.2)
+
+        def make_async(seed):
+            async def call():
+                await js.batched_run_async("loadtest", batch)
+                return 1
+            return call
+
+        tasks = closed_loop_async(make_async, 3, 0.2)
+    for load in (threads, tasks):
+        assert load.calls == len(load.latencies) > 0 and load.rows_per_s > 0
+        assert load.percentile(99) >= load.percentile(50) > 0
