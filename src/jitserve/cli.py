@@ -26,7 +26,7 @@ import numpy as np
 
 from . import compilers
 from .defn import devices, jit, to_mlir
-from .template import Template
+from .template import is_template
 
 DEMO_SHAPES: dict[str, tuple[int, ...]] = {
     "1,000": (1_000,),
@@ -161,7 +161,7 @@ def bench_command(args: argparse.Namespace) -> int:
     def make_call(seed: int) -> Any:
         rng = np.random.default_rng(seed)
         entry = jax.tree_util.tree_map(lambda t: rng.uniform(size=(args.rows, *t.shape)).astype(t.dtype),
-                                       serving.input_template, is_leaf=lambda x: isinstance(x, Template))
+                                       serving.input_template, is_leaf=is_template)
         batch = Batch.concatenate([entry])
 
         async def call_async() -> int:

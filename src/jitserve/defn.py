@@ -23,7 +23,7 @@ import jax
 
 from . import compilers
 from . import defaults as _defaults
-from .compilers.base import Device, Executable
+from .compilers.base import COMMON_OPTIONS, Device, Executable
 from .errors import DefnError
 from .template import Template, templates_of
 
@@ -94,7 +94,7 @@ def resolve_options(explicit: Mapping[str, Any]) -> tuple[compilers.Compiler, di
     merged = _defaults.current().merge(explicit)
     compiler = compilers.get(merged["compiler"])
     compiler.check_options(explicit)
-    accepted = compiler.options | {"compiler", "cache_dir"}
+    accepted = compiler.options | COMMON_OPTIONS
     return compiler, {k: v for k, v in merged.items() if k in accepted}
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from .compilers.base import Device
 from .defaults import CACHE_DIR_ENV
 from .errors import CompileError, OptionError, TemplateMismatchError
-from .template import Template, template_of
+from .template import Template, is_template, template_of
 
 DEFAULT_DRIVER = "local-task"
 
@@ -282,7 +282,7 @@ def compile(mlir_text: str, flags: Sequence[str] = (), output_container: Any = N
         flags.append("--iree-input-type=stablehlo")
     vmfb = compile_cache.get_or_compile(mlir_text, flags, cache_dir)
     container = None if output_container is None else jax.tree_util.tree_map(
-        template_of, output_container, is_leaf=lambda x: isinstance(x, Template))
+        template_of, output_container, is_leaf=is_template)
     return Module(vmfb, tuple(flags), mlir_text, container)
 
 

@@ -44,10 +44,6 @@ class Template:
     def __repr__(self) -> str:
         return f"template({self.shape!r}, {self.dtype.name!r})"
 
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
     def abstract(self) -> jax.ShapeDtypeStruct:
         """The ``jax.ShapeDtypeStruct`` JAX traces with."""
         return jax.ShapeDtypeStruct(self.shape, self.dtype, weak_type=self.weak_type)
@@ -78,19 +74,20 @@ def template_of(value: Any) -> Template:
     return Template(shape, dtype, weak_type=bool(getattr(value, "weak_type", False)))
 
 
-def is_leaf_template(value: Any) -> bool:
+def is_template(value: Any) -> bool:
+    """For ``is_leaf=``: a Template is a leaf of a pytree of templates."""
     return isinstance(value, Template)
 
 
 def templates_of(tree: Any) -> Any:
     """The pytree of templates for a pytree of values or templates."""
-    return jax.tree_util.tree_map(template_of, tree, is_leaf=is_leaf_template)
+    return jax.tree_util.tree_map(template_of, tree, is_leaf=is_template)
 
 
 def abstract_tree(tree: Any) -> Any:
     """The pytree of ``jax.ShapeDtypeStruct`` for a pytree of values or templates."""
     return jax.tree_util.tree_map(
-        lambda leaf: template_of(leaf).abstract(), tree, is_leaf=is_leaf_template
+        lambda leaf: template_of(leaf).abstract(), tree, is_leaf=is_template
     )
 
 

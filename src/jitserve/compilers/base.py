@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import jax
 
 from ..errors import OptionError
-from ..template import Template, check_arguments, template_of, templates_of
+from ..template import Template, check_arguments, is_template, template_of, templates_of
 
 COMMON_OPTIONS = frozenset({"compiler", "cache_dir"})
 
@@ -136,5 +136,5 @@ class SignatureDispatcher:
 
 def flat_templates(templates: Sequence[Any]) -> tuple[list[Template], Any]:
     """The flat list of templates of a pytree of templates or values, and its structure."""
-    leaves, tree = jax.tree_util.tree_flatten(tuple(templates), is_leaf=lambda x: isinstance(x, Template))
+    leaves, tree = jax.tree_util.tree_flatten(tuple(templates), is_leaf=is_template)
     return [template_of(leaf) for leaf in leaves], tree

@@ -22,7 +22,7 @@ from ..batch import Batch
 from ..errors import ProtocolError
 from ..serving.server import Server
 from ..serving.serving import EAGER
-from ..template import Template
+from ..template import Template, is_template
 
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -93,7 +93,7 @@ def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.nda
 def _tensor_names(tree: Any, prefix: str) -> list[str]:
     """Names of the leaves of a structure: dict keys, ``prefix`` for one array, ``prefix_i`` for tuples."""
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, Template))[0]]
+        tree, is_leaf=is_template)[0]]
     names = []
     for path in paths:
         parts = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
@@ -141,13 +141,13 @@ class ModelSpec:
     def _infer_outputs(self) -> list[TensorSpec]:
         serving = self.server.serving
         one_row = jax.tree_util.tree_map(lambda t: Template((1, *t.shape), t.dtype), serving.input_template,
-                                         is_leaf=lambda x: isinstance(x, Template))
+                                         is_leaf=is_template)
         if serving.compiler_name == EAGER:
             shapes = serving.fn(jax.tree_util.tree_map(lambda t: t.zeros(), one_row,
-                                                       is_leaf=lambda x: isinstance(x, Template)))
+                                                       is_leaf=is_template))
         else:
             shapes = jax.eval_shape(serving.fn, jax.tree_util.tree_map(
-                lambda t: t.abstract(), one_row, is_leaf=lambda x: isinstance(x, Template)))
+                lambda t: t.abstract(), one_row, is_leaf=is_template))
         leaves = jax.tree_util.tree_leaves(shapes)
         return [TensorSpec(n, datatype_of(leaf.dtype), tuple(leaf.shape[1:]))
                 for n, leaf in zip(_tensor_names(shapes, "output"), leaves)]

@@ -22,7 +22,7 @@ from .. import compilers
 from ..batch import Batch, RowSignature
 from ..defn import defn_errors, resolve_options
 from ..errors import BatchError, OptionError
-from ..template import Template, template_of
+from ..template import Template, is_template, template_of
 
 EAGER = "eager"
 OVERSIZE_MODES = ("split", "error")
@@ -152,7 +152,7 @@ class Serving:
         self.max_queue = max_queue
         self.input_template = (
             None if input_template is None
-            else jax.tree_util.tree_map(template_of, input_template, is_leaf=lambda x: isinstance(x, Template))
+            else jax.tree_util.tree_map(template_of, input_template, is_leaf=is_template)
         )
         self.preprocess = preprocess
         self.postprocess = postprocess
