@@ -180,6 +180,8 @@ BAD_REQUESTS = [
     (mlp_input(data=None) | {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16]}]}, 400,
      "input 'input' has neither 'data' nor a binary_data_size parameter"),
     ({**mlp_input(), "outputs": [{"name": "logits"}]}, 400, "unknown output 'logits' for model 'mlp'; it has: output"),
+    ({**mlp_input(), "outputs": 5}, 400, "'outputs' must be a list of objects with a string 'name'"),
+    (mlp_input(shape=[0] * 70, data=[]), 400, "input 'input': shape has 70 dimensions; at most 32 are supported"),
 ]
 
 
@@ -298,17 +300,20 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70
 tensors = st.fixed_dictionaries(
     {"name": st.sampled_from(["input", "x", "scale", ""]),
      "datatype": st.sampled_from(["FP32", "FP64", "INT32", "BOOL", "BYTES", "UINT8", "??"]),
-     "shape": st.one_of(st.lists(st.integers(-2, 20), max_size=3), json_values)},
+     "shape": st.one_of(st.lists(st.integers(-2, 20), max_size=3), st.lists(st.just(0), min_size=30, max_size=80),
+                        json_values)},
     optional={"data": st.one_of(st.lists(st.floats(width=32) | st.integers(-5, 5), max_size=40), json_values),
               "parameters": st.one_of(st.fixed_dictionaries({"binary_data_size": st.integers(-4, 100)}), json_values)})
 bodies = st.one_of(
-    st.fixed_dictionaries({"inputs": st.lists(tensors, max_size=3)},
-                          optional={"outputs": st.lists(st.fixed_dictionaries({"name": st.text(max_size=6)}), max_size=2),
-                                    "parameters": json_values}),
+    st.fixed_dictionaries({"inputs": st.one_of(st.lists(tensors, max_size=3), json_values)},
+                          optional={"outputs": st.one_of(st.lists(st.fixed_dictionaries({"name": st.text(max_size=6)}),
+                                                                  max_size=2), json_values),
+                                    "parameters": json_values, "id": json_values}),
     json_values)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies, model=st.sampled_from(["mlp", "affine", "ints", "missing"]))
 def test_fuzz_infer_never_5xx_never_hangs(server, body, model):
     status, _, data = server.request("POST", f"/v2/models/{model}/infer", json.dumps(body).encode(), timeout=10)

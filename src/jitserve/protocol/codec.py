@@ -51,10 +51,15 @@ def dtype_of(tensor: str, datatype: str) -> np.dtype:
     return dtype
 
 
+MAX_RANK = 32
+
+
 def check_shape(tensor: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                         for d in shape):
         raise ProtocolError(f"input '{tensor}': shape must be a list of non-negative integers, got {shape!r}")
+    if len(shape) > MAX_RANK:
+        raise ProtocolError(f"input '{tensor}': shape has {len(shape)} dimensions; at most {MAX_RANK} are supported")
     return tuple(shape)
 
 

@@ -203,8 +203,11 @@ def _decode_request(request: dict[str, Any], binary: memoryview
             raise ProtocolError(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
     parameters = request.get("parameters") or {}
     binary_all = bool(parameters.get("binary_data_output", False)) if isinstance(parameters, dict) else False
+    outputs = request.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise ProtocolError("'outputs' must be a list of objects with a string 'name'")
     requested: list[tuple[str, bool | None]] = []
-    for output in request.get("outputs") or []:
+    for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise ProtocolError("each requested output must be an object with a string 'name'")
         output_parameters = output.get("parameters") or {}
