@@ -161,7 +161,8 @@ class Module:
     flags: tuple[str, ...]
     mlir_module: str
     output_container: Any = None
-    _functions: dict[tuple[str, str], Callable[..., Any]] = field(default_factory=dict, repr=False)
+    # keyed by (device as given, name) and by (device URI, name)
+    _functions: dict[tuple[Any, str], Callable[..., Any]] = field(default_factory=dict, repr=False)
     _signatures: dict[str, list[Template | None]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -57,10 +57,10 @@ class _Request:
         self.error: BaseException | None = None
         self.started = False
         self.loop = loop
+        self.done = threading.Lock()
+        self.future: asyncio.Future[None] | None = None
         if loop is None:
-            self.done = threading.Lock()
             self.done.acquire()
-            self.future = None
         else:
             self.future = loop.create_future()
 
@@ -68,7 +68,7 @@ class _Request:
 def _resolve_futures(requests: list[_Request]) -> None:
     """On an event loop: wake the asyncio callers whose requests finished (one hop per loop and batch)."""
     for request in requests:
-        if not request.future.done():
+        if request.future is not None and not request.future.done():
             request.future.set_result(None)
 
 
@@ -229,16 +229,19 @@ class Server:
     async def result_async(self, request: _Request, timeout: float | None) -> Any:
         """``result`` for a request submitted with its event loop. A caller cancelled before its rows
         started (a client that went away) takes them off the queue."""
+        future = request.future
+        if future is None:
+            raise TypeError("result_async needs a request submitted with its event loop")
         try:
             if timeout is None:
-                await request.future
+                await future
             else:
                 try:
-                    await asyncio.wait_for(asyncio.shield(request.future), timeout)
+                    await asyncio.wait_for(asyncio.shield(future), timeout)
                 except TimeoutError:
                     if self._withdraw(request, timed_out=True):
                         raise self._timeout_error(timeout) from None
-                    await request.future
+                    await future
         except asyncio.CancelledError:
             self._withdraw(request, timed_out=False)
             raise
