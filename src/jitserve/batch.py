@@ -38,9 +38,10 @@ class _Chunk:
     def cut(self, start: int, stop: int) -> "_Chunk":
         return _Chunk(self.leaves, self.start + start, self.start + stop, self.stacked)
 
-    def write(self, outs: list[np.ndarray], at: int) -> None:
-        for out, leaf in zip(outs, self.leaves):
-            out[at:at + self.rows] = leaf if self.stacked else leaf[self.start:self.stop]
+    def view(self, leaf: int) -> np.ndarray:
+        """This chunk's rows of one leaf, with the row axis, as a view (no copy)."""
+        array = self.leaves[leaf]
+        return array[None] if self.stacked else array[self.start:self.stop]
 
 
 RowSignature = tuple[tuple[tuple[int, ...], np.dtype], ...]  # (per-row shape, dtype) of each leaf
@@ -183,13 +184,12 @@ class Batch:
     def materialize(self) -> Any:
         """The rows as a pytree of arrays, zero-padded by ``pad`` rows (one allocation per leaf)."""
         total = self.size + self.pad
-        outs = [np.empty((total, *shape), dtype) for shape, dtype in self.rows]
-        at = 0
-        for chunk in self._chunks:
-            chunk.write(outs, at)
-            at += chunk.rows
-        for out in outs:
-            out[at:] = 0
+        outs = []
+        for leaf, (shape, dtype) in enumerate(self.rows):
+            out = np.empty((total, *shape), dtype)
+            np.concatenate([chunk.view(leaf) for chunk in self._chunks], out=out[:self.size])
+            out[self.size:] = 0
+            outs.append(out)
         return jax.tree_util.tree_unflatten(self.tree, outs)
 
     def __repr__(self) -> str:

@@ -62,3 +62,7 @@ class ServerExistsError(JitserveError, ValueError):
 
 class ProtocolError(JitserveError, ValueError):
     """A network request does not follow the Open Inference Protocol or does not fit the model."""
+
+
+class OutputShapeError(JitserveError, ValueError):
+    """A serving function returned outputs that are not batch-major (axis 0 = the batch's rows)."""

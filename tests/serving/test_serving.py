@@ -375,3 +375,13 @@ def test_cancelled_async_caller_takes_its_rows_off_the_queue():
         stats = server.stats()
     assert [r.tolist() for r in ran] == [[[1]]], "the cancelled caller's rows never ran"
     assert stats["cancelled"] == 1 and stats["queue_depth"] == 0
+
+
+def test_outputs_that_are_not_batch_major_are_a_clear_error():
+    serving = js.Serving(lambda x: x.sum(), batch_size=2, batch_timeout=0.001)
+    with pytest.raises(js.OutputShapeError, match=r"must return batch-major outputs .* got an output of float32\(\)"):
+        serving.run(js.Batch.stack([np.ones(3, np.float32)]))
+    with js.serve(serving, name="not-batch-major") as server:
+        with pytest.raises(js.OutputShapeError, match="axis 0 = the 1 rows of the batch"):
+            js.batched_run("not-batch-major", js.Batch.stack([np.ones(3, np.float32)]))
+        assert server.stats()["errors"] == 1

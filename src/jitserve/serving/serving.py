@@ -21,7 +21,7 @@ import numpy as np
 from .. import compilers
 from ..batch import Batch, RowSignature
 from ..defn import defn_errors, resolve_options
-from ..errors import BatchError, OptionError
+from ..errors import BatchError, OptionError, OutputShapeError
 from ..template import Template, is_template, template_of
 
 EAGER = "eager"
@@ -97,7 +97,7 @@ def _cut_rows(outputs: Any, rows: int, keep: int) -> Any:
     for leaf in leaves:
         array = leaf if type(leaf) is np.ndarray else _owned_host_array(leaf)
         if array.ndim == 0 or array.shape[0] != rows:
-            raise BatchError(
+            raise OutputShapeError(
                 f"the serving function must return batch-major outputs (axis 0 = the {rows} rows of the batch); "
                 f"got an output of {template_of(array)}"
             )
