@@ -94,6 +94,23 @@ def test_default_batch_sizes_are_powers_of_two_up_to_batch_size():
         js.Serving(double, batch_size=4, batch_sizes=[2])
 
 
+def test_rows_to_take_cuts_down_rather_than_pad_a_lot():
+    serving = js.Serving(double, batch_size=64)
+    assert [serving.rows_to_take(n) for n in [1, 2, 3, 5, 33, 40, 47, 48, 60, 64, 100]] == \
+        [1, 2, 3, 4, 32, 32, 32, 48, 60, 64, 64]
+    poprt = js.Serving(double, batch_size=4, batch_sizes=[4])
+    assert [poprt.rows_to_take(n) for n in [1, 3, 4, 9]] == [1, 3, 4, 4], "no smaller size: pad"
+
+
+def test_a_queue_of_33_rows_runs_as_32_and_1_without_padding():
+    serving = js.Serving(double, batch_size=64, batch_timeout=0.001)
+    with js.serve(serving, name="cut-down") as server:
+        rows = np.arange(33).reshape(33, 1)
+        assert js.batched_run("cut-down", js.Batch.concatenate([rows])).tolist() == (rows * 2).tolist()
+        stats = server.stats()
+    assert stats["batch_sizes"] == {32: 1, 1: 1} and stats["padded_rows"] == 0
+
+
 def test_warm_up_compiles_every_size_then_no_request_compiles():
     serving = js.Serving(lambda x: jnp.tanh(x), batch_size=8, batch_timeout=0.001,
                          input_template=js.template((3,), "float32"))

@@ -294,9 +294,10 @@ class Server:
         return best, wait
 
     def _take(self, signature: tuple[Any, ...]) -> tuple[list[_Piece], Batch]:
-        """Up to ``batch_size`` rows from the front of one queue, splitting the last piece if needed."""
+        """Rows from the front of one queue, splitting the last piece if needed: ``batch_size`` of them
+        when there are that many, else as many as :meth:`Serving.rows_to_take` says."""
         queue = self._queues[signature]
-        space = self.serving.batch_size
+        space = self.serving.rows_to_take(self._queued_rows[signature])
         taken: list[_Piece] = []
         while queue and space:
             piece = queue[0]
@@ -309,7 +310,7 @@ class Server:
             piece.request.started = True
             taken.append(piece)
             space -= piece.batch.size
-        rows = self.serving.batch_size - space
+        rows = sum([piece.batch.size for piece in taken])
         self._queued_rows[signature] -= rows
         self._queue_depth -= rows
         if not queue:

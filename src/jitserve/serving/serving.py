@@ -176,6 +176,17 @@ class Serving:
         """The compiled batch size a batch of ``rows`` rows is padded to."""
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
 
+    def rows_to_take(self, queued: int) -> int:
+        """How many of ``queued`` rows a server runs next: ``batch_size`` when there are that many; else all
+        of them, unless padding them up would waste more rows than cutting down to the next smaller
+        compiled size leaves for the next batch (33 queued with sizes 32 and 64: run 32, not 33 padded to 64)."""
+        if queued >= self.batch_size:
+            return self.batch_size
+        position = bisect.bisect_left(self.batch_sizes, queued)
+        up = self.batch_sizes[position]
+        down = self.batch_sizes[position - 1] if up != queued and position > 0 else queued
+        return down if up - queued > queued - down else queued
+
     def partition_options(self) -> list[dict[str, Any]]:
         """One option set per partition: one per device where there are several, cycled to ``partitions``."""
         if self.compiler_name == EAGER:
