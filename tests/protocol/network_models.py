@@ -18,6 +18,12 @@ def affine(entry):
     return {"y": entry["x"] * entry["scale"][:, None] + 1.0, "norm": jnp.sqrt(jnp.sum(entry["x"] ** 2, axis=-1))}
 
 
+def fragile(x):
+    if (x < 0).any():
+        raise ValueError("negative input")
+    return x
+
+
 def slow(x):
     time.sleep(0.6)
     return x + 1
@@ -28,6 +34,8 @@ models = {
     "affine": js.Serving(affine, batch_size=8, batch_timeout=0.002,
                          input_template={"x": js.template((4,), "float32"), "scale": js.template((), "float32")}),
     "ints": js.Serving(lambda x: x * 2, batch_size=4, batch_timeout=0.002, input_template=js.template((3,), "int32")),
+    "fragile": js.Serving(fragile, batch_size=4, batch_timeout=0.001, compiler="eager",
+                          input_template=js.template((2,), "float32")),
     "slow": js.Serving(slow, batch_size=1, batch_timeout=0, max_queue=1, compiler="eager",
                        input_template=js.template((1,), "float32")),
 }

@@ -195,7 +195,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, payl
 
 def test_unknown_model_and_endpoint(server):
     status, body = server.infer_json("nope", mlp_input())
-    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, slow"
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow"
     status, _, data = server.request("GET", "/v2/models/nope")
     assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     status, _, data = server.request("GET", "/v3/anything")
@@ -234,6 +234,24 @@ def test_integer_inputs_are_checked_for_range(server):
     status, body = server.infer_json("ints", {"inputs": [{"name": "input", "datatype": "INT32", "shape": [1, 3],
                                                           "data": [1.5, 2, 3]}]})
     assert status == 400 and "data must be INT32 values" in body["error"]
+
+
+def test_a_failing_model_is_500_for_its_request_only(server):
+    def request(values):
+        return server.infer_json("fragile", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2],
+                                                         "data": values}]})
+
+    status, body = request([-1.0, 1.0])
+    assert status == 500 and body["error"] == "negative input"
+    status, body = request([1.0, 2.0])
+    assert status == 200 and body["outputs"][0]["data"] == [1.0, 2.0]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    tensor = grpcclient.InferInput("input", [1, 2], "FP32")
+    tensor.set_data_from_numpy(np.array([[-1.0, 0.0]], np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("fragile", [tensor])
+    assert "INTERNAL" in str(info.value.status()) and "negative input" in info.value.message()
+    server.assert_healthy()
 
 
 def test_queue_full_is_503_and_timeout_is_504(server):
