@@ -94,6 +94,9 @@ def server():
     output = stop(running)
     assert "SIGTERM: shutting down" in output
     assert "127.0.0.1" in output and "0.0.0.0" not in output
+    assert "compiled batch size 32" in output, "warm-up compiles are logged"
+    assert "WARNING jitserve.serve: http: model 'mlp': 400: input 'input' has datatype FP64" in output
+    assert "ERROR jitserve.serve: grpc: model 'fragile' failed" in output and "ValueError: negative input" in output
 
 
 def reference_mlp(x: np.ndarray) -> np.ndarray:

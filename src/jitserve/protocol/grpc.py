@@ -10,7 +10,6 @@ loop of its own thread; inference goes through the same servers as HTTP.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +22,6 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from ..errors import ProtocolError
 from .codec import datatype_of, decode_raw, decode_values, dtype_of
 from .service import InferenceService, status_of
-
-log = logging.getLogger("jitserve.grpc")
 
 SERVICE = "inference.GRPCInferenceService"
 _DESCRIPTORS = Path(__file__).with_name("inference.binpb")
@@ -84,9 +81,7 @@ class GrpcFront:
             outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             status = status_of(error)[1]
-            if status == "INTERNAL":
-                log.exception("model '%s' failed", model)
-            self.service.count(model, "grpc", status)
+            self.service.failed("grpc", model, status, error)
             await context.abort(getattr(grpc.StatusCode, status), str(error))
         self.service.count(model, "grpc", "OK")
         response = MESSAGES["ModelInferResponse"](model_name=model, model_version="1", id=request.id)

@@ -142,15 +142,11 @@ class HttpFront:
             tensors, requested, binary_outputs = _decode_request(request, binary)
             outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None)
             response = _encode_response(model, request.get("id"), outputs, dict(requested), binary_outputs)
-            status = 200
-        except _TooLarge as error:
-            response, status = _error(413, str(error)), 413
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
-            status = status_of(error)[0]
-            if status == 500:
-                log.exception("model '%s' failed", model)
-            response = _error(status, str(error))
-        self.service.count(model, "http", status)
+            status = 413 if isinstance(error, _TooLarge) else status_of(error)[0]
+            self.service.failed("http", model, status, error)
+            return _error(status, str(error))
+        self.service.count(model, "http", 200)
         return response
 
 

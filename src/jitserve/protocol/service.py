@@ -8,6 +8,7 @@ with in-process callers.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ from ..errors import (
 from ..serving.server import Server
 from .codec import ModelSpec, select_outputs
 from .metrics import Metrics
+
+log = logging.getLogger("jitserve.serve")
 
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -82,3 +85,11 @@ class InferenceService:
 
     def count(self, model: str, protocol: str, status: int | str) -> None:
         self.metrics.requests.labels(model if model in self.models else "", protocol, str(status)).inc()
+
+    def failed(self, protocol: str, model: str, status: int | str, error: BaseException) -> None:
+        """Count and log a failed request: the model's own failure with its traceback, a client's as one line."""
+        if status in (500, "INTERNAL"):
+            log.error("%s: model '%s' failed", protocol, model, exc_info=error)
+        else:
+            log.warning("%s: model '%s': %s: %s", protocol, model, status, error)
+        self.count(model, protocol, status)
