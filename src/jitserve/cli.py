@@ -186,6 +186,13 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    """The options that change a loaded Serving (see :func:`load_servings`)."""
+    parser.add_argument("--batch-size", type=int, help="override the serving's batch_size")
+    parser.add_argument("--batch-timeout", type=float, help="override the serving's batch_timeout (seconds)")
+    parser.add_argument("--compiler", help="override the serving's compiler (xla, iree, evaluator, eager)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jitserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -196,9 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     serve_parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
     serve_parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
-    serve_parser.add_argument("--batch-size", type=int, help="override the serving's batch_size")
-    serve_parser.add_argument("--batch-timeout", type=float, help="override the serving's batch_timeout (seconds)")
-    serve_parser.add_argument("--compiler", help="override the serving's compiler (xla, iree, evaluator, eager)")
+    _add_overrides(serve_parser)
     serve_parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
     serve_parser.add_argument("--max-body-bytes", type=int, default=64 * 2**20, help="largest request body")
     serve_parser.set_defaults(run=serve_command)
@@ -209,9 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_parser.add_argument("--seconds", type=float, default=5.0, help="how long to drive it")
     bench_parser.add_argument("--rows", type=int, default=1, help="rows per request")
     bench_parser.add_argument("--async", dest="use_async", action="store_true", help="asyncio callers, not threads")
-    for option in ("--batch-size", "--batch-timeout", "--compiler"):
-        bench_parser.add_argument(option, type={"--batch-size": int, "--batch-timeout": float}.get(option, str),
-                                  help="override the serving's " + option[2:].replace("-", "_"))
+    _add_overrides(bench_parser)
     bench_parser.set_defaults(run=bench_command)
     demo_parser = commands.add_parser("demo", help="softmax with every installed compiler vs numpy")
     demo_parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per cell")
