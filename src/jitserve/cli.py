@@ -142,8 +142,9 @@ def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     app.run(load_servings(args), host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
-            request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes)
+            request_timeout=args.request_timeout, **limits)
     return 0
 
 
@@ -205,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     _add_overrides(serve_parser)
     serve_parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
-    serve_parser.add_argument("--max-body-bytes", type=int, default=64 * 2**20, help="largest request body")
+    serve_parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 64 MiB)")
     serve_parser.set_defaults(run=serve_command)
     bench_parser = commands.add_parser("bench", help="drive a Serving in process with closed-loop callers")
     bench_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")

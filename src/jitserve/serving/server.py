@@ -107,8 +107,7 @@ class Server:
         self._listeners: list[Callable[[BatchReport], None]] = []
         self._stats: dict[str, Any] = {
             "requests": 0, "batches": 0, "rows": 0, "padded_rows": 0, "compiles": 0, "errors": 0,
-            "rejected": 0, "timeouts": 0, "cancelled": 0, "queue_depth": 0, "batch_sizes": {}, "queue_wait_s": 0.0,
-            "execution_s": 0.0,
+            "rejected": 0, "timeouts": 0, "cancelled": 0, "batch_sizes": {}, "queue_wait_s": 0.0, "execution_s": 0.0,
         }
         self._partitions = [
             _Partition(self, i, Executor(serving, options, self._count_compile))
