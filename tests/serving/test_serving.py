@@ -96,10 +96,10 @@ def test_default_batch_sizes_are_powers_of_two_up_to_batch_size():
 
 def test_rows_to_take_cuts_down_rather_than_pad_a_lot():
     serving = js.Serving(double, batch_size=64)
-    assert [serving.rows_to_take(n) for n in [1, 2, 3, 5, 33, 40, 47, 48, 60, 64, 100]] == \
+    assert [serving.policy.rows_to_take(n) for n in [1, 2, 3, 5, 33, 40, 47, 48, 60, 64, 100]] == \
         [1, 2, 3, 4, 32, 32, 32, 48, 60, 64, 64]
     poprt = js.Serving(double, batch_size=4, batch_sizes=[4])
-    assert [poprt.rows_to_take(n) for n in [1, 3, 4, 9]] == [1, 3, 4, 4], "no smaller size: pad"
+    assert [poprt.policy.rows_to_take(n) for n in [1, 3, 4, 9]] == [1, 3, 4, 4], "no smaller size: pad"
 
 
 def test_a_queue_of_33_rows_runs_as_32_and_1_without_padding():
@@ -302,6 +302,73 @@ def test_stop_drains_and_refuses_new_calls():
         js.batched_run("drain", js.Batch.stack([np.array([1])]))
     with pytest.raises(js.ServerStoppedError, match="server 'drain' is stopped and takes no new requests"):
         server.submit(js.Batch.stack([np.array([1])]))
+
+
+def _blocking_serving(gate, ran):
+    def blocked(x):
+        ran.append(x.copy())
+        gate.wait(10)
+        return x * 2
+
+    return js.Serving(blocked, batch_size=1, batch_timeout=0, compiler="eager")
+
+
+def _call_in_thread(name, value, outcomes):
+    def call():
+        try:
+            outcomes[value] = js.batched_run(name, js.Batch.stack([np.array([value])])).tolist()
+        except Exception as error:  # noqa: BLE001 - the test looks at it
+            outcomes[value] = error
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread
+
+
+def test_stop_without_drain_answers_unstarted_requests_and_finishes_started_ones():
+    gate, ran, outcomes = threading.Event(), [], {}
+    server = js.serve(_blocking_serving(gate, ran), name="nodrain")
+    threads = [_call_in_thread("nodrain", 1, outcomes)]
+    while not ran:
+        time.sleep(0.001)
+    threads += [_call_in_thread("nodrain", v, outcomes) for v in (2, 3, 4)]
+    while server.stats()["queue_depth"] < 3:
+        time.sleep(0.001)
+    stopper = threading.Thread(target=server.stop, kwargs={"drain": False})
+    stopper.start()
+    while server.stats()["queue_depth"]:
+        time.sleep(0.001)
+    gate.set()
+    stopper.join(5)
+    for thread in threads:
+        thread.join(5)
+    assert outcomes[1] == [[2]], "the started request finished"
+    for value in (2, 3, 4):
+        assert isinstance(outcomes[value], js.ServerStoppedError)
+        assert str(outcomes[value]) == "server 'nodrain' stopped before this request started; nothing of it ran"
+    assert [r.tolist() for r in ran] == [[[1]]], "nothing unstarted ran"
+    assert server.stats()["stopped"] == 3
+
+
+def test_a_second_stop_waits_for_the_first_ones_drain():
+    gate, ran, outcomes = threading.Event(), [], {}
+    server = js.serve(_blocking_serving(gate, ran), name="twostops")
+    caller = _call_in_thread("twostops", 7, outcomes)
+    while not ran:
+        time.sleep(0.001)
+    first = threading.Thread(target=server.stop)
+    first.start()
+    while not server.stopping:
+        time.sleep(0.001)
+    second_returned = []
+    second = threading.Thread(target=lambda: (server.stop(), second_returned.append(outcomes.get(7))))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive(), "the second stop() returned while the first was still draining"
+    gate.set()
+    for thread in (first, second, caller):
+        thread.join(5)
+    assert second_returned == [[[14]]], "when the second stop() returned, the drained request was answered"
 
 
 def test_names_are_unique_and_unknown_names_are_errors():

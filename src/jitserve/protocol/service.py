@@ -80,7 +80,7 @@ class InferenceService:
         batch = spec.to_batch(tensors)
         server = spec.server
         request = server.submit(batch, asyncio.get_running_loop())
-        outputs = await server.result_async(request, self.request_timeout)
+        outputs = server.serving.finish(await server.result_async(request, self.request_timeout))
         return select_outputs(spec.named_outputs(outputs), requested, model)
 
     def count(self, model: str, protocol: str, status: int | str) -> None:

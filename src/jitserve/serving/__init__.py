@@ -1,7 +1,9 @@
-"""Serving with dynamic batching: ``Serving``, the in-process ``Server`` and the registry of names."""
+"""Serving with dynamic batching: ``Serving``, the in-process ``Server``, its queues and the registry of names."""
 
-from .registry import batched_run, batched_run_async, lookup, serve, servers
+from .queue import BatchPolicy, Request
+from .registry import batched_run, batched_run_async, lookup, register_cluster, serve, servers
 from .server import BatchReport, Server
 from .serving import Serving
 
-__all__ = ["BatchReport", "Server", "Serving", "batched_run", "batched_run_async", "lookup", "serve", "servers"]
+__all__ = ["BatchPolicy", "BatchReport", "Request", "Server", "Serving", "batched_run", "batched_run_async",
+           "lookup", "register_cluster", "serve", "servers"]

@@ -1,37 +1,82 @@
-"""Servers by name in this process: ``serve``, ``batched_run`` and ``batched_run_async``."""
+"""Servers by name: ``serve``, ``batched_run`` and ``batched_run_async``, local servers first, then clusters.
+
+A name is looked up in this process first and then in every cluster this
+process is connected to (Nx.Serving's order); ``("local", name)`` or
+``("ray", name)`` forces one. Cluster back ends live above this layer and
+plug themselves in with :func:`register_cluster`; to this module a cluster is
+only something that starts servings and finds a :class:`Server`-like
+front (the cluster's caller-side coalescer) by name.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import Any, Protocol
 
-from ..errors import ServerExistsError, UnknownServerError
+from ..errors import OptionError, ServerExistsError, UnknownServerError
 from .server import Server
 from .serving import Serving
+
+LOCAL = "local"
 
 _servers: dict[str, Server] = {}
 _lock = threading.Lock()
 
 
-def serve(serving: Serving, name: str | None = None) -> Server:
+class Cluster(Protocol):
+    """What a cluster back end gives the registry."""
+
+    def connected(self) -> bool:
+        """True when this process is connected to such a cluster (no lookups otherwise)."""
+
+    def serve(self, serving: Serving, name: str, **options: Any) -> Any:
+        """Start ``serving`` as ``name`` in the cluster; returns the back end's handle."""
+
+    def lookup(self, name: str) -> Server | None:
+        """This process's front of the cluster serving ``name``, or None if the cluster has none."""
+
+
+_clusters: dict[str, Cluster] = {}
+
+
+def register_cluster(kind: str, cluster: Cluster) -> None:
+    """Make ``serve(..., cluster=kind)`` and lookups of ``(kind, name)`` use ``cluster``."""
+    _clusters[kind] = cluster
+
+
+def serve(serving: Serving, name: str | None = None, cluster: str | None = None, **cluster_options: Any) -> Any:
     """Start a server for ``serving`` registered as ``name`` (default: the function's name).
 
     With ``input_template`` set, every batch size is compiled on every
     partition before the server accepts requests. Use it as a context manager,
-    or call ``stop()``.
+    or call ``stop()``. ``cluster="ray"`` starts it on a Ray cluster instead
+    (``replicas=``, ``weight=``, ``num_cpus=``, ``num_gpus=``; see
+    :mod:`jitserve.cluster.ray`) and returns the cluster's handle.
     """
     name = name or getattr(serving.fn, "__name__", None) or "serving"
+    if cluster is not None:
+        return _cluster(cluster).serve(serving, name, **cluster_options)
+    if cluster_options:
+        raise OptionError(f"{', '.join(sorted(cluster_options))}: only for a cluster serving (cluster='ray')")
     server = Server(serving, name)
     with _lock:
         if name in _servers:
             raise ServerExistsError(f"a server named {name!r} is already running; stop it or pick another name")
         _servers[name] = server
+    server.on_stop(lambda stopped: unregister(name, stopped))
     try:
         return server.start()
     except BaseException:
         unregister(name, server)
         raise
+
+
+def _cluster(kind: str) -> Cluster:
+    cluster = _clusters.get(kind)
+    if cluster is None:
+        raise OptionError(f"unknown cluster {kind!r}; expected one of {', '.join(sorted(_clusters)) or 'none'}")
+    return cluster
 
 
 def unregister(name: str, server: Server) -> None:
@@ -40,28 +85,48 @@ def unregister(name: str, server: Server) -> None:
             del _servers[name]
 
 
-def lookup(name: str) -> Server:
-    server = _servers.get(name)
-    if server is None:
-        running = ", ".join(sorted(_servers)) or "none"
-        raise UnknownServerError(f"no server named {name!r} is running here (running: {running})")
-    return server
+def lookup(name: str | tuple[str, str]) -> Server:
+    """The server for ``name``: here first, then in every connected cluster; ``(kind, name)`` forces one."""
+    scope, bare = name if isinstance(name, tuple) else (None, name)
+    if scope in (None, LOCAL):
+        server = _servers.get(bare)
+        if server is not None:
+            return server
+    if scope not in (None, LOCAL):
+        found = _cluster(scope).lookup(bare)
+        if found is None:
+            raise UnknownServerError(f"no serving named {bare!r} is running in the {scope} cluster")
+        return found
+    searched = []
+    if scope is None:
+        for kind, cluster in _clusters.items():
+            if cluster.connected():
+                searched.append(kind)
+                found = cluster.lookup(bare)
+                if found is not None:
+                    return found
+    running = ", ".join(sorted(_servers)) or "none"
+    where = "" if not searched else f", nor in the {' or '.join(searched)} cluster"
+    raise UnknownServerError(f"no server named {bare!r} is running here (running: {running}){where}")
 
 
 def servers() -> dict[str, Server]:
-    """The running servers by name."""
+    """The running servers of this process by name."""
     return dict(_servers)
 
 
-def batched_run(name: str, value: Any, timeout: float | None = None) -> Any:
+def batched_run(name: str | tuple[str, str], value: Any, timeout: float | None = None) -> Any:
     """Run ``value`` (a Batch, or what the serving's ``preprocess`` takes) on server ``name``, batched
-    with concurrent callers; returns exactly this caller's rows."""
+    with concurrent callers; returns exactly this caller's rows. ``preprocess`` and ``postprocess`` run
+    here, in the caller."""
     server = lookup(name)
-    return server.result(server.submit(server.serving.to_batch(value)), timeout)
+    serving = server.serving
+    return serving.finish(server.result(server.submit(serving.to_batch(value)), timeout))
 
 
-async def batched_run_async(name: str, value: Any, timeout: float | None = None) -> Any:
+async def batched_run_async(name: str | tuple[str, str], value: Any, timeout: float | None = None) -> Any:
     """``batched_run`` for asyncio callers: awaits the rows without blocking the event loop."""
     server = lookup(name)
-    request = server.submit(server.serving.to_batch(value), asyncio.get_running_loop())
-    return await server.result_async(request, timeout)
+    serving = server.serving
+    request = server.submit(serving.to_batch(value), asyncio.get_running_loop())
+    return serving.finish(await server.result_async(request, timeout))

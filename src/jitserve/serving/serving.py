@@ -10,7 +10,6 @@ the caller, any size, in chunks of at most ``batch_size``; a server
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from ..batch import Batch, RowSignature
 from ..defn import defn_errors, resolve_options
 from ..errors import BatchError, OptionError, OutputShapeError
 from ..template import Template, is_template, template_of
+from .queue import BatchPolicy
 
 EAGER = "eager"
 OVERSIZE_MODES = ("split", "error")
@@ -172,20 +172,10 @@ class Serving:
             arguments["batch_sizes"] = None
         return Serving(**arguments)
 
-    def padded_size(self, rows: int) -> int:
-        """The compiled batch size a batch of ``rows`` rows is padded to."""
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
-
-    def rows_to_take(self, queued: int) -> int:
-        """How many of ``queued`` rows a server runs next: ``batch_size`` when there are that many; else all
-        of them, unless padding them up would waste more rows than cutting down to the next smaller
-        compiled size leaves for the next batch (33 queued with sizes 32 and 64: run 32, not 33 padded to 64)."""
-        if queued >= self.batch_size:
-            return self.batch_size
-        position = bisect.bisect_left(self.batch_sizes, queued)
-        up = self.batch_sizes[position]
-        down = self.batch_sizes[position - 1] if up != queued and position > 0 else queued
-        return down if up - queued > queued - down else queued
+    @property
+    def policy(self) -> BatchPolicy:
+        """How a server of this serving forms batches (see ``queue.py``)."""
+        return BatchPolicy(self.batch_size, tuple(self.batch_sizes), self.batch_timeout)
 
     def partition_options(self) -> list[dict[str, Any]]:
         """One option set per partition: one per device where there are several, cycled to ``partitions``."""
@@ -226,8 +216,18 @@ class Serving:
                     self._inline = Executor(self, self.partition_options()[0], lambda: None)
         parts = []
         for chunk in batch.chunks(self.batch_size):
-            parts.append(self._inline.execute(chunk.pad_to(self.padded_size(chunk.size))))
+            parts.append(self._inline.execute(chunk.pad_to(self.policy.padded_size(chunk.size))))
         return self.finish(concatenate_outputs(parts))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What travels to another process (a cluster replica or client): the configuration, not the
+        executables compiled here."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_inline", "_inline_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._inline = None
+        self._inline_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"Serving({getattr(self.fn, '__name__', self.fn)!r}, batch_size={self.batch_size}, "
