@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".jitserve-stamp"
-EXTRAS = "dev,iree,http"
+EXTRAS = "dev,iree,http,ray"
 
 
 def _wanted_stamp() -> str:

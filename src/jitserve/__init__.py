@@ -24,6 +24,7 @@ from .interpreter import Interpreter, Node
 from .defaults import default_options, options, set_default_options
 from .serving import BatchReport, Server, Serving, batched_run, batched_run_async, serve
 from .template import Template, template
+from . import cluster  # noqa: F401,E402 - plugs the cluster back ends (Ray) into the serving registry
 
 __version__ = "0.1.0"
 

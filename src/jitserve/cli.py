@@ -1,8 +1,9 @@
-"""The ``jitserve`` command line: ``serve``, ``bench``, ``demo``, ``devices`` and ``mlir``.
+"""The ``jitserve`` command line: ``serve``, ``front``, ``bench``, ``demo``, ``devices`` and ``mlir``.
 
 ``serve TARGET`` serves a ``Serving`` (or a dict of name -> Serving) named by
 ``path/to/file.py:attr`` or ``package.module:attr`` over HTTP and gRPC with
-the Open Inference Protocol. ``bench TARGET`` serves it in process and drives
+the Open Inference Protocol (``--ray ADDRESS --replicas N``: on a Ray cluster).
+``front --ray ADDRESS`` serves the servings already running on a Ray cluster. ``bench TARGET`` serves it in process and drives
 it with closed-loop callers for a while. ``demo`` is seed 001/002's table for this
 machine: softmax on 1,000, 1,000,000 and 1000x1000x5 elements with every
 installed compiler, next to numpy eager.
@@ -26,6 +27,7 @@ import numpy as np
 
 from . import compilers
 from .defn import devices, jit, to_mlir
+from .errors import JitserveError
 from .template import is_template
 
 DEMO_SHAPES: dict[str, tuple[int, ...]] = {
@@ -138,13 +140,58 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     return servings
 
 
+def _network_options(args: argparse.Namespace) -> dict[str, Any]:
+    limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
+            "request_timeout": args.request_timeout, **limits}
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
-    app.run(load_servings(args), host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
-            request_timeout=args.request_timeout, **limits)
+    _logging()
+    servings = load_servings(args)
+    if args.ray is None:
+        app.run(app.start_locally(servings), **_network_options(args))
+        return 0
+    from .cluster import ray as cluster
+    from .serving import lookup
+
+    cluster.connect(args.ray)
+    handles: list[Any] = []
+
+    def start(servers: dict[str, Any]) -> None:
+        for name, serving in servings.items():
+            logging.getLogger("jitserve.serve").info("starting %d replicas of model '%s' on the ray cluster at %s",
+                                                     args.replicas, name, args.ray)
+            handles.append(cluster.serve(serving, name, replicas=args.replicas))
+            servers[name] = lookup(("ray", name))
+
+    app.run(start, on_exit=lambda: [handle.stop() for handle in handles], **_network_options(args))
+    return 0
+
+
+def front_command(args: argparse.Namespace) -> int:
+    from .cluster import ray as cluster
+    from .protocol import app
+    from .serving import lookup
+
+    _logging()
+    cluster.connect(args.ray)
+    names = args.models or cluster.running_servings()
+    if not names:
+        raise SystemExit(f"no servings run in the ray cluster at {args.ray}; start some with "
+                         f"'jitserve serve FILE:serving --ray {args.ray}'")
+
+    def start(servers: dict[str, Any]) -> None:
+        for name in names:
+            servers[name] = lookup(("ray", name))
+
+    app.run(start, **_network_options(args))
     return 0
 
 
@@ -187,6 +234,16 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_network(parser: argparse.ArgumentParser) -> None:
+    """Where and how the network fronts listen."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
+    parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
+    parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 64 MiB)")
+
+
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
     """The options that change a loaded Serving (see :func:`load_servings`)."""
     parser.add_argument("--batch-size", type=int, help="override the serving's batch_size")
@@ -200,14 +257,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser = commands.add_parser("serve", help="serve a Serving over HTTP and gRPC (Open Inference Protocol)")
     serve_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")
     serve_parser.add_argument("--name", help="the model name (default: the attribute's name)")
-    serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve_parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    serve_parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
-    serve_parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    _add_network(serve_parser)
     _add_overrides(serve_parser)
-    serve_parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
-    serve_parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 64 MiB)")
+    serve_parser.add_argument("--ray", metavar="ADDRESS", help="start the replicas on the Ray cluster at ADDRESS "
+                              "(host:port of its head) and route to them")
+    serve_parser.add_argument("--replicas", type=int, default=1, help="replicas per model with --ray (default 1)")
     serve_parser.set_defaults(run=serve_command)
+    front_parser = commands.add_parser("front", help="serve HTTP and gRPC for servings already running on a Ray "
+                                       "cluster")
+    front_parser.add_argument("--ray", metavar="ADDRESS", required=True, help="host:port of the Ray cluster's head")
+    front_parser.add_argument("--models", nargs="*", help="which servings (default: every one in the cluster)")
+    _add_network(front_parser)
+    front_parser.set_defaults(run=front_command)
     bench_parser = commands.add_parser("bench", help="drive a Serving in process with closed-loop callers")
     bench_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")
     bench_parser.add_argument("--name", help="which model of a dict (default: the first)")
@@ -227,4 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mlir_parser.add_argument("--dtype", default="float32")
     mlir_parser.set_defaults(run=mlir)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except JitserveError as error:  # a mistake in what was asked: one line, not a traceback
+        print(f"jitserve {args.command}: {error}", file=sys.stderr)
+        return 2

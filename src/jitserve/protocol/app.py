@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import uvicorn
@@ -30,16 +30,27 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def run(servings: Mapping[str, Serving], host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = 8001,
-        request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-    """Serve ``servings`` by name over HTTP (and gRPC unless ``grpc_port`` is None) until a signal."""
+def start_locally(servings: Mapping[str, Serving]) -> Callable[[dict[str, Server]], None]:
+    """A ``start`` for :func:`run`: every serving served in this process."""
+    def start(servers: dict[str, Server]) -> None:
+        for name, serving in servings.items():
+            log.info("starting model '%s': %r", name, serving)
+            servers[name] = serve(serving, name=name)
+
+    return start
+
+
+def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
+        grpc_port: int | None = 8001, request_timeout: float | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_exit: Callable[[], None] | None = None) -> None:
+    """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal. ``start(servers)`` fills
+    ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at exit each is stopped
+    (drained), then ``on_exit()`` runs."""
     signal.signal(signal.SIGTERM, _interrupt)
     servers: dict[str, Server] = {}
     grpc_server = None
     try:
-        for name, serving in servings.items():
-            log.info("starting model '%s': %r", name, serving)
-            servers[name] = serve(serving, name=name)
+        start(servers)
         service = InferenceService(servers, request_timeout)
         if grpc_port is not None:
             grpc_server = GrpcServer(service, host, grpc_port, max_body_bytes)
@@ -58,3 +69,5 @@ def run(servings: Mapping[str, Serving], host: str = "127.0.0.1", port: int = 80
         for name, server in servers.items():
             server.stop()
             log.info("model '%s' drained and stopped: %s", name, server.stats())
+        if on_exit is not None:
+            on_exit()

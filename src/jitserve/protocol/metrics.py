@@ -1,7 +1,8 @@
 """Prometheus metrics of the network front, fed by the servers' batch listeners.
 
 Requests by model, protocol and status; queue depth and compiles read from
-each server's stats at scrape time; executed batch sizes, padding rows, queue
+each server's stats at scrape time (and, for a cluster serving, each replica's
+requests, batches, rows, errors and queue depth); executed batch sizes, padding rows, queue
 wait and execution time from every executed batch.
 """
 
@@ -10,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..serving.server import BatchReport, Server
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_REPLICA_COUNTERS = {"requests": "Requests a cluster replica took", "batches": "Batches a cluster replica ran",
+                     "rows": "Rows a cluster replica ran", "errors": "Failed batches on a cluster replica"}
 _TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -28,12 +31,23 @@ class _ServerStats:
     def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily("jitserve_queue_depth", "Rows waiting in the queue", labels=["model"])
         compiles = GaugeMetricFamily("jitserve_compiles", "Executables compiled so far", labels=["model"])
+        replica = {key: CounterMetricFamily(f"jitserve_replica_{key}", help, labels=["model", "replica"])
+                   for key, help in _REPLICA_COUNTERS.items()}
+        replica_depth = GaugeMetricFamily("jitserve_replica_queue_depth", "Rows waiting on a cluster replica",
+                                          labels=["model", "replica"])
         for name, server in self.servers.items():
             stats = server.stats()
             depth.add_metric([name], stats["queue_depth"])
             compiles.add_metric([name], stats["compiles"])
+            replica_stats = getattr(server, "replica_stats", None)  # a cluster serving's local front
+            for replica_name, one in (replica_stats() if replica_stats is not None else {}).items():
+                for key, family in replica.items():
+                    family.add_metric([name, replica_name], one[key])
+                replica_depth.add_metric([name, replica_name], one["queue_depth"])
         yield depth
         yield compiles
+        yield from replica.values()
+        yield replica_depth
 
 
 class Metrics:

@@ -72,11 +72,13 @@ class Piece:
 @dataclass(frozen=True)
 class BatchPolicy:
     """How a server forms batches: at most ``batch_size`` rows, padded to one of ``batch_sizes`` (when
-    ``pad``), run when full or when the oldest row has waited ``batch_timeout`` seconds."""
+    ``pad``), run when full or when the oldest row has waited ``batch_timeout`` seconds; at most
+    ``max_queue`` rows wait (None: no bound)."""
 
     batch_size: int
     batch_sizes: Sequence[int]
     batch_timeout: float
+    max_queue: int | None = None
     pad: bool = True
 
     def padded_size(self, rows: int) -> int:

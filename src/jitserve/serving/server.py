@@ -165,7 +165,13 @@ class Server:
 
     @property
     def partitions(self) -> int:
+        """How many batches can run at once."""
         return len(self._partitions)
+
+    @property
+    def queue_depth(self) -> int:
+        """Rows waiting now (read without the lock: a hint for routers, not an exact count)."""
+        return self._queues.depth
 
     def add_batch_listener(self, listener: Callable[[BatchReport], None]) -> None:
         """Call ``listener(report)`` in the worker thread after every executed batch."""
@@ -196,14 +202,15 @@ class Server:
         parts = batch.chunks(serving.batch_size) if size > serving.batch_size else [batch]
         request = Request(size, loop)
         queues = self._queues
+        max_queue = queues.policy.max_queue
         with self._cond:
             if self._stopping:
                 raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
-            if serving.max_queue is not None and queues.depth + size > serving.max_queue:
+            if max_queue is not None and queues.depth + size > max_queue:
                 self._stats["rejected"] += 1
                 raise QueueFullError(
                     f"server {self.name!r} queue is full: {queues.depth} rows queued, "
-                    f"max_queue is {serving.max_queue}; a request of {size} rows was rejected"
+                    f"max_queue is {max_queue}; a request of {size} rows was rejected"
                 )
             self._stats["requests"] += 1
             if queues.add(request, parts, batch.signature, time.monotonic()):

@@ -175,7 +175,7 @@ class Serving:
     @property
     def policy(self) -> BatchPolicy:
         """How a server of this serving forms batches (see ``queue.py``)."""
-        return BatchPolicy(self.batch_size, tuple(self.batch_sizes), self.batch_timeout)
+        return BatchPolicy(self.batch_size, tuple(self.batch_sizes), self.batch_timeout, self.max_queue)
 
     def partition_options(self) -> list[dict[str, Any]]:
         """One option set per partition: one per device where there are several, cycled to ``partitions``."""

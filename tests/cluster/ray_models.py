@@ -1,0 +1,37 @@
+"""Servings for the Ray tests (this module travels to the replicas by value)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import jitserve as js
+
+
+def affine(x):
+    return x * 2 + 1
+
+
+affine_serving = js.Serving(affine, batch_size=16, batch_timeout=0.005, input_template=js.template((4,), "float32"))
+instant_serving = js.Serving(affine, batch_size=16, batch_timeout=0, input_template=js.template((4,), "float32"))
+
+
+def recording_serving(folder: str) -> js.Serving:
+    """Doubles int32 ids and appends every id it ran (0 is padding) to a file per replica process."""
+
+    def record(ids: np.ndarray) -> np.ndarray:
+        with open(os.path.join(folder, f"{os.getpid()}.ids"), "a") as out:
+            out.write("".join(f"{int(v)}\n" for v in ids[:, 0] if v))
+        return ids * 2
+
+    return js.Serving(record, batch_size=8, batch_timeout=0.002, compiler="eager")
+
+
+def slow_serving(max_queue: int | None) -> js.Serving:
+    def slow(x: np.ndarray) -> np.ndarray:
+        time.sleep(0.3)
+        return x * 2 + 1
+
+    return js.Serving(slow, batch_size=1, batch_timeout=0, max_queue=max_queue, compiler="eager")

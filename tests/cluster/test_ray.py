@@ -1,0 +1,349 @@
+"""Scale-out on a real two-raylet Ray cluster on loopback: reach by name from other processes, coalescing,
+weighted routing, replica and raylet death, graceful stop, full queues, network fronts, clear errors.
+
+Ray reads its settings when imported, so this module sets them first: its own RAY_TMPDIR (nothing left
+in /tmp/ray for other processes to join), token authentication, and the driver kept on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+_TMP = tempfile.mkdtemp(prefix="jitserve-ray-")
+_TOKEN = Path(_TMP, "token")
+_TOKEN.write_text(secrets.token_hex(32))
+os.environ.update(RAY_TMPDIR=_TMP, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(_TOKEN),
+                  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import jitserve as js  # noqa: E402
+from jitserve.cluster import ray as cluster  # noqa: E402
+
+import ray_models  # noqa: E402
+
+pytestmark = pytest.mark.ray
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Head (resource node_a) and one worker raylet (node_b), both on 127.0.0.1, a short health check."""
+    local = Cluster(initialize_head=True, head_node_args={
+        "node_ip_address": "127.0.0.1", "num_cpus": 4, "resources": {"node_a": 100}, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
+                           "health_check_initial_delay_ms": 0}})
+    worker = local.add_node(node_ip_address="127.0.0.1", num_cpus=4, resources={"node_b": 100})
+    local.wait_for_nodes()
+    ray.init(address=local.address, log_to_driver=False)
+    local.worker = worker
+    yield local
+    ray.shutdown()
+    local.shutdown()
+    shutil.rmtree(_TMP, ignore_errors=True)
+
+
+def _rows(n, seed=0):
+    return np.random.default_rng(seed).uniform(size=(n, 4)).astype(np.float32)
+
+
+def _load(name, callers, seconds, during=None, rows=(1, 5)):
+    """Threads sending random requests for ``seconds`` (``during()`` called once after a third of it);
+    returns (answered, wrong, errors)."""
+    answered, wrong, errors = [0], [0], []
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def caller(seed):
+        rng = np.random.default_rng(seed)
+        while time.monotonic() < deadline:
+            x = rng.uniform(size=(int(rng.integers(*rows)), 4)).astype(np.float32)
+            try:
+                out = js.batched_run(name, js.Batch.concatenate([x]), timeout=30)
+            except Exception as error:  # noqa: BLE001 - counted
+                with lock:
+                    errors.append(f"{type(error).__name__}: {error}")
+                continue
+            with lock:
+                answered[0] += 1
+                wrong[0] += not np.array_equal(out, x * 2 + 1)
+
+    threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(callers)]
+    for thread in threads:
+        thread.start()
+    if during is not None:
+        time.sleep(seconds / 3)
+        during()
+    for thread in threads:
+        thread.join(seconds + 60)
+        assert not thread.is_alive(), "a caller hung"
+    return answered[0], wrong[0], errors
+
+
+def _stop_and_check_gone(handle):
+    handle.stop()
+    assert not [n for n in cluster._actor_names(handle.name)]
+
+
+def test_callers_in_two_other_processes_reach_replicas_on_both_nodes_with_full_batches(ray_cluster):
+    handle = js.serve(ray_models.affine_serving, name="affine", cluster="ray", replicas=2)
+    try:
+        nodes = {ray.get(ray.get_actor(n, namespace="jitserve").info.remote())["node"] for n in handle.replicas}
+        assert len(nodes) == 2, "replicas spread over both nodes"
+        drivers = [subprocess.Popen([sys.executable, str(HERE / "ray_driver.py"), ray_cluster.address, "affine",
+                                     "32", "3"], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [json.loads(d.communicate(timeout=120)[0].strip().splitlines()[-1]) for d in drivers]
+        stats = handle.stats()
+    finally:
+        _stop_and_check_gone(handle)
+    for result in results:
+        assert result["requests"] > 100 and result["wrong"] == 0 and result["errors"] == []
+    assert all(one["rows"] > 0 for one in stats["replicas"].values()), "both replicas served"
+    total = stats["total"]
+    assert total["rows"] == sum(r["rows"] for r in results), "every row ran once"
+    assert total["rows"] / total["batches"] >= 16 / 2, f"mean replica batch {total['rows'] / total['batches']:.1f}"
+
+
+def test_weights_1_to_3_split_rows_within_15_percent(ray_cluster):
+    light = js.serve(ray_models.instant_serving, name="weighted", cluster="ray", replicas=1, weight=1)
+    heavy = js.serve(ray_models.instant_serving, name="weighted", cluster="ray", replicas=1, weight=3)
+    try:
+        x = js.Batch.concatenate([_rows(1)])
+        for _ in range(2000):
+            js.batched_run("weighted", x)
+        rows = [light.stats()["total"]["rows"], heavy.stats()["total"]["rows"]]
+    finally:
+        light.stop()
+        heavy.stop()
+    share = rows[0] / sum(rows)
+    assert sum(rows) == 2000
+    assert abs(share - 0.25) <= 0.15 * 0.25, f"light replica took {share:.3f} of the rows, expected 0.25"
+
+
+def test_sigkill_of_a_replica_mid_load_loses_nothing(ray_cluster):
+    handle = js.serve(ray_models.affine_serving, name="killed", cluster="ray", replicas=2)
+    try:
+        victim = ray.get(ray.get_actor(handle.replicas[0], namespace="jitserve").info.remote())["pid"]
+        answered, wrong, errors = _load("killed", 16, 4.5, during=lambda: os.kill(victim, signal.SIGKILL))
+    finally:
+        handle.stop()
+    assert errors == [] and wrong == 0 and answered > 100
+
+
+def test_graceful_stop_mid_load_loses_nothing_and_runs_nothing_twice(ray_cluster, tmp_path):
+    serving = ray_models.recording_serving(str(tmp_path))
+    first = js.serve(serving, name="recorded", cluster="ray", replicas=1)
+    second = js.serve(serving, name="recorded", cluster="ray", replicas=1)
+    sent, wrong, errors = [], [0], []
+    lock = threading.Lock()
+    deadline = time.monotonic() + 3
+
+    def caller(k):
+        n = 0
+        while time.monotonic() < deadline:
+            ids = np.arange(k * 100_000 + n + 1, k * 100_000 + n + 4, dtype=np.int32)[:, None]
+            n += 3
+            try:
+                out = js.batched_run("recorded", js.Batch.concatenate([ids]), timeout=30)
+            except Exception as error:  # noqa: BLE001 - counted
+                errors.append(f"{type(error).__name__}: {error}")
+                continue
+            with lock:
+                sent.extend(ids[:, 0].tolist())
+                wrong[0] += not np.array_equal(out, ids * 2)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(16)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1)
+    first.stop()
+    for thread in threads:
+        thread.join(60)
+    second.stop()
+    ran = Counter(int(line) for file in tmp_path.glob("*.ids") for line in file.read_text().split())
+    assert errors == [] and wrong[0] == 0
+    assert len(list(tmp_path.glob("*.ids"))) == 2, "both replicas ran rows"
+    assert set(ran) == set(sent), "every answered id ran, and nothing else"
+    assert [i for i, count in ran.items() if count > 1] == [], "no id ran twice"
+
+
+def test_a_full_queue_on_one_replica_is_served_by_the_other(ray_cluster):
+    full = js.serve(ray_models.slow_serving(max_queue=1), name="queues", cluster="ray", replicas=1,
+                    resources={"node_a": 1})
+    spare = js.serve(ray_models.slow_serving(max_queue=None), name="queues", cluster="ray", replicas=1,
+                     resources={"node_b": 1})
+    try:
+        answered, wrong, errors = _load("queues", 8, 2, rows=(1, 2))
+        rejected = full.stats()["total"]["rejected"]
+    finally:
+        full.stop()
+        spare.stop()
+    assert errors == [] and wrong == 0 and answered >= 8
+    assert rejected > 0, "the small queue did fill up"
+
+
+def test_every_replica_full_is_queue_full(ray_cluster):
+    handle = js.serve(ray_models.slow_serving(max_queue=1), name="allfull", cluster="ray", replicas=1)
+    try:
+        answered, wrong, errors = _load("allfull", 6, 1, rows=(1, 2))
+    finally:
+        handle.stop()
+    assert wrong == 0 and answered >= 2
+    assert errors and all(e == "QueueFullError: every replica of 'allfull' has a full queue (allfull/0)"
+                          for e in errors)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(port, process, seconds=120):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("the front never became ready")
+
+
+def _cli(*args):
+    return subprocess.Popen([sys.executable, "-m", "jitserve", *args], cwd=ROOT, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+
+
+def test_serve_with_ray_and_a_front_in_another_process_answer_tritonclient(ray_cluster):
+    import tritonclient.http as httpclient
+
+    serve_port, front_port = _free_port(), _free_port()
+    served = _cli("serve", "tests/cluster/ray_models.py:affine_serving", "--name", "netaffine", "--ray",
+                  ray_cluster.address, "--replicas", "1", "--port", str(serve_port), "--no-grpc")
+    front = None
+    try:
+        _wait_ready(serve_port, served)
+        replica = cluster._actor_names("netaffine")
+        assert replica == ["netaffine/0"]
+        front = _cli("front", "--ray", ray_cluster.address, "--port", str(front_port), "--no-grpc")
+        _wait_ready(front_port, front)
+        x = _rows(3, seed=5)
+        for port in (serve_port, front_port):
+            client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+            request = httpclient.InferInput("input", list(x.shape), "FP32")
+            request.set_data_from_numpy(x)
+            result = client.infer("netaffine", [request])
+            np.testing.assert_array_equal(result.as_numpy("output"), x * 2 + 1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{front_port}/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        assert 'jitserve_replica_rows_total{model="netaffine",replica="netaffine/0"} 6.0' in metrics
+    finally:
+        for process in (front, served):
+            if process is not None:
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(60) == 0
+    assert cluster._actor_names("netaffine") == [], "serve --ray stopped its replicas at exit"
+
+
+def test_a_front_on_node_b_is_answered_by_a_replica_on_node_a(ray_cluster):
+    import tritonclient.grpc as grpcclient
+
+    handle = js.serve(ray_models.affine_serving, name="pinned", cluster="ray", replicas=1, resources={"node_a": 1})
+    http_port, grpc_port = _free_port(), _free_port()
+    front = _cli("front", "--ray", ray_cluster.address, "--models", "pinned", "--port", str(http_port),
+                 "--grpc-port", str(grpc_port))
+    try:
+        info = ray.get(ray.get_actor("pinned/0", namespace="jitserve").info.remote())
+        head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_a" in n["Resources"])
+        assert info["node"] == head
+        _wait_ready(http_port, front)
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        x = _rows(2, seed=6)
+        request = grpcclient.InferInput("input", list(x.shape), "FP32")
+        request.set_data_from_numpy(x)
+        np.testing.assert_array_equal(client.infer("pinned", [request]).as_numpy("output"), x * 2 + 1)
+    finally:
+        front.send_signal(signal.SIGTERM)
+        assert front.wait(60) == 0
+        handle.stop()
+
+
+def test_bad_address_unknown_name_and_no_replicas_are_one_line_errors(ray_cluster):
+    bad = subprocess.run([sys.executable, "-m", "jitserve", "serve", "examples/mlp.py:serving", "--ray",
+                          "127.0.0.1:1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0
+    assert bad.stderr.startswith("jitserve serve: cannot reach a Ray cluster at '127.0.0.1:1'")
+    x = js.Batch.concatenate([_rows(1)])
+    with pytest.raises(js.UnknownServerError, match=r"^no serving named 'nope' is running in the ray cluster$"):
+        js.batched_run(("ray", "nope"), x)
+    with pytest.raises(js.UnknownServerError,
+                       match=r"^no server named 'nope' is running here \(running: none\), nor in the ray cluster$"):
+        js.batched_run("nope", x)
+    handle = js.serve(ray_models.instant_serving, name="emptied", cluster="ray", replicas=1)
+    np.testing.assert_array_equal(js.batched_run("emptied", x), x.materialize() * 2 + 1)
+    handle.scale(0)
+    with pytest.raises(js.UnknownServerError, match=r"^no replica of 'emptied' is running in the ray cluster$"):
+        js.batched_run("emptied", x, timeout=30)
+
+
+def test_local_server_of_the_same_name_comes_first(ray_cluster):
+    handle = js.serve(ray_models.instant_serving, name="both", cluster="ray", replicas=1)
+    try:
+        with js.serve(js.Serving(lambda x: x * 0, batch_size=4), name="both"):
+            x = js.Batch.concatenate([_rows(2)])
+            assert not js.batched_run("both", x).any(), "the local server answered"
+            np.testing.assert_array_equal(js.batched_run(("ray", "both"), x), x.materialize() * 2 + 1)
+    finally:
+        handle.stop()
+
+
+def test_readme_scale_out_example_runs_in_another_driver(ray_cluster):
+    import re
+
+    example = next(code for code in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                   if "ray.init" in code)
+    done = subprocess.run([sys.executable, "-c", example], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "RAY_ADDRESS": ray_cluster.address})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "3 ['affine/0', 'affine/1']"
+    assert cluster._actor_names("affine") == []
+
+
+def test_sigkill_of_a_raylet_mid_load_loses_nothing(ray_cluster):
+    survivor = js.serve(ray_models.affine_serving, name="raylet", cluster="ray", replicas=1,
+                        resources={"node_a": 1}, max_restarts=0)
+    doomed = js.serve(ray_models.affine_serving, name="raylet", cluster="ray", replicas=1,
+                      resources={"node_b": 1}, max_restarts=0)
+    try:
+        answered, wrong, errors = _load(
+            "raylet", 16, 9, during=lambda: ray_cluster.remove_node(ray_cluster.worker, allow_graceful=False))
+        survived = survivor.stats()["total"]["rows"]
+    finally:
+        survivor.stop()
+        doomed.stop()  # its replica died with its node: nothing to drain
+    assert errors == [] and wrong == 0 and answered > 100
+    assert survived > 0
