@@ -430,7 +430,7 @@ _coalescers_lock = threading.Lock()
 _session: list[str] = []
 
 
-def lookup(name: str, call_timeout: float = DEFAULT_CALL_TIMEOUT_S, in_flight: int = 8) -> Coalescer | None:
+def lookup(name: str, call_timeout: float = DEFAULT_CALL_TIMEOUT_S, in_flight: int = 4) -> Coalescer | None:
     """This process's coalescer for the cluster serving ``name`` (None if it has no replicas)."""
     if not ray.is_initialized():
         raise UnknownServerError(f"not connected to a Ray cluster: call ray.init(address=...) before looking up "
