@@ -21,23 +21,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import tempfile
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jitserve as js
 from jitserve.loadtest import closed_loop
 
-BATCH = 64
-rng = np.random.default_rng(0)
-W1 = rng.normal(0, 0.05, (256, 1024)).astype(np.float32)
-W2 = rng.normal(0, 0.05, (1024, 256)).astype(np.float32)
-
-
-def mlp(x):
-    return jnp.maximum(x @ W1, 0.0) @ W2
+# the very MLP of bench/serving.py (bench/ is not on sys.path: scripts run with -P)
+_SERVING_BENCH = runpy.run_path(str(Path(__file__).with_name("serving.py")))
+BATCH = _SERVING_BENCH["BATCH"]
+mlp = _SERVING_BENCH["mlp"]
 
 
 def one_row_calls(run):

@@ -35,19 +35,24 @@ class _ServerStats:
                    for key, help in _REPLICA_COUNTERS.items()}
         replica_depth = GaugeMetricFamily("jitserve_replica_queue_depth", "Rows waiting on a cluster replica",
                                           labels=["model", "replica"])
+        clustered = False
         for name, server in self.servers.items():
             stats = server.stats()
             depth.add_metric([name], stats["queue_depth"])
             compiles.add_metric([name], stats["compiles"])
             replica_stats = getattr(server, "replica_stats", None)  # a cluster serving's local front
-            for replica_name, one in (replica_stats() if replica_stats is not None else {}).items():
+            if replica_stats is None:
+                continue
+            clustered = True
+            for replica_name, one in replica_stats().items():
                 for key, family in replica.items():
                     family.add_metric([name, replica_name], one[key])
                 replica_depth.add_metric([name, replica_name], one["queue_depth"])
         yield depth
         yield compiles
-        yield from replica.values()
-        yield replica_depth
+        if clustered:  # only a front of cluster servings has replicas to report
+            yield from replica.values()
+            yield replica_depth
 
 
 class Metrics:
