@@ -31,6 +31,7 @@ an actor call and ``@serve.batch`` does not coalesce in the caller; see
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -50,7 +51,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..batch import Batch
 from ..errors import OptionError, QueueFullError, ServerStoppedError, UnknownServerError
-from ..serving.queue import BatchPolicy
 from ..serving.server import Server
 from ..serving.serving import Serving
 
@@ -356,6 +356,10 @@ class Router:
         first, second = random.choices(members, weights=[m.capacity for m in members], k=2)
         return first if first.load <= second.load else second
 
+    def _add_outstanding(self, member: _Member, rows: int) -> None:
+        with self._lock:  # several dispatcher threads send to one member: += is not atomic
+            member.outstanding += rows
+
     def _forget(self, member: _Member) -> None:
         with self._lock:
             if self._members.get(member.name) is member:
@@ -372,7 +376,7 @@ class Router:
             if member is None:
                 break
             tried.add(member.name)
-            member.outstanding += size
+            self._add_outstanding(member, size)
             try:
                 outputs, member.depth = ray.get(member.actor.run.remote(rows), timeout=self.call_timeout)
                 return outputs
@@ -388,7 +392,7 @@ class Router:
                             member.name, size, type(cause).__name__)
                 self._forget(member)
             finally:
-                member.outstanding -= size
+                self._add_outstanding(member, -size)
         if full and not lost:
             raise QueueFullError(f"every replica of {self.name!r} has a full queue ({', '.join(sorted(full))})")
         if lost and self._members:
@@ -416,7 +420,7 @@ class Coalescer(Server):
 
     def __init__(self, router: Router, serving: Serving, in_flight: int) -> None:
         # unpadded (the replica pads) and unbounded (the replicas' queues are the bound)
-        policy = BatchPolicy(serving.batch_size, tuple(serving.batch_sizes), serving.batch_timeout, None, pad=False)
+        policy = dataclasses.replace(serving.policy, max_queue=None, pad=False)
         super().__init__(serving, router.name, [_Dispatch(router) for _ in range(in_flight)], policy)
         self.router = router
 

@@ -18,7 +18,7 @@ import asyncio
 import bisect
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,23 +166,24 @@ class Queues:
 
     def withdraw(self, request: Request) -> None:
         """Take every queued piece of ``request`` off the queues."""
-        for signature, queue in list(self._queues.items()):
-            pieces = [piece for piece in queue if piece.request is request]
-            for piece in pieces:
-                queue.remove(piece)
-            self._forget(signature, sum([piece.batch.size for piece in pieces]))
+        self._remove(lambda piece: piece.request is request)
 
     def withdraw_unstarted(self) -> list[Request]:
         """Take every request none of whose rows started off the queues (a stop without drain); the
         pieces of started requests stay, so that no request runs only in part."""
-        unstarted: dict[int, Request] = {}
+        removed = self._remove(lambda piece: not piece.request.started)
+        return list({id(piece.request): piece.request for piece in removed}.values())
+
+    def _remove(self, chosen: Callable[[Piece], bool]) -> list[Piece]:
+        """Take the ``chosen`` pieces off every queue; returns them."""
+        removed = []
         for signature, queue in list(self._queues.items()):
-            pieces = [piece for piece in queue if not piece.request.started]
+            pieces = [piece for piece in queue if chosen(piece)]
             for piece in pieces:
                 queue.remove(piece)
-                unstarted[id(piece.request)] = piece.request
             self._forget(signature, sum([piece.batch.size for piece in pieces]))
-        return list(unstarted.values())
+            removed += pieces
+        return removed
 
     def _forget(self, signature: Signature, rows: int) -> None:
         self._rows[signature] -= rows

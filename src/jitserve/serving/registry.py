@@ -88,23 +88,21 @@ def unregister(name: str, server: Server) -> None:
 def lookup(name: str | tuple[str, str]) -> Server:
     """The server for ``name``: here first, then in every connected cluster; ``(kind, name)`` forces one."""
     scope, bare = name if isinstance(name, tuple) else (None, name)
-    if scope in (None, LOCAL):
-        server = _servers.get(bare)
-        if server is not None:
-            return server
     if scope not in (None, LOCAL):
         found = _cluster(scope).lookup(bare)
         if found is None:
             raise UnknownServerError(f"no serving named {bare!r} is running in the {scope} cluster")
         return found
+    server = _servers.get(bare)
+    if server is not None:
+        return server
     searched = []
-    if scope is None:
-        for kind, cluster in _clusters.items():
-            if cluster.connected():
-                searched.append(kind)
-                found = cluster.lookup(bare)
-                if found is not None:
-                    return found
+    for kind, cluster in _clusters.items() if scope is None else ():
+        if cluster.connected():
+            searched.append(kind)
+            found = cluster.lookup(bare)
+            if found is not None:
+                return found
     running = ", ".join(sorted(_servers)) or "none"
     where = "" if not searched else f", nor in the {' or '.join(searched)} cluster"
     raise UnknownServerError(f"no server named {bare!r} is running here (running: {running}){where}")

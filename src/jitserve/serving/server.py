@@ -335,10 +335,10 @@ class Server:
         for piece in pieces:
             rows = piece.batch.size
             request = piece.request
-            part = single[at:at + rows] if single is not None else tree.unflatten([leaf[at:at + rows] for leaf in leaves])
-            at += rows
-            if request.error is not None:
+            start, at = at, at + rows
+            if request.error is not None:  # another part of it failed: its caller has the error already
                 continue
+            part = single[start:at] if single is not None else tree.unflatten([leaf[start:at] for leaf in leaves])
             request.parts.append((piece.offset, part))
             request.rows_left -= rows
             if request.rows_left == 0:
