@@ -6,14 +6,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from netutil import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -39,25 +37,6 @@ CLIENT_EXAMPLE = next(code for code in re.findall(r"```python\n(.*?)```", README
 CURL_LINES = re.search(r"```sh\n(curl .*?)```", README, re.S).group(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(port: int, process: subprocess.Popen, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError("the server did not become ready")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("JITSERVE_FRESH_CLONE") == "1", reason="already inside the fresh-clone run")
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git to clone")
@@ -73,11 +52,11 @@ def test_two_commands_from_a_fresh_clone(tmp_path):
             shutil.copy2(ROOT / path, target)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     env["JITSERVE_FRESH_CLONE"] = "1"
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_port(), free_port()
     serve = subprocess.Popen([sys.executable, "dev.py", "serve", "--port", str(port), "--grpc-port", str(grpc_port)],
                              cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_ready(port, serve, 1800)
+        wait_ready(port, serve, 1800)
         client_code = CLIENT_EXAMPLE.replace("localhost:8000", f"127.0.0.1:{port}")
         client = subprocess.run([str(clone / ".venv/bin/python"), "-c", client_code], capture_output=True, text=True,
                                 timeout=120)

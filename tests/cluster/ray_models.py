@@ -29,9 +29,9 @@ def recording_serving(folder: str) -> js.Serving:
     return js.Serving(record, batch_size=8, batch_timeout=0.002, compiler="eager")
 
 
-def slow_serving(max_queue: int | None) -> js.Serving:
+def slow_serving(max_queue: int | None, batch_size: int = 1) -> js.Serving:
     def slow(x: np.ndarray) -> np.ndarray:
         time.sleep(0.3)
         return x * 2 + 1
 
-    return js.Serving(slow, batch_size=1, batch_timeout=0, max_queue=max_queue, compiler="eager")
+    return js.Serving(slow, batch_size=batch_size, batch_timeout=0, max_queue=max_queue, compiler="eager")

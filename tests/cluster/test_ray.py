@@ -37,6 +37,7 @@ import jitserve as js  # noqa: E402
 from jitserve.cluster import ray as cluster  # noqa: E402
 
 import ray_models  # noqa: E402
+from netutil import free_port, wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.ray
 HERE = Path(__file__).resolve().parent
@@ -185,12 +186,13 @@ def test_graceful_stop_mid_load_loses_nothing_and_runs_nothing_twice(ray_cluster
 
 
 def test_a_full_queue_on_one_replica_is_served_by_the_other(ray_cluster):
-    full = js.serve(ray_models.slow_serving(max_queue=1), name="queues", cluster="ray", replicas=1,
+    # every call carries 2 rows, more than the small queue ever holds: each one routed there spills over
+    full = js.serve(ray_models.slow_serving(max_queue=1, batch_size=2), name="queues", cluster="ray", replicas=1,
                     resources={"node_a": 1})
-    spare = js.serve(ray_models.slow_serving(max_queue=None), name="queues", cluster="ray", replicas=1,
+    spare = js.serve(ray_models.slow_serving(max_queue=None, batch_size=2), name="queues", cluster="ray", replicas=1,
                      resources={"node_b": 1})
     try:
-        answered, wrong, errors = _load("queues", 8, 2, rows=(1, 2))
+        answered, wrong, errors = _load("queues", 8, 2, rows=(2, 3))
         rejected = full.stats()["total"]["rejected"]
     finally:
         full.stop()
@@ -210,27 +212,6 @@ def test_every_replica_full_is_queue_full(ray_cluster):
                           for e in errors)
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(port, process, seconds=120):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read()
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("the front never became ready")
-
-
 def _cli(*args):
     return subprocess.Popen([sys.executable, "-m", "jitserve", *args], cwd=ROOT, stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True)
@@ -239,16 +220,16 @@ def _cli(*args):
 def test_serve_with_ray_and_a_front_in_another_process_answer_tritonclient(ray_cluster):
     import tritonclient.http as httpclient
 
-    serve_port, front_port = _free_port(), _free_port()
+    serve_port, front_port = free_port(), free_port()
     served = _cli("serve", "tests/cluster/ray_models.py:affine_serving", "--name", "netaffine", "--ray",
                   ray_cluster.address, "--replicas", "1", "--port", str(serve_port), "--no-grpc")
     front = None
     try:
-        _wait_ready(serve_port, served)
+        wait_ready(serve_port, served, 120)
         replica = cluster._actor_names("netaffine")
         assert replica == ["netaffine/0"]
         front = _cli("front", "--ray", ray_cluster.address, "--port", str(front_port), "--no-grpc")
-        _wait_ready(front_port, front)
+        wait_ready(front_port, front, 120)
         x = _rows(3, seed=5)
         for port in (serve_port, front_port):
             client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
@@ -271,14 +252,14 @@ def test_a_front_on_node_b_is_answered_by_a_replica_on_node_a(ray_cluster):
     import tritonclient.grpc as grpcclient
 
     handle = js.serve(ray_models.affine_serving, name="pinned", cluster="ray", replicas=1, resources={"node_a": 1})
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     front = _cli("front", "--ray", ray_cluster.address, "--models", "pinned", "--port", str(http_port),
                  "--grpc-port", str(grpc_port))
     try:
         info = ray.get(ray.get_actor("pinned/0", namespace="jitserve").info.remote())
         head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_a" in n["Resources"])
         assert info["node"] == head
-        _wait_ready(http_port, front)
+        wait_ready(http_port, front, 120)
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         x = _rows(2, seed=6)
         request = grpcclient.InferInput("input", list(x.shape), "FP32")
