@@ -1,8 +1,12 @@
-"""Shared fixtures: every test starts from the process-wide default options."""
+"""Shared fixtures: every test starts from the process-wide default options, with the evaluator's checks on."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("JITSERVE_CHECKS", "1")  # the evaluator checks every result's shape and dtype
 
 import jitserve as js
 

@@ -149,10 +149,11 @@ def test_error_names_the_node_and_chains_the_cause():
 
 
 def test_unsupported_primitive_names_it_and_the_table():
-    graph = js.trace(lambda x: jnp.linalg.cholesky(x), np.eye(3, dtype=np.float32))
+    graph = js.trace(lambda x: lax.reduce_window(x, 1.0, lambda a, b: a * b + 1, (2,), (1,), "VALID"),
+                     np.ones(3, np.float32))
     with pytest.raises(NotImplementedError) as info:
         js.Interpreter(graph)
-    assert "primitive 'cholesky'" in str(info.value)
+    assert "primitive 'reduce_window'" in str(info.value)
     assert "PRIMITIVES in jitserve/primitives.py" in str(info.value)
 
 
@@ -184,3 +185,35 @@ def test_evaluator_wherever_a_compiler_name_is_accepted():
 def test_evaluator_reports_defn_errors():
     with pytest.raises(js.DefnError, match="float\\(\\) on a traced value"):
         js.jit(lambda t: float(t), compiler="evaluator")(np.float32(1))
+
+
+def test_a_parameter_the_implementation_does_not_handle_is_an_error_naming_it(monkeypatch):
+    from jitserve import primitives
+
+    monkeypatch.setitem(primitives.PRIMITIVES, "integer_pow", lambda x: x)
+    graph = js.trace(lambda x: lax.integer_pow(x, 3), np.ones(3, np.float32))
+    with pytest.raises(NotImplementedError, match="primitive 'integer_pow' does not handle its parameter 'y' \\(= 3\\)"):
+        js.Interpreter(graph)
+
+
+@pytest.mark.parametrize("checks", [True, False])
+def test_checks_name_the_node_whose_result_is_misshapen(monkeypatch, checks):
+    from jitserve import primitives
+
+    monkeypatch.setitem(primitives.PRIMITIVES, "neg", lambda x: np.negative(x).ravel())
+    graph = js.trace(lambda x: -x * 2, np.ones((2, 3), np.float32))
+    interpreter = js.Interpreter(graph, checks=checks)
+    if not checks:
+        assert interpreter.run(np.ones((2, 3), np.float32)).shape == (6,)  # unchecked, the wrong shape goes through
+        return
+    with pytest.raises(js.EvaluationError, match=r"While executing %1 = neg %0 : float32\(2, 3\): ValueError: result 0 "
+                                                 r"is float32\[6\], but JAX infers float32\[2, 3\]"):
+        interpreter.run(np.ones((2, 3), np.float32))
+
+
+def test_checks_follow_the_environment(monkeypatch):
+    graph = js.trace(lambda x: x + 1, np.ones(2))
+    monkeypatch.setenv("JITSERVE_CHECKS", "0")
+    assert not js.Interpreter(graph).checks
+    monkeypatch.setenv("JITSERVE_CHECKS", "1")
+    assert js.Interpreter(graph).checks

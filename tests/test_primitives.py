@@ -9,6 +9,7 @@ case does not actually exercise its primitive.
 from __future__ import annotations
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from hypothesis.extra import numpy as hnp
 from jax.extend import core as jcore
 
 import jitserve as js
-from jitserve.primitives import PRIMITIVES
+from jitserve.primitives import PHYSICAL_RULES, PRIMITIVES, physical_shape_dtype
 
 rng = np.random.default_rng(20261122)
 
@@ -89,6 +90,13 @@ CASES: dict[str, list[tuple]] = {
     "erf_inv": unary(lax.erf_inv, UNIT),
     "lgamma": unary(lax.lgamma, POS),
     "digamma": unary(lax.digamma, POS),
+    "igamma": [(lax.igamma, (POS, POS[::-1]))],
+    "igammac": [(lax.igammac, (POS, POS[::-1]))],
+    "bessel_i0e": unary(lax.bessel_i0e, X),
+    "bessel_i1e": unary(lax.bessel_i1e, X),
+    "polygamma": [(lax.polygamma, (np.float32(1.0) + 0 * POS, POS))],
+    "zeta": [(lax.zeta, (POS + 1.5, POS))],
+    "regularized_incomplete_beta": [(lax.betainc, (POS, POS[::-1], f32(3, 4, low=0.05, high=0.95)))],
     "integer_pow": [(lambda x: lax.integer_pow(x, 3), (X,)), (lambda x: lax.integer_pow(x, -2), (POS,)),
                     (lambda x: lax.integer_pow(x, 2), (I,)), (lambda x: lax.integer_pow(x, 0), (X,))],
     "real": unary(lax.real, (X + 1j * POS).astype(np.complex64)),
@@ -97,11 +105,15 @@ CASES: dict[str, list[tuple]] = {
     "population_count": unary(lax.population_count, I, u8(6)),
     "clz": unary(lax.clz, I, u8(6), np.array([0, 1, -1, 2**30], np.int32)),
     "copy": [(lambda x: jnp.array(x, copy=True) * 1, (X,)), (lax.copy_p.bind, (X,))],
-    "reduce_precision": [(lambda x: lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23), (X,))],
+    "reduce_precision": [(lambda x: lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23), (X,)),
+                         (lambda x: lax.reduce_precision(x, 5, 2), (np.array([1.0001, 3.14159, 1e5, 65519, np.nan, -7.9], np.float32),)),
+                         (lambda x: lax.reduce_precision(x, 5, 10), (X * 1e4,)),
+                         (lambda x: lax.reduce_precision(x, 8, 7), (X.astype(np.float16),))],
     "stop_gradient": [(lambda x: lax.stop_gradient(x) + 1, (X,))],
     "optimization_barrier": [(lambda x, y: lax.optimization_barrier((x, y)), (X, I))],
     "add": [(lax.add, (X, f32(3, 4))), (lax.add, (I, I)), (jnp.add, (X, np.float32(2.0)))],
     "sub": [(lax.sub, (X, f32(3, 4))), (lax.sub, (I, I))],
+    "add_any": [(jax.grad(lambda x: jnp.sum(x * x + jnp.sin(x))), (X,))],
     "mul": [(lax.mul, (X, f32(3, 4))), (lax.mul, (I, I)), (lambda x, y: x * y, (f32(3, 1), f32(1, 4)))],
     "div": [(lax.div, (X, POS)), (lax.div, (I, NZ)), (lax.div, (np.array([7, -7, 5], np.int32), np.array([2, 2, 0], np.int32)))],
     "rem": [(lax.rem, (X, POS)), (lax.rem, (I, NZ)), (lax.rem, (np.array([7, -7], np.int32), np.array([0, 3], np.int32)))],
@@ -120,6 +132,9 @@ CASES: dict[str, list[tuple]] = {
     "le": [(lax.le, (I, I[::-1]))],
     "gt": [(lax.gt, (X, X[::-1]))],
     "ge": [(lax.ge, (I, I[::-1]))],
+    "le_to": [(lambda x: jnp.searchsorted(jnp.array([-1.0, 0.0, 0.5, 2.0]), x), (np.array([-0.0, 0.0, np.nan, 0.7, -np.inf], np.float32),))],
+    "lt_to": [(lambda x: jnp.searchsorted(jnp.array([-1.0, 0.0, 0.5, 2.0]), x, side="right"), (X,)),
+              (lambda x: jnp.interp(x, jnp.arange(4.0), jnp.arange(4.0) ** 2), (X + 1,))],
     "shift_left": [(lax.shift_left, (I, i32(3, 4, low=0, high=40))), (lax.shift_left, (u8(4), u8(4) % 9))],
     "shift_right_logical": [(lax.shift_right_logical, (I, i32(3, 4, low=0, high=40)))],
     "shift_right_arithmetic": [(lax.shift_right_arithmetic, (I, i32(3, 4, low=0, high=40)))],
@@ -129,7 +144,9 @@ CASES: dict[str, list[tuple]] = {
     "convert_element_type": [(lambda x: x.astype(jnp.int32), (X * 10,)), (lambda x: x.astype(jnp.float32), (I,)),
                              (lambda x: x.astype(jnp.bool_), (I,)), (lambda x: x.astype(jnp.uint8), (np.array([-1.5, 300.0, np.nan], np.float32),)),
                              (lambda x: x.astype(jnp.float16), (X,))],
-    "bitcast_convert_type": [(lambda x: lax.bitcast_convert_type(x, jnp.int32), (X,))],
+    "bitcast_convert_type": [(lambda x: lax.bitcast_convert_type(x, jnp.int32), (X,)),
+                             (lambda x: lax.bitcast_convert_type(x, jnp.uint8), (f32(2),)),
+                             (lambda x: lax.bitcast_convert_type(x, jnp.float32), (u8(3, 4),))],
     "iota": [(lambda: lax.iota(jnp.int32, 5), ()), (lambda: lax.broadcasted_iota(jnp.float32, (2, 3), 1), ())],
     "broadcast_in_dim": [(lambda x: jnp.broadcast_to(x, (2, 3, 4)), (X,)), (lambda x: x[:, None, :] + jnp.zeros((3, 2, 4)), (X,))],
     "reshape": [(lambda x: x.reshape(4, 3), (X,)), (lambda x: x.reshape(-1), (I,))],
@@ -140,6 +157,8 @@ CASES: dict[str, list[tuple]] = {
     "dynamic_slice": [(lambda x, i: lax.dynamic_slice(x, (i, 1), (2, 2)), (X, np.int32(1))),
                       (lambda x, i: lax.dynamic_slice(x, (i, 1), (2, 2)), (X, np.int32(5)))],
     "dynamic_update_slice": [(lambda x, u, i: lax.dynamic_update_slice(x, u, (i, 0)), (X, f32(2, 2), np.int32(2)))],
+    "stack": [(lambda a, b: jnp.stack([a, b], axis=1), (X, X * 2))],
+    "tile": [(lambda x: jnp.tile(x, (2, 3)), (X,))],
     "concatenate": [(lambda a, b: jnp.concatenate([a, b], axis=1), (X, f32(3, 2)))],
     "pad": [(lambda x: jnp.pad(x, ((1, 2), (0, 1))), (X,)),
             (lambda x: lax.pad(x, np.float32(9), ((1, -1, 1), (-1, 2, 2))), (X,))],
@@ -172,12 +191,63 @@ CASES: dict[str, list[tuple]] = {
     "cummax": [(lambda x: lax.cummax(x, axis=1), (X,)), (lambda x: lax.cummax(x, axis=0, reverse=True), (I,))],
     "cummin": [(lambda x: lax.cummin(x, axis=1), (X,))],
     "cumlogsumexp": [(lambda x: lax.cumlogsumexp(x, axis=1), (X,))],
+    "reduce_window_sum": [(lambda x: lax.reduce_window(x, 0.0, lax.add, (2, 2), (1, 1), "SAME"), (X,)),
+                          (lambda x: lax.reduce_window(x, 0, lax.add, (2, 1), (2, 1), ((1, 0), (0, 1)),
+                                                       base_dilation=(2, 1), window_dilation=(1, 1)), (I,))],
+    "reduce_window_max": [(lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (1, 2), "VALID"), (X,)),
+                          (lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (1, 1), "SAME",
+                                                       window_dilation=(1, 2)), (X,))],
+    "reduce_window_min": [(lambda x: lax.reduce_window(x, jnp.iinfo(jnp.int32).max, lax.min, (3,), (1,), "SAME"), (I[0],))],
+    "select_and_scatter_add": [(jax.grad(lambda x: jnp.sum(lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (1, 1), "SAME") ** 2)), (f32(4, 5),)),
+                               (jax.grad(lambda x: jnp.sum(lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (2, 2), "VALID"))), (f32(4, 6),))],
+    "conv_general_dilated": [
+        (lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME"), (f32(2, 3, 6, 5), f32(4, 3, 3, 2))),
+        (lambda x, w: lax.conv_general_dilated(x, w, (2, 1), ((1, 0), (2, 1)), lhs_dilation=(1, 2), rhs_dilation=(2, 1),
+                                               dimension_numbers=("NHWC", "HWIO", "NHWC")), (f32(2, 7, 5, 3), f32(2, 2, 3, 4))),
+        (lambda x, w: lax.conv_general_dilated(x, w, (1,), "VALID", feature_group_count=2), (f32(2, 4, 9), f32(6, 2, 3))),
+        (lambda x: jnp.convolve(x[0], x[1], mode="full"), (X,)),
+        (jax.grad(lambda w, x: jnp.sum(lax.conv_general_dilated(x, w, (1,), "SAME", feature_group_count=2) ** 2)),
+         (f32(4, 1, 3), f32(3, 2, 7))),
+        (lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "VALID"), (i32(1, 2, 4, 4, low=-5, high=5), i32(3, 2, 2, 2, low=-3, high=3)))],
+    "fft": [(jnp.fft.fft, (X,)), (jnp.fft.ifft, ((X + 1j * POS).astype(np.complex64),)), (jnp.fft.rfft2, (X,)),
+            (lambda x: jnp.fft.irfft(x, n=6), ((X + 1j * POS).astype(np.complex64),))],
+    "lu": [(lambda x: jax.scipy.linalg.lu_factor(x), (f32(2, 4, 4),)), (lambda x: jnp.linalg.det(x), (X[:3, :3],)),
+           (lambda x: jax.scipy.linalg.lu(x), (f32(4, 3),))],
+    "cholesky": [(lambda x: jnp.linalg.cholesky(x @ x.T + 3 * jnp.eye(3)), (X,)), (jnp.linalg.cholesky, (-np.eye(2, dtype=np.float32),))],
+    "triangular_solve": [(lambda a, b: jax.scipy.linalg.solve_triangular(a @ a.T + 3 * jnp.eye(3), b, lower=lower, trans=trans), (X, f32(3, 2)))
+                         for lower in (True, False) for trans in (0, 1)]
+                        + [(lambda a, b: lax.linalg.triangular_solve(a + 3 * jnp.eye(3), b, left_side=False, lower=True), (f32(3, 3), f32(2, 3)))],
+    "svd": [(lambda x: jnp.linalg.svd(x, compute_uv=False), (X,)),
+            (lambda x: (lambda u, s, vt: (jnp.abs(u), s, jnp.abs(vt), (u * s) @ vt))(*jnp.linalg.svd(x, full_matrices=False)), (X,))],
+    "eigh": [(lambda x: (lambda w, v: (w, jnp.abs(v)))(*jnp.linalg.eigh(x + x.T)), (X[:3, :3] * 2,))],
+    "qr": [(lambda x: jnp.linalg.qr(x), (X,)), (lambda x: jnp.linalg.qr(x, mode="complete"), (f32(5, 3),)),
+           (lambda x: jax.scipy.linalg.qr(x, pivoting=True), (f32(4, 4),))],
+    "custom_linear_solve": [(lambda a, b: jnp.linalg.solve(a + 4 * jnp.eye(3), b), (X[:, :3], f32(3))),
+                            (jnp.linalg.inv, (X[:, :3] + 4 * np.eye(3, dtype=np.float32),))],
+    "random_seed": [(lambda s: jax.random.key_data(jax.random.key(s)), (np.int32(7),)),
+                    (lambda s: jax.random.key_data(jax.vmap(jax.random.key)(s)), (np.arange(3, dtype=np.int32),))],
+    "random_split": [(lambda k: jax.random.split(k, 3), (np.array([0, 42], np.uint32),)),
+                     (lambda: jax.random.key_data(jax.random.split(jax.random.key(5), (2, 2))), ())],
+    "random_bits": [(lambda k: jax.random.bits(k, (5,), jnp.uint8), (np.array([1, 2], np.uint32),)),
+                    (lambda k: jax.random.uniform(k, (3, 4)), (np.array([0, 42], np.uint32),)),
+                    (lambda: jax.random.normal(jax.random.PRNGKey(0), (7,)), ()),
+                    (lambda: jax.random.randint(jax.random.key(3), (6,), 0, 100), ())],
+    "random_fold_in": [(lambda k: jax.random.fold_in(k, 17), (np.array([3, 4], np.uint32),))],
+    "random_wrap": [(lambda k: jax.random.bernoulli(k, 0.3, (8,)), (np.array([9, 9], np.uint32),))],
+    "random_unwrap": [(lambda k: jax.random.split(k), (np.array([9, 9], np.uint32),))],
+    "threefry2x32": [(lambda k, c: jax.extend.random.threefry_2x32(k, c), (np.array([1, 2], np.uint32), np.arange(10, dtype=np.uint32)))],
+    "iota_2x32_shape": [(lambda k: jax.random.bits(k, (2, 3)), (np.array([1, 2], np.uint32),))],
+    "platform_index": [(lambda x: jnp.diag(x), (X[:, :3],)), (jnp.diag, (f32(4),))],
     "dot_general": [(jnp.matmul, (X, f32(4, 5))), (jnp.matmul, (f32(2, 3, 4), f32(2, 4, 5))),
                     (jnp.dot, (I, i32(4, 2))), (lambda a, b: jnp.einsum("ijk,kj->i", a, b), (f32(2, 3, 4), f32(4, 3))),
                     (jnp.vdot, (f32(6), f32(6)))],
-    "sort": [(lambda x: jnp.sort(x, axis=1), (X,)), (lambda x: jnp.argsort(x, axis=0), (X,)),
+    "sort": [(lambda x: lax.sort(x), (np.array([np.nan, -0.0, 1.0, 0.0, -np.nan, -np.inf, -0.0], np.float32),)),
+             (lambda x, y: lax.sort((x, y), num_keys=1), (np.array([1, 0, 1, 0, 1], np.int32), np.arange(5.0, dtype=np.float32))),
+             (lambda x: jnp.sort(x), (np.array([1 + 2j, 1 - 1j, -3 + 0j, 1 + 2j], np.complex64),)),
+             (lambda x: jnp.argsort(x, stable=True), (np.array([2.0, 1.0, 2.0, 1.0, 0.0, 2.0], np.float32),)),(lambda x: jnp.sort(x, axis=1), (X,)), (lambda x: jnp.argsort(x, axis=0), (X,)),
              (lambda x, y: lax.sort((x, y), num_keys=2), (i32(8, low=0, high=3), f32(8)))],
-    "top_k": [(lambda x: lax.top_k(x, 2), (f32(3, 5),))],
+    "top_k": [(lambda x: lax.top_k(x, 2), (f32(3, 5),)), (lambda x: lax.top_k(x, 2, axis=0), (f32(3, 4),)),
+              (lambda x: lax.top_k(x, 3), (np.array([1, 3, 3, 0, 3], np.uint8),))],
     "jit": [(lambda x: jax.jit(lambda y: y * 2 + 1)(x), (X,))],
     "custom_jvp_call": [(jax.nn.relu, (X,)), (jax.nn.softplus, (X,))],
     "custom_vjp_call": [],
@@ -220,11 +290,17 @@ PARAMS = [pytest.param(fn, args, id=f"{name}-{k}") for name, cases in CASES.item
 
 
 def _primitives_in(jaxpr) -> set[str]:
+    """Every primitive the evaluator meets running ``jaxpr``: in sub-graphs, and in JAX's definitions of key ops."""
     found = set()
     for eqn in jaxpr.eqns:
         found.add(eqn.primitive.name)
         for sub in jcore.jaxprs_in_params(eqn.params):
             found |= _primitives_in(sub)
+        rule = PHYSICAL_RULES.get(eqn.primitive.name)
+        if rule is not None:
+            avals = [atom.aval for atom in eqn.invars]
+            templates = [js.template(*physical_shape_dtype(aval)) for aval in avals]
+            found |= _primitives_in(js.trace(rule(eqn.params, avals), *templates).jaxpr)
     return found
 
 

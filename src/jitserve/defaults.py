@@ -18,6 +18,7 @@ from typing import Any
 
 DEFAULT_COMPILER = "xla"
 CACHE_DIR_ENV = "JITSERVE_CACHE_DIR"
+CHECKS_ENV = "JITSERVE_CHECKS"  # "1": the evaluator checks every result against JAX's shapes and dtypes
 
 
 def _freeze(value: Any) -> Any:

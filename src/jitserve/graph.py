@@ -22,6 +22,13 @@ def _aval_template(aval: Any) -> Template:
     return Template(aval.shape, aval.dtype)
 
 
+def _aval_text(aval: Any) -> str:
+    """``float32(4)``; a PRNG key type (no numpy dtype) as JAX prints it, ``key<fry>(3)``."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return f"{aval.dtype}{tuple(aval.shape)}"
+    return str(_aval_template(aval))
+
+
 def _format_param(value: Any) -> str:
     if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
         jaxpr = value.jaxpr if isinstance(value, jcore.ClosedJaxpr) else value
@@ -85,7 +92,7 @@ class Graph:
         """``%3 = exp %2 : float32(4)``, with parameters in brackets."""
         results = ", ".join("_" if isinstance(v, jcore.DropVar) else self.names()[v] for v in eqn.outvars)
         params = ", ".join(f"{k}={_format_param(v)}" for k, v in eqn.params.items() if v is not None)
-        types = ", ".join(str(_aval_template(v.aval)) for v in eqn.outvars)
+        types = ", ".join(_aval_text(v.aval) for v in eqn.outvars)
         inputs = " ".join(self.atom(a) for a in eqn.invars)
         bracket = f"[{params}]" if params else ""
         if not eqn.outvars:  # run for its effect (a debug callback): nothing to name
@@ -94,10 +101,10 @@ class Graph:
 
     def lines(self) -> Iterator[str]:
         names = self.names()
-        inputs = ", ".join(f"{names[v]}: {_aval_template(v.aval)}" for v in self.jaxpr.invars)
+        inputs = ", ".join(f"{names[v]}: {_aval_text(v.aval)}" for v in self.jaxpr.invars)
         yield f"graph {self.name}({inputs}) {{"
         for var in self.jaxpr.constvars:
-            yield f"  {names[var]} = constant : {_aval_template(var.aval)}"
+            yield f"  {names[var]} = constant : {_aval_text(var.aval)}"
         for eqn in self.jaxpr.eqns:
             yield f"  {self.node_line(eqn)}"
         yield f"  return {', '.join(self.atom(v) for v in self.jaxpr.outvars)}"

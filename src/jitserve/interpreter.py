@@ -6,6 +6,11 @@ the interpreter is built: each node's implementation from the table in
 value is used for the last time. Running is then a loop over prepared nodes
 that frees every value, inputs included, right after its last use.
 
+With ``checks`` on (the option, or ``JITSERVE_CHECKS=1`` in the environment),
+every result's shape and dtype kind is checked against what JAX inferred for
+it, and a mismatch names the node: a wrong implementation cannot pass
+unnoticed (the test suite runs this way).
+
 ``boxed_run(args_list)`` is the boxed calling convention: the interpreter
 takes the arguments out of the caller's list and clears it, so that the
 caller holds no reference and inputs can be freed early. ``run_node`` is the
@@ -22,31 +27,36 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import os
+
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from .defaults import CHECKS_ENV
 from .errors import EvaluationError
-from .graph import Graph, graph_of_jaxpr
-from .primitives import MULTIPLE_RESULTS, PRIMITIVES, SUBGRAPH_PARAMS, accepted_params
+from .graph import Graph, graph_of_jaxpr, trace
+from .primitives import (MULTIPLE_RESULTS, PHYSICAL_RULES, PRIMITIVES, SUBGRAPH_PARAMS, bind_params,
+                         physical_shape_dtype)
 from .template import Template
 
 
 class Node:
     """One prepared node: its implementation, parameters, operand and result slots, and what to free after it."""
 
-    __slots__ = ("index", "primitive", "impl", "params", "inputs", "outputs", "out_dtypes", "free",
+    __slots__ = ("index", "primitive", "impl", "params", "inputs", "outputs", "out_shapes", "out_dtypes", "free",
                  "multiple_results", "line")
 
     def __init__(self, index: int, primitive: str, impl: Any, params: dict[str, Any], inputs: list[int],
-                 outputs: list[int | None], out_dtypes: list[np.dtype], line: str) -> None:
+                 outputs: list[int | None], out_avals: list[tuple[tuple[int, ...], np.dtype]], line: str) -> None:
         self.index = index
         self.primitive = primitive
         self.impl = impl
         self.params = params
         self.inputs = inputs
         self.outputs = outputs
-        self.out_dtypes = out_dtypes
+        self.out_shapes = [shape for shape, _ in out_avals]
+        self.out_dtypes = [dtype for _, dtype in out_avals]
         self.free: list[int] = []
         self.multiple_results = primitive in MULTIPLE_RESULTS
         self.line = line
@@ -56,6 +66,23 @@ class Node:
 
     def __repr__(self) -> str:
         return f"<Node {self.line}>"
+
+    def check(self, position: int, value: Any) -> None:
+        """Raise if result ``position`` is not shaped as JAX inferred, or not of its dtype's kind."""
+        shape, dtype = self.out_shapes[position], self.out_dtypes[position]
+        got = np.asarray(value)
+        if got.shape != shape or _kind(got.dtype) != _kind(dtype):
+            raise ValueError(f"result {position} is {got.dtype}{list(got.shape)}, but JAX infers "
+                             f"{dtype}{list(shape)} (the evaluator's {self.primitive!r} is wrong)")
+
+
+def _kind(dtype: np.dtype) -> str:
+    """b, i, u, f or c: bfloat16 and the other ml_dtypes floats count as f."""
+    return "f" if jax.dtypes.issubdtype(dtype, np.floating) else dtype.kind
+
+
+def checks_from_environment() -> bool:
+    return os.environ.get(CHECKS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _unsupported(primitive: str) -> NotImplementedError:
@@ -68,9 +95,10 @@ def _unsupported(primitive: str) -> NotImplementedError:
 class Interpreter:
     """Runs a :class:`Graph` with numpy, freeing each value after its last use."""
 
-    def __init__(self, graph: Graph, *, free_after_last_use: bool = True) -> None:
+    def __init__(self, graph: Graph, *, free_after_last_use: bool = True, checks: bool | None = None) -> None:
         self.graph = graph
         self.free_after_last_use = free_after_last_use
+        self.checks = checks_from_environment() if checks is None else checks
         jaxpr = graph.jaxpr
         slots: dict[Any, int] = {}
         initial: list[Any] = []
@@ -99,12 +127,12 @@ class Interpreter:
                 raise _unsupported(name)
             inputs = [operand_slot(a) for a in eqn.invars]
             outputs = [None if isinstance(v, jcore.DropVar) else slots.setdefault(v, new_slot()) for v in eqn.outvars]
-            params = accepted_params(impl, self._prepare_params(name, eqn.params))
+            params = bind_params(name, impl, self._prepare_params(eqn))
             self.nodes.append(Node(index, name, impl, params, inputs, outputs,
-                                   [np.dtype(v.aval.dtype) for v in eqn.outvars], graph.node_line(eqn)))
+                                   [physical_shape_dtype(v.aval) for v in eqn.outvars], graph.node_line(eqn)))
         self._output_slots = [operand_slot(a) for a in jaxpr.outvars]
         self._initial = initial
-        self.output_templates = [Template(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
+        self.output_templates = [Template(*physical_shape_dtype(v.aval)) for v in jaxpr.outvars]
         self._single_output = graph.out_tree.num_nodes == 1 and graph.out_tree.num_leaves == 1
         self._dead_inputs: list[int] = []
         if free_after_last_use:
@@ -138,6 +166,8 @@ class Interpreter:
                 namespace[dtype] = node.out_dtypes[position]
                 value = f"r[{position}]" if node.multiple_results else "r"
                 lines.append(f"        v = {value}")
+                if self.checks:
+                    lines.append(f"        nodes[{k}].check({position}, v)")
                 lines.append(f"        s{slot} = v if type(v) is ndarray and v.dtype == {dtype} else asarray(v, {dtype})")
             if node.free:
                 lines.append(f"        del {', '.join(f's{slot}' for slot in node.free)}")
@@ -148,19 +178,28 @@ class Interpreter:
         exec(compile("\n".join(lines), f"<jitserve graph {self.graph.name}>", "exec"), namespace)  # noqa: S102
         return namespace["run"]
 
-    def _prepare_params(self, primitive: str, params: dict[str, Any]) -> dict[str, Any]:
-        """The node's parameters, with sub-graphs replaced by interpreters of the same class."""
-        prepared = dict(params)
+    def _prepare_params(self, eqn: Any) -> dict[str, Any]:
+        """The node's parameters, with sub-graphs replaced by interpreters of the same class, and for PRNG key
+        primitives an interpreter of JAX's definition on the keys' data as ``physical``."""
+        primitive = eqn.primitive.name
+        prepared = dict(eqn.params)
         for name in SUBGRAPH_PARAMS.get(primitive, ()):
             value = prepared[name]
             if isinstance(value, tuple):
-                prepared[name] = tuple(self._sub_interpreter(v, f"{primitive}.{name}[{i}]") for i, v in enumerate(value))
-            else:
-                prepared[name] = self._sub_interpreter(value, f"{primitive}.{name}")
+                prepared[name] = tuple(None if v is None else self._sub_interpreter(graph_of_jaxpr(v, f"{primitive}.{name}[{i}]"))
+                                       for i, v in enumerate(value))
+            elif value is not None:
+                prepared[name] = self._sub_interpreter(graph_of_jaxpr(value, f"{primitive}.{name}"))
+        rule = PHYSICAL_RULES.get(primitive)
+        if rule is not None:
+            avals = [atom.aval for atom in eqn.invars]
+            physical = rule(eqn.params, avals)
+            templates = [Template(*physical_shape_dtype(aval)) for aval in avals]
+            prepared["physical"] = self._sub_interpreter(trace(physical, *templates))
         return prepared
 
-    def _sub_interpreter(self, jaxpr: Any, name: str) -> "Interpreter":
-        return type(self)(graph_of_jaxpr(jaxpr, name), free_after_last_use=self.free_after_last_use)
+    def _sub_interpreter(self, graph: Graph) -> "Interpreter":
+        return type(self)(graph, free_after_last_use=self.free_after_last_use, checks=self.checks)
 
     def _plan_frees(self, fixed: set[int]) -> None:
         """After which node each value is used for the last time (once per graph; ``x + x`` counts once)."""
@@ -208,6 +247,11 @@ class Interpreter:
             for position, slot in enumerate(node.outputs):
                 if slot is not None:
                     value, dtype = results[position], node.out_dtypes[position]
+                    if self.checks:
+                        try:
+                            node.check(position, value)
+                        except ValueError as error:
+                            raise EvaluationError(f"While executing {node}: ValueError: {error}") from None
                     env[slot] = value if type(value) is ndarray and value.dtype == dtype else np.asarray(value, dtype)
             value = results = None
             for slot in node.free:

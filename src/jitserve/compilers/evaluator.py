@@ -4,7 +4,9 @@ No XLA: each node runs through the table in :mod:`jitserve.primitives`, and
 values are freed after their last use. It is the reference to debug and
 instrument a definition with (subclass :class:`jitserve.Interpreter`).
 Option ``free_after_last_use`` (default True) keeps every value alive when
-False, to compare peak memory.
+False, to compare peak memory; ``checks`` (default: ``JITSERVE_CHECKS`` in the
+environment) checks every node's results against the shapes and dtypes JAX
+inferred.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from .base import Compiler, Device, Executable, flat_templates
 
 class EvaluatorCompiler(Compiler):
     name = "evaluator"
-    options = frozenset({"device", "free_after_last_use"})
+    options = frozenset({"device", "free_after_last_use", "checks"})
 
     def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
         graph = trace(fn, *templates)
-        interpreter = Interpreter(graph, free_after_last_use=options.get("free_after_last_use", True))
+        interpreter = Interpreter(graph, free_after_last_use=options.get("free_after_last_use", True),
+                                  checks=options.get("checks"))
         flat, tree = flat_templates(templates)
         return Executable(interpreter.run, flat, tree, graph.output_container)
 
