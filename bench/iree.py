@@ -4,6 +4,10 @@ machine), and the per-call cost of ``jitserve.iree.call`` against a raw ``iree.r
 The call overhead is measured on seed 002's 4-element module, where the call is all there is,
 in ABBA rounds (raw, ours, ours, raw); best per-call times and their ratio. Goal: <= 1.10.
 
+Last, what jitserve's correctness flags (``iree.CORRECTNESS_FLAGS``: no indirect command buffers, no
+hoisted constant expressions) cost against IREE's defaults, on the MLP of bench/serving.py at batch 64
+and 1, in ABBA rounds.
+
     python3 dev.py bench iree
 """
 
@@ -65,6 +69,34 @@ def main() -> None:
     print("| raw iree.runtime best (us/call) | jitserve.iree.call best (us/call) | best ratio | median ratio |")
     print("|---|---|---|---|")
     print(f"| {min(raws):.2f} | {min(oursl):.2f} | {min(oursl) / min(raws):.3f} | {statistics.median(ratios):.3f} |")
+    correctness_flags_cost(max(args.rounds // 4, 5), max(args.calls // 20, 50))
+
+
+def correctness_flags_cost(rounds: int, calls: int) -> None:
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((256, 1024)).astype(np.float32) * 0.05
+    w2 = rng.standard_normal((1024, 256)).astype(np.float32) * 0.05
+    print()
+    print(f"jitserve's IREE flags against IREE's defaults, MLP 256-1024-256 ({rounds} rounds x {calls} calls):")
+    print("| batch | IREE defaults best (us/call) | jitserve flags best (us/call) | ratio |")
+    print("|---|---|---|---|")
+    for rows in (1, 64):
+        x = rng.standard_normal((rows, 256)).astype(np.float32)
+        lowered = js.to_mlir(lambda v: jnp.tanh(v @ w1) @ w2, [x])
+        functions = []
+        for extra in (["--iree-hal-indirect-command-buffers=true", "--iree-opt-const-expr-hoisting=true"], []):
+            module = iree.compile(lowered.mlir_module, iree.default_flags("local-task") + extra, lowered.output_container)
+            run = module.function("local-task://")
+            functions.append(lambda run=run: np.asarray(run(x)))
+        defaults, ours = [], []
+        for _ in range(rounds):
+            a = per_call_us(functions[0], calls)
+            b = per_call_us(functions[1], calls) + per_call_us(functions[1], calls)
+            a += per_call_us(functions[0], calls)
+            defaults.append(a / 2), ours.append(b / 2)
+        print(f"| {rows} | {min(defaults):.1f} | {min(ours):.1f} | {min(ours) / min(defaults):.3f} |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +118,8 @@ def test_to_mlir_gives_main_output_container_and_used_inputs():
     assert "func.func public @main(" in m.mlir_module
     assert "stablehlo.multiply" in m.mlir_module
     assert m.used_inputs == (0, 2)
+    main = re.search(r"func\.func public @main\(([^)]*)\)", m.mlir_module).group(1)
+    assert main.count("%arg") == len(m.used_inputs), "used_inputs must name exactly the arguments @main takes"
     assert m.output_container == (js.template((4,), "float32"), {"s": js.template((), "float32")})
     assert len(m.input_templates) == 3
 

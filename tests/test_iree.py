@@ -168,3 +168,77 @@ def test_cuda_driver_runs_the_seed_module():
     module = iree.compile(SEED_MLIR, ["--iree-hal-target-backends=cuda", "--iree-cuda-target=sm_80",
                                       "--iree-input-type=stablehlo"])
     np.testing.assert_allclose(np.asarray(iree.call(module, seed_inputs(), device=dev)), SEED_RESULT, rtol=1e-5)
+
+
+# errors that say what IREE cannot do and what to use instead ---------------------------------------
+
+def test_linear_algebra_names_the_jnp_functions_and_the_compilers_that_can():
+    with pytest.raises(js.CompileError) as info:
+        js.jit(jnp.linalg.inv, compiler="iree")(np.eye(3, dtype=np.float32))
+    assert str(info.value) == (
+        "compiler 'iree' cannot compile an LU factorisation (jnp.linalg.solve, inv, det, slogdet, "
+        "jax.scipy.linalg.lu / lu_factor): IREE has no lowering for primitive 'lu'; linear algebra needs "
+        "compiler='xla' or compiler='evaluator'")
+
+
+def test_raw_mlir_with_a_lapack_call_names_the_call():
+    lowered = js.to_mlir(jnp.linalg.inv, [np.eye(3, dtype=np.float32)])
+    with pytest.raises(js.CompileError) as info:
+        iree.compile(lowered.mlir_module)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("IREE cannot compile a call into a host library (on CPU, LAPACK linear algebra")
+    assert "(operation 'stablehlo.custom_call' @lapack_sgetrf_ffi has no lowering)" in first
+
+
+def test_fft_of_a_length_iree_cannot_lower():
+    with pytest.raises(js.CompileError, match=r"IREE cannot compile an FFT of a length IREE cannot lower \(it lowers "
+                                              r"power-of-two lengths\); pad to a power of two"):
+        js.jit(jnp.fft.fft, compiler="iree")(np.ones(10, np.float32))
+    np.testing.assert_allclose(np.asarray(js.jit(jnp.fft.fft, compiler="iree")(np.arange(8, dtype=np.float32))),
+                               np.fft.fft(np.arange(8)), rtol=1e-5, atol=1e-5)
+
+
+def test_float64_follows_x64_and_float64_library_functions_are_named():
+    x = np.linspace(-1, 1, 5)
+    with jax.enable_x64(True):
+        doubled = js.jit(lambda a: a * 2 + 1e-12, compiler="iree")(x)
+        assert np.asarray(doubled).dtype == np.float64
+        np.testing.assert_array_equal(np.asarray(doubled), x * 2 + 1e-12)  # no silent demotion to float32
+        with pytest.raises(js.CompileError, match="IREE's CPU target has no library function 'sin' \\(float64 math"):
+            js.jit(jnp.sin, compiler="iree")(x)
+        flags = iree.default_flags("local-task") + ["--iree-input-demote-f64-to-f32=true"]
+        with pytest.raises(js.CompileError, match=r"IREE compiled input 0 as float32\(5\), but the definition takes "
+                                                  r"float64\(5\): a flag changed the function's types"):
+            js.jit(lambda a: a * 2, compiler="iree", iree_compiler_flags=flags)(x)
+
+
+def test_a_module_for_another_target_says_so():
+    lowered = js.to_mlir(lambda a: a * 2, [np.ones(4, np.float32)])
+    module = iree.compile(lowered.mlir_module, ["--iree-hal-target-backends=cuda"], lowered.output_container)
+    with pytest.raises(js.CompileError, match=r"the module was compiled for --iree-hal-target-backends=cuda and cannot "
+                                              r"run on device 'local-task://'; compile it with "
+                                              r"iree.default_flags\('local-task://'\)"):
+        iree.call(module, [np.ones(4, np.float32)])
+
+
+def test_runtime_failures_are_evaluation_errors():
+    compiled = js.compile(lambda a: a * 2, [js.template((4,), "float32")], compiler="iree")
+    with pytest.raises(js.EvaluationError, match="IREE failed running function 'main'"):
+        compiled.executable.run(np.ones(5, np.float32))  # the unchecked call: IREE itself refuses the shape
+
+
+def test_out_of_range_indices_never_touch_memory_outside_the_array():
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    ids = np.array([0, 5, 9, 100, -1, -20, 2**30, -(2**31)], np.int32)
+    for fn in [lambda t, i: t[i], lambda t, i: jnp.take(t, i, axis=0, mode="clip"),
+               lambda t, i: jnp.take(t, i, axis=0, mode="fill", fill_value=-1.0),
+               lambda t, i: t.at[i].set(-7.0), lambda t, i: t.at[i].add(1.0), lambda t, i: t.at[i, 1].max(99.0)]:
+        np.testing.assert_array_equal(np.asarray(js.jit(fn, compiler="iree")(table, ids)), np.asarray(jax.jit(fn)(table, ids)))
+
+
+def test_stable_sorts_are_stable_and_constant_keys_work():
+    keys = np.array([1, 0, 1, 0] * 8, np.int32)
+    argsort = js.jit(lambda k: jnp.argsort(k, stable=True), compiler="iree")(keys)
+    np.testing.assert_array_equal(np.asarray(argsort), np.argsort(keys, kind="stable"))
+    uniform = js.jit(lambda x: jax.random.uniform(jax.random.PRNGKey(0), (3,)) + x, compiler="iree")(np.zeros(3, np.float32))
+    np.testing.assert_array_equal(np.asarray(uniform), np.asarray(jax.random.uniform(jax.random.PRNGKey(0), (3,))))

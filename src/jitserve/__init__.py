@@ -1,6 +1,8 @@
 """jitserve: write a numerical function once, compile it with the compiler that
 suits the machine (XLA, IREE or a numpy interpreter), and serve it."""
 
+from .compilers import Compiler, Device, Executable
+from .compilers import register as register_compiler
 from .defn import Compiled, MLIRModule, compile, defn, devices, jit, to_mlir
 from .errors import (
     BatchError,
@@ -17,6 +19,7 @@ from .errors import (
     TemplateMismatchError,
     UnknownCompilerError,
     UnknownServerError,
+    WorkerCrashedError,
 )
 from .batch import Batch
 from .graph import Graph, trace
@@ -40,6 +43,9 @@ __all__ = [
     "BatchSizeError",
     "CompileError",
     "Compiled",
+    "Compiler",
+    "Device",
+    "Executable",
     "DefnError",
     "EvaluationError",
     "Graph",
@@ -56,12 +62,14 @@ __all__ = [
     "TemplateMismatchError",
     "UnknownCompilerError",
     "UnknownServerError",
+    "WorkerCrashedError",
     "compile",
     "default_options",
     "defn",
     "devices",
     "jit",
     "options",
+    "register_compiler",
     "set_default_options",
     "template",
     "to_mlir",

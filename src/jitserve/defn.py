@@ -24,7 +24,7 @@ import jax
 from . import compilers
 from . import defaults as _defaults
 from .compilers.base import COMMON_OPTIONS, Device, Executable
-from .errors import DefnError
+from .errors import CompileError, DefnError
 from .template import Template, templates_of
 
 _TRACER_ERRORS = (
@@ -218,6 +218,22 @@ class MLIRModule:
     input_templates: tuple[Template, ...]
 
 
+def _kept_inputs(lowered: Any) -> tuple[int, ...]:
+    """The flat inputs ``@main`` keeps after JAX drops unused ones.
+
+    JAX has no public API for this: ``Lowered.args_info`` and ``in_avals`` list every input, and
+    ``jit(keep_unused=True)`` would keep them all (IREE would then be sent unused inputs on every call).
+    So this reads the lowering's compile arguments; ``tests/test_defn.py`` checks the result against the
+    signature of ``@main`` in the module text, and fails loudly if JAX moves or changes them.
+    """
+    try:
+        return tuple(sorted(lowered._lowering.compile_args["kept_var_idx"]))
+    except (AttributeError, KeyError, TypeError) as error:
+        raise CompileError(f"this JAX ({jax.__version__}) no longer says which inputs a lowered module keeps "
+                           f"(Lowered._lowering.compile_args['kept_var_idx']); jitserve.to_mlir needs updating "
+                           f"for it") from error
+
+
 def to_mlir(fn: Callable[..., Any], args: Sequence[Any]) -> MLIRModule:
     """Lower ``fn`` for these arguments or templates to a StableHLO module with ``@main``."""
     from .compilers.xla import lower
@@ -225,11 +241,10 @@ def to_mlir(fn: Callable[..., Any], args: Sequence[Any]) -> MLIRModule:
     templates = templates_of(tuple(args))
     with defn_errors():
         lowered = lower(fn, templates)
-    kept = lowered._lowering.compile_args["kept_var_idx"]  # the inputs @main keeps (JAX's DCE)
     return MLIRModule(
         mlir_module=lowered.as_text(),
         output_container=templates_of(lowered.out_info),
-        used_inputs=tuple(sorted(kept)),
+        used_inputs=_kept_inputs(lowered),
         input_templates=tuple(jax.tree_util.tree_leaves(templates)),
     )
 

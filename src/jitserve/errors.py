@@ -53,7 +53,11 @@ class UnknownServerError(JitserveError, LookupError):
 
 
 class EvaluationError(JitserveError, RuntimeError):
-    """A node of a graph failed while the evaluator ran it; the message names the node."""
+    """A compiled function failed while running: the evaluator names the node, IREE the function."""
+
+
+class WorkerCrashedError(EvaluationError):
+    """The worker process running a batch died (a native crash); only that batch failed."""
 
 
 class ServerExistsError(JitserveError, ValueError):

@@ -31,7 +31,7 @@ import numpy as np
 
 from .compilers.base import Device
 from .defaults import CACHE_DIR_ENV
-from .errors import CompileError, OptionError, TemplateMismatchError
+from .errors import CompileError, EvaluationError, OptionError, TemplateMismatchError
 from .template import Template, is_template, template_of
 
 DEFAULT_DRIVER = "local-task"
@@ -63,6 +63,25 @@ ELEMENT_TYPES: dict[str, str] = {
     "ui8": "uint8", "ui16": "uint16", "ui32": "uint32", "ui64": "uint64",
     "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
     "complex<f32>": "complex64", "complex<f64>": "complex128",
+}
+
+# Flags jitserve adds unless given otherwise, because IREE's defaults change answers:
+# - f64 stays f64 (IREE demotes it to f32 by default, silently, and changes the function's signature);
+# - neither indirect (reusable) command buffers nor constant expressions hoisted into globals: with either on,
+#   IREE 3.x fails at run time on some modules with "OUT_OF_RANGE; indirect buffer reference slot 0 is out of
+#   range of the declared binding capacity" (a jax.random key made inside the function from an input seed
+#   needs the first off, one made from a constant seed the second); bench/iree.py measures what this costs.
+CORRECTNESS_FLAGS: tuple[str, ...] = ("--iree-input-demote-f64-to-f32=false", "--iree-hal-indirect-command-buffers=false",
+                                      "--iree-opt-const-expr-hoisting=false")
+
+# Operations IREE's diagnostics say it cannot lower: what a user wrote to get them, and what to do instead.
+LOWERING_GAPS: dict[str, str] = {
+    "stablehlo.custom_call": "a call into a host library (on CPU, LAPACK linear algebra: jnp.linalg.solve, inv, det, "
+                             "cholesky, svd, eigh, qr, ...); linear algebra needs compiler='xla' or compiler='evaluator'",
+    "stablehlo.fft": "an FFT of a length IREE cannot lower (it lowers power-of-two lengths); pad to a power of two, "
+                     "or use compiler='xla' or compiler='evaluator'",
+    "stablehlo.triangular_solve": "a triangular solve (jax.scipy.linalg.solve_triangular); "
+                                  "linear algebra needs compiler='xla' or compiler='evaluator'",
 }
 
 COMPILER_VERSION = f"{iree_version.VERSION}+{iree_version.REVISIONS.get('IREE', '')}"
@@ -182,7 +201,14 @@ class Module:
                 if found is None:
                     context = iree_runtime.SystemContext(config=iree_runtime.Config(device=hal_device(device)))
                     vm_module = iree_runtime.VmModule.copy_buffer(context.instance, self.vmfb)
-                    context.add_vm_module(vm_module)
+                    try:
+                        context.add_vm_module(vm_module)
+                    except RuntimeError as error:
+                        targets = [f for f in self.flags if f.startswith("--iree-hal-target")]
+                        raise CompileError(
+                            f"the module was compiled for {', '.join(targets) or 'another target'} and cannot run on "
+                            f"device {key[0]!r}; compile it with iree.default_flags({key[0]!r}) "
+                            f"({str(error).splitlines()[0]})") from None
                     if name not in vm_module.function_names:
                         raise OptionError(f"the module has no function {name!r}; it has: "
                                           f"{', '.join(n for n in vm_module.function_names if n != '__init')}")
@@ -252,7 +278,36 @@ def _compile_vmfb(mlir_text: str, flags: Sequence[str]) -> bytes:
     try:
         return iree_compiler.compile_str(mlir_text, extra_args=list(flags))
     except iree_compiler.CompilerToolError as error:
-        raise CompileError(f"IREE could not compile the module with flags {list(flags)}:\n{error}") from None
+        raise CompileError(f"{diagnose(str(error), mlir_text)}IREE could not compile the module with flags "
+                           f"{list(flags)}:\n{error}") from None
+
+
+def _failing_operation(diagnostics: str, mlir_text: str) -> str:
+    """Name the operation at the line of the module the first error points at (IREE's own words follow)."""
+    located = re.search(r"<stdin>:(\d+):\d+: error: ([^\n]*)", diagnostics)
+    lines = mlir_text.splitlines()
+    if located is None or not 0 < int(located.group(1)) <= len(lines):
+        return ""
+    operation = re.search(r"\b(stablehlo\.\w+|\w+\.\w+)", lines[int(located.group(1)) - 1].split("=", 1)[-1])
+    if operation is None:
+        return ""
+    return (f"IREE could not compile operation '{operation.group(1)}' (line {located.group(1)} of the module) for "
+            f"this target: {located.group(2)}; use compiler='xla' or compiler='evaluator' for this definition.\n")
+
+
+def diagnose(diagnostics: str, mlir_text: str) -> str:
+    """A first line naming the operation IREE could not lower and what to do, where it is a known gap."""
+    missing = re.search(r"undefined symbol: (\w+)", diagnostics)
+    if missing is not None:
+        return (f"IREE's CPU target has no library function {missing.group(1)!r} (float64 math such as sin, tanh "
+                f"or pow is missing from it); compute it in float32, or use compiler='xla' or compiler='evaluator'.\n")
+    match = re.search(r"failed to legalize operation '([\w.]+)'", diagnostics)
+    if match is None or match.group(1) not in LOWERING_GAPS:
+        return _failing_operation(diagnostics, mlir_text)
+    operation = match.group(1)
+    target = re.search(r"custom_call @(\w+)", mlir_text) if operation == "stablehlo.custom_call" else None
+    named = f"'{operation}'" + (f" @{target.group(1)}" if target else "")
+    return f"IREE cannot compile {LOWERING_GAPS[operation]} (operation {named} has no lowering).\n"
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -272,7 +327,9 @@ def compile(mlir_text: str, flags: Sequence[str] = (), output_container: Any = N
 
     Without a target among the flags, the host CPU (``llvm-cpu``) is the target;
     without ``--iree-input-type``, StableHLO is the input. Compiler diagnostics
-    raise :class:`jitserve.CompileError`. Compiled modules are cached in memory
+    raise :class:`jitserve.CompileError`, led by what to do where the failing
+    operation is a known gap (:data:`LOWERING_GAPS`). Unless the flags say
+    otherwise, :data:`CORRECTNESS_FLAGS` are added. Compiled modules are cached in memory
     and under ``cache_dir`` (default ``$JITSERVE_CACHE_DIR/iree`` or
     ``~/.cache/jitserve/iree``).
     """
@@ -281,6 +338,7 @@ def compile(mlir_text: str, flags: Sequence[str] = (), output_container: Any = N
         flags += ["--iree-hal-target-backends=llvm-cpu", "--iree-llvmcpu-target-cpu=host"]
     if not any(f.startswith("--iree-input-type") for f in flags):
         flags.append("--iree-input-type=stablehlo")
+    flags += [flag for flag in CORRECTNESS_FLAGS if not any(f.startswith(flag.split("=")[0]) for f in flags)]
     vmfb = compile_cache.get_or_compile(mlir_text, flags, cache_dir)
     container = None if output_container is None else jax.tree_util.tree_map(
         template_of, output_container, is_leaf=is_template)
@@ -308,4 +366,12 @@ def call(module: Module, inputs: Sequence[Any], device: Device | str | None = No
     module's output container. Wrong input count, shape or dtype is an error before IREE sees it."""
     invoke = module.function(device, function)
     arrays = check_inputs(inputs, module._signatures[function], function)
-    return module.wrap_outputs(invoke(*arrays))
+    return module.wrap_outputs(invoke_checked(invoke, arrays, function))
+
+
+def invoke_checked(invoke: Callable[..., Any], arrays: Sequence[Any], function: str) -> Any:
+    """Run a loaded function; a failure of the runtime is an :class:`EvaluationError` naming the function."""
+    try:
+        return invoke(*arrays)
+    except (RuntimeError, IndexError, ValueError) as error:
+        raise EvaluationError(f"IREE failed running function {function!r}: {error}") from None

@@ -155,7 +155,8 @@ def _convert(x: np.ndarray, *, new_dtype: Any) -> np.ndarray:
     new_dtype = np.dtype(new_dtype)
     if new_dtype.kind in "iu" and x.dtype.kind == "f":
         info = np.iinfo(new_dtype)
-        x = np.clip(np.nan_to_num(np.trunc(x), nan=0), info.min, info.max)  # XLA saturates, NaN -> 0
+        with np.errstate(over="ignore"):  # a limit beyond the float type's range is inf: nothing to clip there
+            x = np.clip(np.nan_to_num(np.trunc(x), nan=0), info.min, info.max)  # XLA saturates, NaN -> 0
     elif new_dtype == np.bool_:
         return x != 0
     return x.astype(new_dtype)
@@ -388,8 +389,9 @@ def _scatter_with(combine: Callable[..., Any] | None) -> Impl:
         chosen = tuple(i[keep] for i in index)
         if combine is None and update_jaxpr is None:
             out[chosen] = updates[keep]
-        elif combine is None:
-            out[chosen] = update_jaxpr.run_flat([out[chosen], updates[keep]])[0]
+        elif combine is None:  # the update function is scalar: element by element, in order, as XLA combines
+            for position, update in zip(zip(*chosen), updates[keep]):
+                out[position] = update_jaxpr.run_flat([out[position], update])[0]
         else:
             combine(out, chosen, updates[keep])
         return out

@@ -1,10 +1,12 @@
 """Models the network tests serve: ``jitserve serve tests/protocol/network_models.py:models``."""
 
+import ctypes
 import importlib.util
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 
 import jitserve as js
 
@@ -24,6 +26,38 @@ def fragile(x):
     return x
 
 
+TABLE = np.arange(40, dtype=np.float32).reshape(10, 4)  # the embedding table "lookup" serves with IREE
+
+
+def lookup(ids):
+    return jnp.asarray(TABLE)[ids]
+
+
+class CrashingCompiler(js.Compiler):
+    """Runs functions as they are, except that a negative input crashes the process natively (SIGSEGV)."""
+
+    name = "crashing"
+
+    def compile(self, fn, templates, options):
+        leaves, tree = js.compilers.base.flat_templates(templates)
+
+        def run(x):
+            if (np.asarray(x) < 0).any():
+                ctypes.string_at(0)  # reads address 0: a segmentation fault
+            return np.asarray(fn(x))
+
+        return js.Executable(run, leaves, tree, None)
+
+    def output_shapes(self, fn, templates):
+        return js.compilers.get("eager").output_shapes(fn, templates)
+
+    def devices(self):
+        return []
+
+
+js.register_compiler("crashing", CrashingCompiler(), replace=True)
+
+
 def slow(x):
     time.sleep(0.6)
     return x + 1
@@ -38,4 +72,8 @@ models = {
                           input_template=js.template((2,), "float32")),
     "slow": js.Serving(slow, batch_size=1, batch_timeout=0, max_queue=1, compiler="eager",
                        input_template=js.template((1,), "float32")),
+    "lookup": js.Serving(lookup, batch_size=4, batch_timeout=0.001, compiler="iree",
+                         input_template=js.template((3,), "int32")),
+    "crashing": js.Serving(lambda x: x * 2, batch_size=2, batch_timeout=0.001, compiler="crashing",
+                           isolation="process", input_template=js.template((2,), "float32")),
 }

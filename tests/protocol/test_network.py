@@ -192,7 +192,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, payl
 
 def test_unknown_model_and_endpoint(server):
     status, body = server.infer_json("nope", mlp_input())
-    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow"
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing"
     status, _, data = server.request("GET", "/v2/models/nope")
     assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     status, _, data = server.request("GET", "/v3/anything")
@@ -242,12 +242,56 @@ def test_a_failing_model_is_500_for_its_request_only(server):
     assert status == 500 and body["error"] == "negative input"
     status, body = request([1.0, 2.0])
     assert status == 200 and body["outputs"][0]["data"] == [1.0, 2.0]
+    assert "negative input" in grpc_internal_error(server, "fragile", [[-1.0, 0.0]])
+    server.assert_healthy()
+
+
+def grpc_internal_error(server: Running, model: str, rows: list) -> str:
+    """Infer over gRPC where the model fails: the status must be INTERNAL; returns the message."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    tensor = grpcclient.InferInput("input", [len(rows), len(rows[0])], "FP32")
+    tensor.set_data_from_numpy(np.array(rows, np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(model, [tensor])
+    assert "INTERNAL" in str(info.value.status())
+    return info.value.message()
+
+
+def test_iree_out_of_range_indices_are_clamped_as_xla_does_and_the_server_keeps_serving(server):
+    import jax
+
+    from network_models import TABLE, lookup
+
+    def request(ids):
+        return server.infer_json("lookup", {"inputs": [{"name": "input", "datatype": "INT32", "shape": [len(ids), 3],
+                                                        "data": [v for row in ids for v in row]}]})
+
+    bad = [[0, 12, -30], [2**30, -(2**31), 9]]  # out of range: XLA clamps (never another buffer's memory)
+    status, body = request(bad)
+    assert status == 200, body
+    want = np.asarray(jax.jit(lookup)(np.array(bad, np.int32)))
+    assert body["outputs"][0]["data"] == want.ravel().tolist()
+    good = [[1, 2, 3]]
+    status, body = request(good)
+    assert status == 200 and body["outputs"][0]["data"] == TABLE[good].ravel().tolist()
+    server.assert_healthy()
+
+
+def test_a_native_crash_in_a_worker_process_fails_only_its_batch(server):
+    def request(values):
+        return server.infer_json("crashing", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2],
+                                                          "data": values}]})
+
+    status, body = request([-1.0, 1.0])  # segfaults the worker process
+    assert status == 500
+    assert "worker process" in body["error"] and "SIGSEGV" in body["error"], body
+    status, body = request([1.0, 2.0])  # a new worker answers
+    assert status == 200 and body["outputs"][0]["data"] == [2.0, 4.0]
+    assert "SIGSEGV" in grpc_internal_error(server, "crashing", [[-3.0, 0.0]])
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     tensor = grpcclient.InferInput("input", [1, 2], "FP32")
-    tensor.set_data_from_numpy(np.array([[-1.0, 0.0]], np.float32))
-    with pytest.raises(InferenceServerException) as info:
-        client.infer("fragile", [tensor])
-    assert "INTERNAL" in str(info.value.status()) and "negative input" in info.value.message()
+    tensor.set_data_from_numpy(np.array([[3.0, 0.5]], np.float32))
+    assert client.infer("crashing", [tensor]).as_numpy("output").tolist() == [[6.0, 1.0]]
     server.assert_healthy()
 
 

@@ -1,6 +1,8 @@
 """The table of compilers by name, imported on first use.
 
-Adding a compiler is one entry: its name and where its class lives.
+Adding a compiler is one entry: its name and where its class lives, or, from
+outside jitserve, :func:`register` (``jitserve.register_compiler``) with an
+instance.
 """
 
 from __future__ import annotations
@@ -8,13 +10,14 @@ from __future__ import annotations
 import importlib
 import threading
 
-from ..errors import UnknownCompilerError
+from ..errors import OptionError, UnknownCompilerError
 from .base import Compiler, Device, Executable
 
 COMPILERS: dict[str, str] = {
     "xla": "jitserve.compilers.xla:XlaCompiler",
     "evaluator": "jitserve.compilers.evaluator:EvaluatorCompiler",
     "iree": "jitserve.compilers.iree:IreeCompiler",
+    "eager": "jitserve.compilers.eager:EagerCompiler",
 }
 
 _instances: dict[str, Compiler] = {}
@@ -42,6 +45,21 @@ def get(name: str) -> Compiler:
         return _instances.setdefault(name, getattr(module, class_name)())
 
 
+def register(name: str, compiler: Compiler, *, replace: bool = False) -> None:
+    """Make ``compiler`` (an instance of a :class:`Compiler` subclass whose ``name`` is ``name``) the entry
+    ``name`` of the table; an existing entry is replaced only with ``replace=True``."""
+    if not isinstance(compiler, Compiler):
+        raise OptionError(f"register_compiler needs an instance of a jitserve.Compiler subclass, got {compiler!r}")
+    if getattr(compiler, "name", None) != name:
+        raise OptionError(f"the compiler's name is {getattr(compiler, 'name', None)!r}, but it is registered as "
+                          f"{name!r}; set name = {name!r} on its class")
+    with _lock:
+        if name in COMPILERS and not replace:
+            raise OptionError(f"a compiler named {name!r} is registered already; pass replace=True to replace it")
+        COMPILERS[name] = f"{type(compiler).__module__}:{type(compiler).__qualname__}"
+        _instances[name] = compiler
+
+
 def installed() -> list[str]:
     """The names of the compilers that import on this machine."""
     names = []
@@ -54,4 +72,4 @@ def installed() -> list[str]:
     return names
 
 
-__all__ = ["COMPILERS", "Compiler", "Device", "Executable", "get", "installed"]
+__all__ = ["COMPILERS", "Compiler", "Device", "Executable", "get", "installed", "register"]

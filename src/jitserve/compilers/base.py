@@ -68,10 +68,19 @@ class Executable:
 
 
 class Compiler(abc.ABC):
-    """A compiler plug-in. Subclasses set ``name`` and ``options`` and implement ``compile``."""
+    """A compiler plug-in. Subclasses set ``name`` and ``options`` and implement ``compile`` and ``devices``;
+    :func:`jitserve.register_compiler` makes one usable by name everywhere a compiler is chosen.
+
+    ``compiles`` is False for a compiler that runs functions as they are (nothing to count or log).
+    ``default_isolation`` is where a server runs its executables unless the serving says: ``"thread"``
+    (in the server's process) or ``"process"`` (a worker process per partition, which a native crash
+    cannot take the server down with).
+    """
 
     name: ClassVar[str]
     options: ClassVar[frozenset[str]] = frozenset()
+    compiles: ClassVar[bool] = True
+    default_isolation: ClassVar[str] = "thread"
 
     def check_options(self, options: Mapping[str, Any]) -> None:
         unknown = sorted(set(options) - COMMON_OPTIONS - self.options)
@@ -92,6 +101,12 @@ class Compiler(abc.ABC):
     def partitions(self, options: Mapping[str, Any]) -> list[dict[str, Any]]:
         """One option set per device: the given device, or every device of the default kind."""
         return [dict(options)]
+
+    def output_shapes(self, fn: Callable[..., Any], templates: Sequence[Any]) -> Any:
+        """The shapes and dtypes ``fn`` returns for arguments shaped like ``templates`` (JAX's abstract
+        evaluation; a compiler of functions JAX cannot trace overrides it)."""
+        abstract = jax.tree_util.tree_map(lambda t: t.abstract(), tuple(templates), is_leaf=is_template)
+        return jax.eval_shape(fn, *abstract)
 
     def dispatcher(
         self, fn: Callable[..., Any], options: Mapping[str, Any], on_compile: Callable[[], None]

@@ -5,6 +5,11 @@ device, StableHLO input, the host CPU for llvm-cpu), ``iree_runtime_options``
 (``{"device": Device or URI}``; ``device`` also works on its own), default
 ``local-task://``. Only the inputs the module uses are passed to it. Results
 are IREE DeviceArrays (``np.asarray`` turns them into numpy arrays).
+
+What IREE compiles is the definition made explicit by
+:mod:`jitserve.compilers.explicit` (in-range gathers and scatters, stable
+sorts), so that its answers are XLA's; flags that would change a function's
+signature (demoting f64 to f32) are refused rather than followed silently.
 """
 
 from __future__ import annotations
@@ -17,12 +22,24 @@ import numpy as np
 
 from .. import iree
 from ..defn import to_mlir
+from ..errors import CompileError
+from ..template import Template
 from .base import Compiler, Device, Executable, flat_templates
+from .explicit import explicit
 
 
 def _device(options: Mapping[str, Any]) -> Any:
     runtime = options.get("iree_runtime_options") or {}
     return runtime.get("device", options.get("device"))
+
+
+def _check_signature(compiled: list[Template | None], wanted: list[Template], flags: tuple[str, ...]) -> None:
+    """The module must take what the definition takes: no input type changed by a flag."""
+    for position, (got, want) in enumerate(zip(compiled, wanted)):
+        if got is not None and got != want:
+            raise CompileError(f"IREE compiled input {position} as {got}, but the definition takes {want}: a flag "
+                               f"changed the function's types (flags: {list(flags)}); jitserve does not change "
+                               f"dtypes silently: drop --iree-input-demote-* or pass inputs of the compiled type")
 
 
 class IreeCompiler(Compiler):
@@ -31,11 +48,12 @@ class IreeCompiler(Compiler):
 
     def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
         device = _device(options)
-        lowered = to_mlir(fn, list(templates))
+        lowered = to_mlir(explicit(fn), list(templates))
         flags = options.get("iree_compiler_flags") or iree.default_flags(device)
         module = iree.compile(lowered.mlir_module, flags, lowered.output_container, options.get("cache_dir"))
         invoke = module.function(device)
         used = lowered.used_inputs
+        _check_signature(module.input_templates(), [lowered.input_templates[i] for i in used], module.flags)
         dtypes = [lowered.input_templates[i].dtype for i in used]
         out_tree = jax.tree_util.tree_structure(lowered.output_container)
         flatten = jax.tree_util.tree_flatten
@@ -43,7 +61,7 @@ class IreeCompiler(Compiler):
         def run(*args: Any) -> Any:
             leaves = flatten(args)[0]
             inputs = [x if hasattr(x, "shape") else np.asarray(x, dt) for x, dt in zip([leaves[i] for i in used], dtypes)]
-            out = invoke(*inputs)
+            out = iree.invoke_checked(invoke, inputs, "main")
             return out_tree.unflatten(out if isinstance(out, tuple) else (out,))
 
         flat, tree = flat_templates(templates)

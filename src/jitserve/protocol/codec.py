@@ -18,10 +18,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import compilers
 from ..batch import Batch
 from ..errors import ProtocolError
 from ..serving.server import Server
-from ..serving.serving import EAGER
 from ..template import Template, is_template
 
 DATATYPES: dict[str, np.dtype] = {
@@ -147,12 +147,7 @@ class ModelSpec:
         serving = self.server.serving
         one_row = jax.tree_util.tree_map(lambda t: Template((1, *t.shape), t.dtype), serving.input_template,
                                          is_leaf=is_template)
-        if serving.compiler_name == EAGER:
-            shapes = serving.fn(jax.tree_util.tree_map(lambda t: t.zeros(), one_row,
-                                                       is_leaf=is_template))
-        else:
-            shapes = jax.eval_shape(serving.fn, jax.tree_util.tree_map(
-                lambda t: t.abstract(), one_row, is_leaf=is_template))
+        shapes = compilers.get(serving.compiler_name).output_shapes(serving.fn, [one_row])
         leaves = jax.tree_util.tree_leaves(shapes)
         return [TensorSpec(n, datatype_of(leaf.dtype), tuple(leaf.shape[1:]))
                 for n, leaf in zip(_tensor_names(shapes, "output"), leaves)]

@@ -32,6 +32,7 @@ from ..batch import Batch
 from ..errors import BatchSizeError, QueueFullError, ServerStoppedError
 from .queue import BatchPolicy, Piece, Queues, Request
 from .serving import Executor, Serving, concatenate_outputs
+from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
 
@@ -96,7 +97,10 @@ class Server:
         }
         self._compiles_own = executors is None
         if executors is None:
-            executors = [Executor(serving, options, self._count_compile) for options in serving.partition_options()]
+            isolated = serving.isolation == "process"
+            executors = [ProcessExecutor(serving, options, self._count_compile, f"server {name!r} partition {index}")
+                         if isolated else Executor(serving, options, self._count_compile)
+                         for index, options in enumerate(serving.partition_options())]
         self._partitions = [_Partition(self, i, executor) for i, executor in enumerate(executors)]
 
     # lifecycle -------------------------------------------------------------------------------
@@ -110,7 +114,7 @@ class Server:
     def warm_up(self) -> None:
         """Compile every batch size on every partition for ``input_template`` (no-op without one)."""
         signature = self.serving.template_signature()
-        if signature is None or not self._compiles_own:
+        if signature is None or not self._compiles_own or not self.serving.compiles:
             return
         tree, row_signature = signature
         sizes = self.serving.batch_sizes
@@ -144,6 +148,9 @@ class Server:
             return
         for partition in self._partitions:
             partition.thread.join()
+            close = getattr(partition.executor, "close", None)
+            if close is not None:  # a worker process
+                close()
         for callback in self._on_stop:
             callback(self)
         self._stopped.set()

@@ -24,8 +24,8 @@ from ..errors import BatchError, OptionError, OutputShapeError
 from ..template import Template, is_template, template_of
 from .queue import BatchPolicy
 
-EAGER = "eager"
 OVERSIZE_MODES = ("split", "error")
+ISOLATION_MODES = ("thread", "process")
 
 
 def _default_batch_sizes(batch_size: int) -> list[int]:
@@ -68,12 +68,12 @@ class Executor:
 
     def _compile(self, rows: int, tree: Any, row_signature: RowSignature) -> Callable[[Any], Any]:
         serving = self.serving
-        if serving.compiler_name == EAGER:
-            return serving.fn
         templates = jax.tree_util.tree_unflatten(tree, [Template((rows, *shape), dtype) for shape, dtype in row_signature])
+        compiler = compilers.get(serving.compiler_name)
         with defn_errors():
-            executable = compilers.get(serving.compiler_name).compile(serving.fn, [templates], self.options)
-        self._on_compile()
+            executable = compiler.compile(serving.fn, [templates], self.options)
+        if compiler.compiles:
+            self._on_compile()
         return executable.run
 
     def execute(self, batch: Batch) -> Any:
@@ -81,7 +81,7 @@ class Executor:
         rows = batch.size + batch.pad
         run = self.compiled(rows, batch.tree, batch.rows)
         outputs = run(batch.materialize())
-        return _cut_rows(outputs, rows, batch.size)
+        return cut_rows(outputs, rows, batch.size)
 
 
 def _owned_host_array(value: Any) -> np.ndarray:
@@ -91,7 +91,8 @@ def _owned_host_array(value: Any) -> np.ndarray:
     return np.array(to_host() if to_host is not None else value)
 
 
-def _cut_rows(outputs: Any, rows: int, keep: int) -> Any:
+def cut_rows(outputs: Any, rows: int, keep: int) -> Any:
+    """The first ``keep`` of the ``rows`` rows of every output, as host numpy arrays."""
     leaves, tree = jax.tree_util.tree_flatten(outputs)
     cut = []
     for leaf in leaves:
@@ -131,6 +132,7 @@ class Serving:
         preprocess: Callable[[Any], Batch] | None = None,
         postprocess: Callable[[Any], Any] | None = None,
         compiler: str | None = None,
+        isolation: str | None = None,
         **compiler_options: Any,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "compiler_options", "__class__")}
@@ -156,12 +158,12 @@ class Serving:
         )
         self.preprocess = preprocess
         self.postprocess = postprocess
-        if compiler == EAGER:
-            self.compiler_name, self.compiler_options = EAGER, dict(compiler_options)
-        else:
-            chosen, self.compiler_options = resolve_options(
-                {**({"compiler": compiler} if compiler else {}), **compiler_options})
-            self.compiler_name = chosen.name
+        chosen, self.compiler_options = resolve_options(
+            {**({"compiler": compiler} if compiler else {}), **compiler_options})
+        self.compiler_name = chosen.name
+        if isolation is not None and isolation not in ISOLATION_MODES:
+            raise OptionError(f"isolation must be one of {', '.join(ISOLATION_MODES)}, got {isolation!r}")
+        self.isolation = isolation or chosen.default_isolation
         self._inline: Executor | None = None
         self._inline_lock = threading.Lock()
 
@@ -177,12 +179,14 @@ class Serving:
         """How a server of this serving forms batches (see ``queue.py``)."""
         return BatchPolicy(self.batch_size, tuple(self.batch_sizes), self.batch_timeout, self.max_queue)
 
+    @property
+    def compiles(self) -> bool:
+        """Whether the serving's compiler compiles anything (``eager`` does not: no warm-up, no compiles)."""
+        return compilers.get(self.compiler_name).compiles
+
     def partition_options(self) -> list[dict[str, Any]]:
         """One option set per partition: one per device where there are several, cycled to ``partitions``."""
-        if self.compiler_name == EAGER:
-            per_device = [dict(self.compiler_options)]
-        else:
-            per_device = compilers.get(self.compiler_name).partitions(self.compiler_options)
+        per_device = compilers.get(self.compiler_name).partitions(self.compiler_options)
         return [per_device[i % len(per_device)] for i in range(self.partitions)]
 
     def template_signature(self) -> tuple[Any, RowSignature] | None:

@@ -1,0 +1,237 @@
+"""Make explicit what IREE's lowering of StableHLO loses, before jitserve hands a definition to IREE.
+
+StableHLO gives gathers clamped start indices and scatters that skip an
+out-of-range update; JAX relies on both (``x[i]``, ``x.at[i].set``, the
+``mode=`` of ``take`` and ``.at``). IREE's lowering keeps neither: it reads and
+writes outside the array (garbage, another buffer's memory, or SIGSEGV). It
+also sorts unstably whatever ``is_stable`` says. :func:`explicit` re-traces a
+definition with each of those nodes rewritten into plain operations whose
+meaning survives any lowering:
+
+- a gather clamps its start indices itself (and masks the windows that were
+  out of range where the mode is ``fill``);
+- a scatter sends an out-of-range update window into a scratch margin added
+  to the operand and sliced off afterwards, so it touches nothing;
+- a stable sort gets the position of each element as its last key, so that
+  every order it may produce is the stable one;
+- a float to integer conversion saturates and sends NaN to 0 explicitly, as
+  XLA does (IREE's conversion of out-of-range values is undefined).
+
+Nodes that IREE cannot compile at all (LAPACK-backed linear algebra) raise a
+:class:`CompileError` naming the ``jnp`` functions behind them and the
+compilers that can, before IREE sees anything. Calls, custom derivatives and
+checkpoints are inlined; loops and conditionals keep their structure with
+their bodies rewritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from ..errors import CompileError
+
+LINEAR_ALGEBRA = "linear algebra needs compiler='xla' or compiler='evaluator'"
+
+# Primitives IREE has no lowering for (on CPU they become LAPACK custom calls): what users call to get them.
+UNSUPPORTED: dict[str, str] = {
+    "lu": "an LU factorisation (jnp.linalg.solve, inv, det, slogdet, jax.scipy.linalg.lu / lu_factor)",
+    "cholesky": "a Cholesky factorisation (jnp.linalg.cholesky, jax.scipy.linalg.cho_factor)",
+    "triangular_solve": "a triangular solve (jax.scipy.linalg.solve_triangular, cho_solve, jnp.linalg.solve's gradient)",
+    "svd": "a singular value decomposition (jnp.linalg.svd, pinv, matrix_rank, norm(ord=2), cond)",
+    "eigh": "a symmetric eigendecomposition (jnp.linalg.eigh, eigvalsh)",
+    "eig": "an eigendecomposition (jnp.linalg.eig, eigvals)",
+    "qr": "a QR factorisation (jnp.linalg.qr, jax.scipy.linalg.qr)",
+    "householder_product": "a Householder product (jnp.linalg.qr)",
+    "schur": "a Schur decomposition (jax.scipy.linalg.schur, sqrtm)",
+    "hessenberg": "a Hessenberg reduction (jax.scipy.linalg.hessenberg)",
+    "tridiagonal": "a tridiagonal reduction (jax.scipy.linalg.eigh_tridiagonal)",
+    "tridiagonal_solve": "a tridiagonal solve (jax.lax.linalg.tridiagonal_solve)",
+}
+
+# Call-like primitives whose body is inlined: primitive -> the parameter holding the body.
+INLINED: dict[str, str] = {
+    "jit": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "closed_call": "call_jaxpr",
+}
+
+
+def explicit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with gathers, scatters and stable sorts rewritten as above (same inputs, same outputs)."""
+    def rewritten(*args: Any) -> Any:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        flat = _evaluate(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
+
+    rewritten.__name__ = getattr(fn, "__name__", "fn")
+    return rewritten
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, jcore.Literal) else env[atom]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in UNSUPPORTED:
+            raise CompileError(f"compiler 'iree' cannot compile {UNSUPPORTED[name]}: IREE has no lowering for "
+                               f"primitive {name!r}; {LINEAR_ALGEBRA}")
+        values = [read(atom) for atom in eqn.invars]
+        if name in INLINED:
+            body = eqn.params[INLINED[name]]
+            closed = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+            results = _evaluate(closed.jaxpr, closed.consts, values)
+        elif name in REWRITES:
+            results = REWRITES[name](*values, **eqn.params)
+        else:
+            results = eqn.primitive.bind(*values, **_rewrite_bodies(eqn.params))
+            if not eqn.primitive.multiple_results:
+                results = [results]
+        for var, value in zip(eqn.outvars, results):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = value
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+def _rewrite_closed(closed: Any) -> Any:
+    avals = [jax.ShapeDtypeStruct(aval.shape, aval.dtype) for aval in closed.in_avals]
+    return jax.make_jaxpr(lambda *args: _evaluate(closed.jaxpr, closed.consts, args))(*avals)
+
+
+def _rewrite_bodies(params: dict[str, Any]) -> dict[str, Any]:
+    """Loop and branch bodies (closed jaxprs, alone or in tuples) rewritten the same way."""
+    rewritten = dict(params)
+    for key, value in params.items():
+        if isinstance(value, jcore.ClosedJaxpr):
+            rewritten[key] = _rewrite_closed(value)
+        elif isinstance(value, tuple) and value and all(isinstance(v, jcore.ClosedJaxpr) for v in value):
+            rewritten[key] = tuple(_rewrite_closed(v) for v in value)
+    return rewritten
+
+
+def _as_index(indices: Any, operand_shape: Sequence[int]) -> Any:
+    """The indices as int32 (int64 where a dimension needs it), saturating: no large index wraps into range."""
+    target = np.dtype(np.int64 if max(operand_shape, default=0) >= np.iinfo(np.int32).max else np.int32)
+    source, wanted = np.iinfo(indices.dtype), np.iinfo(target)
+    low, high = max(source.min, wanted.min), min(source.max, wanted.max)
+    if (low, high) != (source.min, source.max):
+        indices = lax.clamp(np.array(low, indices.dtype), indices, np.array(high, indices.dtype))
+    return indices.astype(target)
+
+
+def _bounds(indices: Any, limits: Sequence[int]) -> tuple[Any, Any]:
+    """The indices as a signed type and whether each index vector (last axis) lies within [0, limits]."""
+    upper = np.asarray(limits, indices.dtype).reshape((1,) * (indices.ndim - 1) + (-1,))
+    in_range = (indices >= 0) & (indices <= upper)
+    return upper, jax.numpy.all(in_range, axis=-1)
+
+
+def _gather(operand: Any, indices: Any, *, dimension_numbers: Any, slice_sizes: Sequence[int], mode: Any,
+            fill_value: Any, indices_are_sorted: bool, unique_indices: bool) -> list[Any]:
+    dn = dimension_numbers
+    indices = _as_index(indices, operand.shape)
+    upper, in_range = _bounds(indices, [operand.shape[a] - slice_sizes[a] for a in dn.start_index_map])
+    clamped = lax.clamp(np.zeros((), indices.dtype), indices, np.broadcast_to(upper, indices.shape))
+    out = lax.gather(operand, clamped, dn, tuple(slice_sizes), indices_are_sorted=indices_are_sorted,
+                     unique_indices=unique_indices, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    if lax.GatherScatterMode.from_any(mode) is not lax.GatherScatterMode.FILL_OR_DROP:
+        return [out]
+    batch_axes = tuple(axis for axis in range(out.ndim) if axis not in dn.offset_dims)
+    keep = lax.broadcast_in_dim(in_range, out.shape, batch_axes)
+    return [lax.select(keep, out, lax.full_like(out, _fill(operand.dtype, fill_value)))]
+
+
+def _fill(dtype: np.dtype, fill_value: Any) -> Any:
+    """What JAX's ``fill`` mode puts in out-of-range windows when no ``fill_value`` is given."""
+    if fill_value is not None:
+        return fill_value
+    if jax.dtypes.issubdtype(dtype, np.inexact):
+        return np.nan
+    if dtype == np.bool_:
+        return True
+    return np.iinfo(dtype).min if jax.dtypes.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
+
+
+def _scatter(primitive: Any) -> Callable[..., list[Any]]:
+    def scatter(operand: Any, indices: Any, updates: Any, *, dimension_numbers: Any, mode: Any,
+                **params: Any) -> list[Any]:
+        dn = dimension_numbers
+        if not dn.scatter_dims_to_operand_dims:
+            return [primitive.bind(operand, indices, updates, dimension_numbers=dn, mode=mode, **params)]
+        window_axes = [a for a in range(operand.ndim)
+                       if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
+        sizes = [1] * operand.ndim
+        for axis, update_axis in zip(window_axes, dn.update_window_dims):
+            sizes[axis] = updates.shape[update_axis]
+        indices = _as_index(indices, [d + s for d, s in zip(operand.shape, sizes)])
+        targets = dn.scatter_dims_to_operand_dims
+        upper, in_range = _bounds(indices, [operand.shape[a] - sizes[a] for a in targets])
+        if lax.GatherScatterMode.from_any(mode) is lax.GatherScatterMode.CLIP:
+            safe = lax.clamp(np.zeros((), indices.dtype), indices, np.broadcast_to(upper, indices.shape))
+            return [primitive.bind(operand, safe, updates, dimension_numbers=dn,
+                                   mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS, **params)]
+        # An out-of-range window goes to a margin past the end of the first scattered axis, sliced off after.
+        first = targets[0]
+        margin = [(0, sizes[first] if axis == first else 0, 0) for axis in range(operand.ndim)]
+        widened = lax.pad(operand, np.zeros((), operand.dtype), margin)
+        keep = in_range[..., None]
+        parking = np.zeros(len(targets), indices.dtype)
+        parking[0] = operand.shape[first]
+        safe = lax.select(jax.numpy.broadcast_to(keep, indices.shape), indices,
+                          jax.numpy.broadcast_to(parking, indices.shape))
+        out = primitive.bind(widened, safe, updates, dimension_numbers=dn,
+                             mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS, **params)
+        return [lax.slice(out, (0,) * operand.ndim, operand.shape)]
+    return scatter
+
+
+def _sort(*operands: Any, dimension: int, is_stable: bool, num_keys: int) -> list[Any]:
+    """Stable: each element's position becomes the last key, so every order the sort may give is the stable one.
+    (Gathering the other operands by the sorted positions instead would spare IREE's CUDA target, which cannot
+    sort three operands or more, but IREE 3.x miscompiles that gather on the CPU.)"""
+    if not is_stable:
+        return lax.sort_p.bind(*operands, dimension=dimension, is_stable=False, num_keys=num_keys)
+    position = lax.broadcasted_iota(np.int32, operands[0].shape, dimension)
+    keyed = [*operands[:num_keys], position, *operands[num_keys:]]
+    out = lax.sort_p.bind(*keyed, dimension=dimension, is_stable=True, num_keys=num_keys + 1)
+    return [*out[:num_keys], *out[num_keys + 1:]]
+
+
+def _convert(x: Any, *, new_dtype: Any, weak_type: bool, sharding: Any) -> list[Any]:
+    bind = lambda value: lax.convert_element_type_p.bind(  # noqa: E731
+        value, new_dtype=new_dtype, weak_type=weak_type, sharding=sharding)
+    target = np.dtype(new_dtype)
+    if not (jax.dtypes.issubdtype(x.dtype, np.floating) and jax.dtypes.issubdtype(target, np.integer)):
+        return [bind(x)]
+    info = np.iinfo(target)
+    with np.errstate(over="ignore"):  # a limit beyond the float type's range becomes inf, as intended
+        high, low = np.asarray(info.max, x.dtype), np.asarray(info.min, x.dtype)
+    too_big, too_small = x >= high, x <= low
+    safe = bind(lax.select(too_big | too_small | lax.ne(x, x), lax.full_like(x, 0), x))
+    return [lax.select(too_big, lax.full_like(safe, info.max), lax.select(too_small, lax.full_like(safe, info.min), safe))]
+
+
+REWRITES: dict[str, Callable[..., list[Any]]] = {
+    "convert_element_type": _convert,
+    "gather": _gather,
+    "scatter": _scatter(lax.scatter_p),
+    "scatter-add": _scatter(lax.scatter_add_p),
+    "scatter-mul": _scatter(lax.scatter_mul_p),
+    "scatter-min": _scatter(lax.scatter_min_p),
+    "scatter-max": _scatter(lax.scatter_max_p),
+    "sort": _sort,
+}
+
+__all__ = ["UNSUPPORTED", "explicit"]

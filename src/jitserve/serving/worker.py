@@ -1,0 +1,186 @@
+"""Process isolation: a partition whose executables run in a worker process.
+
+A native crash in compiled code (a segfault in a runtime, an abort in a
+driver) takes down the process it happens in. With ``Serving(...,
+isolation="process")`` each partition runs its batches in a child process of
+its own: the partition thread sends the padded batch over a socket pair and
+waits for the rows back. If the child dies, only the callers of the batch it
+was running get a :class:`WorkerCrashedError` (HTTP 500, gRPC INTERNAL) and
+the next batch starts a fresh child, which compiles again what its
+predecessor had compiled (from the compile caches on disk where the compiler
+has one); the server keeps serving.
+
+The child is a fresh interpreter running :func:`main` (it never re-runs the
+caller's main module). The serving, and its compiler when it was registered
+at run time, travel with cloudpickle (as with Ray), so lambdas, closures and
+compilers defined in a script work.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+import jax
+
+from .. import compilers
+from ..batch import Batch, RowSignature
+from ..compilers import Device
+from ..errors import WorkerCrashedError
+from .serving import Executor, Serving, cut_rows
+
+
+def _transportable(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Options that can cross a process boundary: a device becomes the name its compiler resolves it by."""
+    portable = dict(options)
+    device = portable.get("device")
+    if isinstance(device, Device):
+        portable["device"] = device.uri
+    elif isinstance(device, jax.Device):
+        portable["device"] = f"{device.platform}:{jax.devices(device.platform).index(device)}"
+    return portable
+
+
+def _signal_name(returncode: int | None) -> str:
+    if returncode is None:
+        return "closed its connection"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class ProcessExecutor:
+    """A partition's executor whose executables live in a child process, restarted after a crash."""
+
+    def __init__(self, serving: Serving, options: Mapping[str, Any], on_compile: Callable[[], None],
+                 label: str = "serving") -> None:
+        compiler = compilers.get(serving.compiler_name)
+        self._payload = cloudpickle.dumps((serving, _transportable(options), compiler))
+        self._on_compile = on_compile
+        self._label = label
+        self._warm: dict[tuple[int, Any, RowSignature], None] = {}  # compiled in the worker, in order
+        self._process: subprocess.Popen[bytes] | None = None
+        self._connection: Connection | None = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> Connection:
+        parent, child = socket.socketpair()
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", f"from jitserve.serving.worker import main; main({child.fileno()})"],
+            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        connection = Connection(parent.detach())
+        try:
+            connection.send(sys.path)  # where the serving's modules are found, as multiprocessing's spawn does
+            connection.send_bytes(self._payload)
+            status, value = connection.recv()
+        except (EOFError, OSError) as error:
+            raise self._crashed(0) from error
+        if status == "error":
+            raise value
+        self._connection = connection
+        for rows, tree, row_signature in self._warm:  # what the crashed worker had compiled
+            self._call(("compile", rows, tree, row_signature), rows)
+        return connection
+
+    def _call(self, message: tuple[Any, ...], rows: int) -> Any:
+        connection = self._connection or self._start()
+        try:
+            connection.send(message)
+            status, value = connection.recv()
+        except (EOFError, OSError) as error:
+            raise self._crashed(rows) from error
+        if status == "error":
+            raise value
+        return value
+
+    def _crashed(self, rows: int) -> WorkerCrashedError:
+        process, self._process, self._connection = self._process, None, None
+        code = process.wait() if process is not None else None
+        doing = f"while running a batch of {rows} rows" if rows else "while starting"
+        return WorkerCrashedError(
+            f"the worker process of {self._label} {_signal_name(code)} {doing}; only this batch failed, "
+            f"and a new worker starts for the next one")
+
+    def compiled(self, rows: int, tree: Any, row_signature: RowSignature) -> None:
+        with self._lock:
+            if self._call(("compile", rows, tree, row_signature), rows):
+                self._on_compile()
+            self._warm[(rows, tree, row_signature)] = None
+
+    def execute(self, batch: Batch) -> Any:
+        rows = batch.size + batch.pad
+        with self._lock:
+            compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.rows,
+                                            batch.materialize()), rows)
+            if compiled:
+                self._on_compile()
+                self._warm[(rows, batch.tree, batch.rows)] = None
+        return outputs
+
+    def close(self) -> None:
+        with self._lock:
+            if self._connection is not None:
+                self._connection.close()
+            if self._process is not None:
+                self._process.wait()
+            self._process = self._connection = None
+
+
+def _reply(connection: Connection, status: str, value: Any) -> None:
+    try:
+        connection.send((status, value))
+    except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle
+        connection.send(("error", RuntimeError(f"{type(value).__name__}: {value}")))
+
+
+def main(fd: int) -> None:
+    """The worker: build the serving's executor, then answer compile and execute requests until closed."""
+    connection = Connection(fd)
+    sys.path[:] = connection.recv()
+    try:
+        serving, options, compiler = pickle.loads(connection.recv_bytes())
+    except Exception as error:  # noqa: BLE001 - reported to the server, which raises it to the caller
+        _reply(connection, "error", RuntimeError(
+            f"the worker process could not rebuild the serving ({type(error).__name__}: {error})"))
+        return
+    if compiler.name not in compilers.COMPILERS:  # registered at run time in the server's process
+        compilers.register(compiler.name, compiler)
+    _reply(connection, "ok", None)
+    compiles = 0
+
+    def count() -> None:
+        nonlocal compiles
+        compiles += 1
+
+    executor = Executor(serving, options, count)
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:
+            return
+        before = compiles
+        try:
+            if message[0] == "compile":
+                executor.compiled(*message[1:])
+                value: Any = compiles > before
+            else:
+                rows, keep, tree, row_signature, inputs = message[1:]
+                outputs = cut_rows(executor.compiled(rows, tree, row_signature)(inputs), rows, keep)
+                value = (compiles > before, outputs)
+        except Exception as error:  # noqa: BLE001 - the caller's batch fails with it, the worker goes on
+            _reply(connection, "error", error)
+            continue
+        _reply(connection, "ok", value)
+
