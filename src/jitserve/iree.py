@@ -345,10 +345,18 @@ def compile(mlir_text: str, flags: Sequence[str] = (), output_container: Any = N
     return Module(vmfb, tuple(flags), mlir_text, container)
 
 
-def check_inputs(inputs: Sequence[Any], expected: Sequence[Template | None], function: str) -> list[Any]:
-    """The inputs as arrays, checked in count, shape and dtype against the function's signature."""
+def check_inputs(inputs: Sequence[Any], expected: Sequence[Template | None], function: str) -> Sequence[Any]:
+    """The inputs as arrays, checked in count, shape and dtype against the function's signature
+    (numpy arrays that match, the common case, are passed on as they are)."""
     if len(inputs) != len(expected):
         raise TemplateMismatchError(f"function {function!r} takes {len(expected)} inputs, got {len(inputs)}")
+    for value, want in zip(inputs, expected):
+        if type(value) is not np.ndarray or (want is not None and (value.shape != want.shape or value.dtype != want.dtype)):
+            return _checked_slowly(inputs, expected)
+    return inputs
+
+
+def _checked_slowly(inputs: Sequence[Any], expected: Sequence[Template | None]) -> list[Any]:
     arrays = []
     for position, (value, want) in enumerate(zip(inputs, expected)):
         if not hasattr(value, "shape"):
