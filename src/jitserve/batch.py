@@ -2,7 +2,10 @@
 
 A batch is a list of chunks, each a pytree of arrays whose axis 0 holds rows.
 Nothing is copied until :meth:`Batch.materialize` writes the rows, padded to a
-compiled size, into one array per leaf. Every row of a batch has the same
+compiled size, into one array per leaf. As with ``Nx.Batch``, ``stack`` and
+``concatenate`` build a new batch when called on the class and add to a batch
+when called on one (``Batch.stack([a]).stack([b])`` holds 2 rows); ``pad(n)``
+adds n zero rows, ``merge`` joins batches, ``key`` names the batch key. Every row of a batch has the same
 structure, per-row shapes and dtypes (its *signature*, kept as plain tuples so
 that hashing it on the hot path is cheap); with the user's ``key`` that
 signature decides which batches may share an execution.
@@ -10,7 +13,8 @@ signature decides which batches may share an execution.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -46,6 +50,20 @@ class _Chunk:
 
 RowSignature = tuple[tuple[tuple[int, ...], np.dtype], ...]  # (per-row shape, dtype) of each leaf
 
+INCOMPATIBLE = "cannot add to batch due to incompatible tensors/containers"  # Nx.Batch's words
+
+
+class _NewOrAdd:
+    """A builder that makes a new batch on the class (``Batch.stack(entries)``) and adds to the batch on an
+    instance (``batch.stack(entries)``), as ``Nx.Batch.stack(batch \\ new(), entries)`` does."""
+
+    def __init__(self, build: Callable[..., "Batch"]) -> None:
+        self.build = build
+        functools.update_wrapper(self, build)  # type: ignore[arg-type]
+
+    def __get__(self, instance: "Batch | None", owner: type["Batch"]) -> Callable[..., "Batch"]:
+        return functools.partial(self.build, owner, instance)
+
 
 def _describe(rows: RowSignature) -> str:
     return ", ".join(str(Template(shape, dtype)) for shape, dtype in rows)
@@ -70,15 +88,15 @@ def _leaves_and_signature(entry: Any, stacked: bool) -> tuple[list[np.ndarray], 
 class Batch:
     """Rows gathered for one execution: ``Batch.stack`` / ``Batch.concatenate``, then ``size`` and ``pad``."""
 
-    __slots__ = ("_chunks", "tree", "rows", "size", "pad", "user_key")
+    __slots__ = ("_chunks", "tree", "rows", "size", "padding", "user_key")
 
     def __init__(self, chunks: list[_Chunk], tree: Any, rows: RowSignature, user_key: Any = None,
-                 pad: int = 0) -> None:
+                 padding: int = 0) -> None:
         self._chunks = chunks
         self.tree = tree
         self.rows = rows
         self.size = chunks[0].rows if len(chunks) == 1 else sum([c.rows for c in chunks])
-        self.pad = pad
+        self.padding = padding  # zero rows added when materialized
         self.user_key = user_key
 
     @property
@@ -95,11 +113,11 @@ class Batch:
             if tree is None:
                 tree, templates = entry_tree, entry_templates
             elif entry_tree != tree:
-                raise BatchError(f"entry {position} has structure {entry_tree}, but entry 0 has {tree}")
+                raise BatchError(f"{INCOMPATIBLE}: entry {position} has structure {entry_tree}, but entry 0 has {tree}")
             elif entry_templates != templates:
                 raise BatchError(
-                    f"entry {position} has rows of {_describe(entry_templates)}, but entry 0 has rows of "
-                    f"{_describe(templates)}; entries of a batch must agree in per-row shape and dtype"
+                    f"{INCOMPATIBLE}: entry {position} has rows of {_describe(entry_templates)}, but entry 0 has "
+                    f"rows of {_describe(templates)}; entries of a batch must agree in per-row shape and dtype"
                 )
             if rows:
                 chunks.append(_Chunk(leaves, 0, rows, stacked))
@@ -108,37 +126,60 @@ class Batch:
         return cls(chunks, tree, templates)
 
     @classmethod
-    def stack(cls, entries: Sequence[Any]) -> "Batch":
-        """Each entry (an array, or a tuple/dict of arrays) becomes one row."""
-        return cls._build(entries, stacked=True)
+    def _add(cls, batch: "Batch | None", entries: Sequence[Any], stacked: bool) -> "Batch":
+        added = cls._build(entries, stacked)
+        if batch is None:
+            return added
+        if (added.tree, added.rows) != (batch.tree, batch.rows):
+            raise BatchError(f"{INCOMPATIBLE}: the batch has rows of {_describe(batch.rows)}"
+                             f"{'' if added.tree == batch.tree else f' (structure {batch.tree})'}, but the entries "
+                             f"have rows of {_describe(added.rows)}"
+                             f"{'' if added.tree == batch.tree else f' (structure {added.tree})'}")
+        return cls(batch._chunks + added._chunks, batch.tree, batch.rows, batch.user_key, batch.padding)
 
-    @classmethod
-    def concatenate(cls, entries: Sequence[Any]) -> "Batch":
-        """Each entry brings the rows on its axis 0."""
-        return cls._build(entries, stacked=False)
+    @_NewOrAdd
+    def stack(cls, batch: "Batch | None", entries: Sequence[Any]) -> "Batch":
+        """Each entry (an array, or a tuple/dict of arrays) becomes one row: of a new batch (``Batch.stack``),
+        or added after the rows of this one (``batch.stack``)."""
+        return cls._add(batch, entries, stacked=True)
+
+    @_NewOrAdd
+    def concatenate(cls, batch: "Batch | None", entries: Sequence[Any]) -> "Batch":
+        """Each entry brings the rows on its axis 0: to a new batch, or after the rows of this one."""
+        return cls._add(batch, entries, stacked=False)
 
     @classmethod
     def merge(cls, batches: Sequence["Batch"]) -> "Batch":
-        """One batch holding the rows of all of ``batches``, in order."""
+        """One batch holding the rows of all of ``batches``, in order; their padding adds up (Nx.Batch.merge)."""
         if not batches:
             raise BatchError("Batch.merge needs at least one batch; got none")
         first = batches[0]
-        signature = first.signature
         for position, other in enumerate(batches[1:], start=1):
-            if other.signature != signature:
-                raise BatchError(f"batch {position} cannot merge with batch 0: their rows differ in structure, "
-                                 f"shape or dtype, or their keys differ")
-        return cls.join(batches)
+            if other.user_key != first.user_key:
+                raise BatchError(f"cannot merge batches with different keys: batch {position} has key "
+                                 f"{other.user_key!r}, but batch 0 has {first.user_key!r}")
+            if (other.tree, other.rows) != (first.tree, first.rows):
+                raise BatchError(f"cannot merge batches due to incompatible templates: batch {position} has rows "
+                                 f"of {_describe(other.rows)}, but batch 0 has rows of {_describe(first.rows)}")
+        merged = cls.join(batches)
+        merged.padding = sum(b.padding for b in batches)
+        return merged
 
     @classmethod
     def join(cls, batches: Sequence["Batch"]) -> "Batch":
-        """``merge`` for batches already known to share one signature (a server queue's), unchecked."""
+        """``merge`` for batches already known to share one signature (a server queue's), unchecked, unpadded."""
         first = batches[0]
         return cls([c for b in batches for c in b._chunks], first.tree, first.rows, first.user_key)
 
     def key(self, key: Any) -> "Batch":
         """The same rows under batch key ``key``: batches with different keys never share an execution."""
-        return Batch(self._chunks, self.tree, self.rows, key, self.pad)
+        return Batch(self._chunks, self.tree, self.rows, key, self.padding)
+
+    def pad(self, rows: int) -> "Batch":
+        """The same rows with ``rows`` zero rows added at the end when materialized (``Nx.Batch.pad``)."""
+        if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
+            raise BatchError(f"Batch.pad takes a number of rows >= 0, got {rows!r}")
+        return Batch(self._chunks, self.tree, self.rows, self.user_key, int(rows))
 
     @property
     def signature(self) -> tuple[Any, ...]:
@@ -176,14 +217,14 @@ class Batch:
         return parts
 
     def pad_to(self, rows: int) -> "Batch":
-        """The same rows, to be zero-padded to ``rows`` rows when materialized (``pad`` = the extra rows)."""
+        """The same rows, to be zero-padded to ``rows`` rows in all when materialized."""
         if rows < self.size:
             raise BatchError(f"cannot pad a batch of {self.size} rows down to {rows}")
-        return Batch(self._chunks, self.tree, self.rows, self.user_key, rows - self.size)
+        return self.pad(rows - self.size)
 
     def materialize(self) -> Any:
-        """The rows as a pytree of arrays, zero-padded by ``pad`` rows (one allocation per leaf)."""
-        total = self.size + self.pad
+        """The rows as a pytree of arrays, zero-padded by ``padding`` rows (one allocation per leaf)."""
+        total = self.size + self.padding
         outs = []
         for leaf, (shape, dtype) in enumerate(self.rows):
             out = np.empty((total, *shape), dtype)
@@ -194,5 +235,5 @@ class Batch:
 
     def __repr__(self) -> str:
         key = "" if self.user_key is None else f", key: {self.user_key!r}"
-        return f"#Batch<size: {self.size}, pad: {self.pad}{key}, rows: {_describe(self.rows)}>"
+        return f"#Batch<size: {self.size}, pad: {self.padding}{key}, rows: {_describe(self.rows)}>"
 

@@ -143,7 +143,7 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
 def _network_options(args: argparse.Namespace) -> dict[str, Any]:
     limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
-            "request_timeout": args.request_timeout, **limits}
+            "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, **limits}
 
 
 def _logging() -> None:
@@ -242,6 +242,8 @@ def _add_network(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
     parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 64 MiB)")
+    parser.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds to finish queued requests before "
+                        "answering the rest with an error (default: until all are done)")
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:

@@ -84,10 +84,11 @@ class Replica:
         return {"serving": self.serving, "partitions": self.server.partitions, "weight": self.weight,
                 "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    async def run(self, rows: Any) -> tuple[Any, int]:
-        """Run one coalesced batch (a pytree of arrays, rows on axis 0); the outputs and the queue depth."""
+    async def run(self, rows: Any, batch_key: Any = None) -> tuple[Any, int]:
+        """Run one coalesced batch (a pytree of arrays, rows on axis 0, under its batch key); the outputs
+        and the queue depth."""
         server = self.server
-        request = server.submit(Batch.concatenate([rows]), asyncio.get_running_loop())
+        request = server.submit(Batch.concatenate([rows]).key(batch_key), asyncio.get_running_loop())
         outputs = await server.result_async(request, None)
         return outputs, server.queue_depth
 
@@ -366,8 +367,9 @@ class Router:
                 del self._members[member.name]
         self._refreshed = 0.0  # look again before the next choice
 
-    def send(self, rows: Any, size: int) -> Any:
-        """Run ``size`` rows (a pytree of arrays) on a replica; re-sent on a lost or stopping replica."""
+    def send(self, rows: Any, size: int, batch_key: Any = None) -> Any:
+        """Run ``size`` rows (a pytree of arrays, under ``batch_key``) on a replica; re-sent on a lost or
+        stopping replica."""
         tried: set[str] = set()
         full: set[str] = set()
         lost: list[str] = []
@@ -378,7 +380,7 @@ class Router:
             tried.add(member.name)
             self._add_outstanding(member, size)
             try:
-                outputs, member.depth = ray.get(member.actor.run.remote(rows), timeout=self.call_timeout)
+                outputs, member.depth = ray.get(member.actor.run.remote(rows, batch_key), timeout=self.call_timeout)
                 return outputs
             except BaseException as error:  # noqa: BLE001 - sorted below: retry, next choice, or the caller's
                 cause = _cause(error)
@@ -412,7 +414,7 @@ class _Dispatch:
         self.router = router
 
     def execute(self, batch: Batch) -> Any:
-        return self.router.send(batch.materialize(), batch.size)
+        return self.router.send(batch.materialize(), batch.size, batch.user_key)
 
 
 class Coalescer(Server):

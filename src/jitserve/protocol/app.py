@@ -3,7 +3,8 @@
 Start-up: every serving is served in process (warm-up compiles first, logged
 with progress), then gRPC and HTTP bind (127.0.0.1 unless told otherwise) and
 their URLs are logged. Shutdown on a signal: stop accepting, let in-flight
-requests finish, drain every server's queue, exit.
+requests finish, drain every server's queue, exit; with a drain timeout, what
+has not started by then is answered with ``ServerStoppedError`` instead.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def start_locally(servings: Mapping[str, Serving]) -> Callable[[dict[str, Server
 
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
         grpc_port: int | None = 8001, request_timeout: float | None = None,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_exit: Callable[[], None] | None = None) -> None:
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_exit: Callable[[], None] | None = None,
+        drain_timeout: float | None = None) -> None:
     """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal. ``start(servers)`` fills
     ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at exit each is stopped
-    (drained), then ``on_exit()`` runs."""
+    (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
     signal.signal(signal.SIGTERM, _interrupt)
     servers: dict[str, Server] = {}
     grpc_server = None
@@ -57,7 +59,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
             grpc_server.start()
             log.info("gRPC: %s:%d (inference.GRPCInferenceService)", host, grpc_server.port)
         config = uvicorn.Config(HttpFront(service, max_body_bytes), host=host, port=port, lifespan="off",
-                                access_log=False, log_level="warning", timeout_graceful_shutdown=30)
+                                access_log=False, log_level="warning",
+                                timeout_graceful_shutdown=30 if drain_timeout is None else drain_timeout)
         http_server = uvicorn.Server(config)
         log.info("HTTP: http://%s:%d/v2 (models: %s; metrics at /metrics)", host, port, ", ".join(servers))
         asyncio.run(http_server.serve())
@@ -67,7 +70,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         if grpc_server is not None:
             grpc_server.stop()
         for name, server in servers.items():
-            server.stop()
+            server.stop(timeout=drain_timeout)
             log.info("model '%s' drained and stopped: %s", name, server.stats())
         if on_exit is not None:
             on_exit()

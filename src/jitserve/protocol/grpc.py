@@ -78,7 +78,8 @@ class GrpcFront:
         model = request.model_name
         try:
             tensors = _decode_inputs(request)
-            outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None)
+            outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
+                                               _priority(request))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             status = status_of(error)[1]
             self.service.failed("grpc", model, status, error)
@@ -89,6 +90,17 @@ class GrpcFront:
             response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
             response.raw_output_contents.append(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
         return response
+
+
+def _priority(request: Any) -> int | None:
+    """The request's ``priority`` parameter (tritonclient sends it as ``uint64_param``)."""
+    if "priority" not in request.parameters:
+        return None
+    parameter = request.parameters["priority"]
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "uint64_param"):
+        raise ProtocolError(f"the 'priority' parameter must be an integer, got a {kind}")
+    return int(getattr(parameter, kind))
 
 
 def _decode_inputs(request: Any) -> dict[str, np.ndarray]:

@@ -140,7 +140,8 @@ class HttpFront:
             body, header_length = await self._read_body(scope, receive)
             request, binary = _split_body(body, header_length)
             tensors, requested, binary_outputs = _decode_request(request, binary)
-            outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None)
+            outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None,
+                                               _priority(request))
             response = _encode_response(model, request.get("id"), outputs, dict(requested), binary_outputs)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
             status = 413 if isinstance(error, _TooLarge) else status_of(error)[0]
@@ -210,6 +211,15 @@ def _decode_request(request: dict[str, Any], binary: memoryview
         requested.append((output["name"], output_parameters.get("binary_data")
                           if isinstance(output_parameters, dict) else None))
     return tensors, requested, binary_all
+
+
+def _priority(request: dict[str, Any]) -> int | None:
+    """The request's ``priority`` parameter (tritonclient's ``priority=``): an integer, else a clear error."""
+    parameters = request.get("parameters") or {}
+    value = parameters.get("priority") if isinstance(parameters, dict) else None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProtocolError(f"the 'priority' parameter must be an integer, got {value!r}")
+    return value
 
 
 def _encode_response(model: str, request_id: Any, outputs: list[tuple[str, np.ndarray]],

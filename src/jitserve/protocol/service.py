@@ -73,14 +73,17 @@ class InferenceService:
     def ready(self) -> bool:
         return all(not spec.server.stopping for spec in self.models.values())
 
-    async def infer(self, model: str, tensors: Mapping[str, np.ndarray],
-                    requested: Sequence[str] | None) -> list[tuple[str, np.ndarray]]:
-        """Run one request's tensors on ``model``; the named outputs it asked for."""
+    async def infer(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+                    priority: int | None = None) -> list[tuple[str, np.ndarray]]:
+        """Run one request's tensors on ``model`` at ``priority`` (the request's ``priority`` parameter, as
+        tritonclient sends it); the named outputs it asked for."""
         spec = self.model(model)
         batch = spec.to_batch(tensors)
         server = spec.server
-        request = server.submit(batch, asyncio.get_running_loop())
-        outputs = server.serving.finish(await server.result_async(request, self.request_timeout))
+        serving = server.serving
+        request = server.submit(batch, asyncio.get_running_loop(), priority)
+        timeout = self.request_timeout if self.request_timeout is not None else serving.default_timeout(priority)
+        outputs = serving.finish(await server.result_async(request, timeout))
         return select_outputs(spec.named_outputs(outputs), requested, model)
 
     def count(self, model: str, protocol: str, status: int | str) -> None:

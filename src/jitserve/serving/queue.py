@@ -4,12 +4,19 @@ A :class:`Request` is one caller's rows in flight; local servers, the cluster
 coalescer and the network fronts all hand out and wait on this one type. A
 request's rows are queued as :class:`Piece` s of at most ``batch_size`` rows on
 the queue of their batch signature (key, structure, per-row shapes and
-dtypes). :class:`Queues` decides which queue is ready (full, its oldest row
-has waited ``batch_timeout``, or the server is draining; oldest first), takes
-rows from it (``BatchPolicy.rows_to_take``, splitting a piece that does not
-fit), pads them to a compiled size (``BatchPolicy.padded_size``), and takes
-requests back off the queues (timeouts, cancelled callers, a stop without
-drain). It holds no lock of its own: the server calls it under its condition.
+dtypes), at their priority level. :class:`Queues` decides which queue is
+ready (full, its oldest row has waited ``batch_timeout``, the server is
+draining, or, with the adaptive window, the arrival rate says it will not fill
+in time), takes rows from it (the most urgent first, ``BatchPolicy.rows_to_take``,
+splitting a piece that does not fit), pads them to a compiled size
+(``BatchPolicy.padded_size``), and takes requests back off the queues
+(timeouts, cancelled callers, a stop without drain). It holds no lock of its
+own: the server calls it under its condition.
+
+Priorities follow Triton: level 1 is the most urgent, ``priority_levels`` the
+least; within a level, arrival order. A piece waiting ``priority_aging``
+seconds moves up one level, so a request of level L competes at level 1 after
+at most (L - 1) x ``priority_aging`` seconds: no level starves.
 """
 
 from __future__ import annotations
@@ -30,17 +37,20 @@ Signature = tuple[Any, ...]
 class Request:
     """One caller's rows in flight. A sync caller waits on ``done`` (a held lock released when the request
     finishes); an asyncio caller awaits ``future``, resolved on its own ``loop``. ``parts`` collects
-    ``(row offset, outputs)`` as batches finish; ``error`` is set instead when the request failed."""
+    ``(row offset, outputs)`` as batches finish, ``reports`` the report of each batch that ran some of its
+    rows; ``error`` is set instead when the request failed. ``level`` is its priority level."""
 
-    __slots__ = ("rows", "rows_left", "parts", "error", "started", "done", "loop", "future")
+    __slots__ = ("rows", "rows_left", "parts", "reports", "error", "started", "done", "loop", "future", "level")
 
-    def __init__(self, rows: int, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(self, rows: int, loop: asyncio.AbstractEventLoop | None, level: int = 1) -> None:
         self.rows = rows
         self.rows_left = rows
         self.parts: list[tuple[int, Any]] = []
+        self.reports: list[Any] = []
         self.error: BaseException | None = None
         self.started = False
         self.loop = loop
+        self.level = level
         self.done = threading.Lock()
         self.future: asyncio.Future[None] | None = None
         if loop is None:
@@ -72,14 +82,19 @@ class Piece:
 @dataclass(frozen=True)
 class BatchPolicy:
     """How a server forms batches: at most ``batch_size`` rows, padded to one of ``batch_sizes`` (when
-    ``pad``), run when full or when the oldest row has waited ``batch_timeout`` seconds; at most
-    ``max_queue`` rows wait (None: no bound)."""
+    ``pad``), run when full or when the oldest row has waited ``batch_timeout`` seconds (sooner with
+    ``adaptive`` when the batch will not fill); at most ``max_queue`` rows wait (None: no bound), and at
+    most ``level_max_queue[level]`` of one priority level."""
 
     batch_size: int
     batch_sizes: Sequence[int]
     batch_timeout: float
     max_queue: int | None = None
     pad: bool = True
+    priority_levels: int = 1
+    priority_aging: float = 1.0
+    level_max_queue: tuple[tuple[int, int], ...] = ()
+    adaptive: bool = True
 
     def padded_size(self, rows: int) -> int:
         """The compiled batch size a batch of ``rows`` rows is padded to (``rows`` itself without padding)."""
@@ -98,71 +113,134 @@ class BatchPolicy:
         down = self.batch_sizes[position - 1] if up != queued and position > 0 else queued
         return down if up - queued > queued - down else queued
 
+    def urgency(self, piece: Piece, now: float) -> tuple[int, float]:
+        """Which piece runs first: its level, moved up one per ``priority_aging`` seconds waited (never
+        above 1), then arrival."""
+        level = piece.request.level
+        if level > 1:
+            level = max(1, level - int((now - piece.enqueued) / self.priority_aging))
+        return level, piece.enqueued
+
+
+class _SignatureQueue:
+    """The pieces of one batch signature: a FIFO deque per priority level."""
+
+    __slots__ = ("levels", "rows")
+
+    def __init__(self) -> None:
+        self.levels: dict[int, deque[Piece]] = {}
+        self.rows = 0
+
+    def oldest(self) -> float:
+        return min(queue[0].enqueued for queue in self.levels.values())
+
+    def best(self, policy: BatchPolicy, now: float) -> tuple[tuple[int, float], deque[Piece]]:
+        """The most urgent head of any level, and its deque."""
+        return min(((policy.urgency(queue[0], now), queue) for queue in self.levels.values()),
+                   key=lambda pair: pair[0])
+
+    def pieces(self) -> list[Piece]:
+        return [piece for queue in self.levels.values() for piece in queue]
+
+    def drop_empty(self) -> None:
+        for level in [level for level, queue in self.levels.items() if not queue]:
+            del self.levels[level]
+
 
 class Queues:
-    """The queues of pieces per batch signature, and the rows queued in each and in all."""
+    """The queues of pieces per batch signature, and the rows queued in each, per level and in all."""
 
-    __slots__ = ("policy", "_queues", "_rows", "depth")
+    __slots__ = ("policy", "_queues", "depth", "level_depth", "_last_arrival", "_seconds_per_row")
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
-        self._queues: dict[Signature, deque[Piece]] = {}
-        self._rows: dict[Signature, int] = {}
+        self._queues: dict[Signature, _SignatureQueue] = {}
         self.depth = 0
+        self.level_depth: dict[int, int] = {}
+        self._last_arrival: float | None = None
+        self._seconds_per_row: float | None = None  # the arrival gap per row, smoothed (the adaptive window)
 
     def __bool__(self) -> bool:
         return bool(self._queues)
 
     def add(self, request: Request, parts: Sequence[Batch], signature: Signature, now: float) -> bool:
         """Queue a request's parts (consecutive row ranges). True when a waiting worker must look now:
-        the queue was empty (a new deadline) or now holds a full batch."""
+        the queue was empty (a new deadline), now holds a full batch, or the window is adaptive."""
         queue = self._queues.get(signature)
         if queue is None:
-            queue = self._queues[signature] = deque()
-        queued = self._rows.get(signature, 0)
+            queue = self._queues[signature] = _SignatureQueue()
+        level_queue = queue.levels.get(request.level)
+        if level_queue is None:
+            level_queue = queue.levels[request.level] = deque()
+        queued = queue.rows
         offset = 0
         for part in parts:
-            queue.append(Piece(request, offset, part, now))
+            level_queue.append(Piece(request, offset, part, now))
             offset += part.size
-        self._rows[signature] = queued + offset
+        queue.rows = queued + offset
         self.depth += offset
-        return queued == 0 or queued + offset >= self.policy.batch_size
+        self.level_depth[request.level] = self.level_depth.get(request.level, 0) + offset
+        self._arrived(offset, now)
+        return queued == 0 or queued + offset >= self.policy.batch_size or self.policy.adaptive
+
+    def _arrived(self, rows: int, now: float) -> None:
+        if self._last_arrival is not None:
+            gap = (now - self._last_arrival) / rows
+            previous = self._seconds_per_row
+            self._seconds_per_row = gap if previous is None else 0.8 * previous + 0.2 * gap
+        self._last_arrival = now
+
+    def will_fill(self, rows: int, remaining: float) -> bool:
+        """Whether, at the arrival rate seen so far, ``rows`` queued rows reach ``batch_size`` within
+        ``remaining`` seconds (unknown rate: assume they will, as a fixed window does)."""
+        per_row = self._seconds_per_row
+        if per_row is None:
+            return True
+        return rows + remaining / max(per_row, 1e-9) >= self.policy.batch_size
 
     def ready(self, now: float, draining: bool) -> tuple[Signature | None, float | None]:
-        """The queue to run now (full, due, or draining; the oldest head first), else how long to wait."""
+        """The queue to run now (full, due, draining, or not going to fill in time; the most urgent head
+        first), else how long to wait."""
         policy = self.policy
-        best = oldest = wait = None
+        best = best_urgency = wait = None
         for signature, queue in self._queues.items():
-            head = queue[0].enqueued
-            due = head + policy.batch_timeout
-            if draining or due <= now or self._rows[signature] >= policy.batch_size:
-                if oldest is None or head < oldest:
-                    best, oldest = signature, head
+            oldest = queue.oldest()
+            due = oldest + policy.batch_timeout
+            run = (draining or due <= now or queue.rows >= policy.batch_size
+                   or (policy.adaptive and not self.will_fill(queue.rows, due - now)))
+            if run:
+                urgency = queue.best(policy, now)[0]
+                if best_urgency is None or urgency < best_urgency:
+                    best, best_urgency = signature, urgency
             elif wait is None or due - now < wait:
                 wait = due - now
         return best, wait
 
-    def take(self, signature: Signature) -> tuple[list[Piece], Batch]:
-        """Rows from the front of one queue (``rows_to_take``, splitting the last piece if needed), their
-        requests marked started, joined into one batch padded to its compiled size."""
+    def take(self, signature: Signature, now: float) -> tuple[list[Piece], Batch]:
+        """Rows from one queue, most urgent first (``rows_to_take``, splitting the last piece if needed),
+        their requests marked started, joined into one batch padded to its compiled size."""
         queue = self._queues[signature]
-        space = self.policy.rows_to_take(self._rows[signature])
+        policy = self.policy
+        space = policy.rows_to_take(queue.rows)
         taken: list[Piece] = []
-        while queue and space:
-            piece = queue[0]
+        while space and queue.levels:
+            _, level_queue = queue.best(policy, now)
+            piece = level_queue[0]
             if piece.batch.size > space:
                 head, tail = piece.batch.split(space)
-                queue[0] = Piece(piece.request, piece.offset + space, tail, piece.enqueued)
+                level_queue[0] = Piece(piece.request, piece.offset + space, tail, piece.enqueued)
                 piece = Piece(piece.request, piece.offset, head, piece.enqueued)
             else:
-                queue.popleft()
+                level_queue.popleft()
+                if not level_queue:
+                    queue.drop_empty()
             piece.request.started = True
             taken.append(piece)
             space -= piece.batch.size
+        self._forget(signature, taken)
         rows = sum([piece.batch.size for piece in taken])
-        self._forget(signature, rows)
         merged = Batch.join([piece.batch for piece in taken])
-        return taken, merged.pad_to(self.policy.padded_size(rows))
+        return taken, merged.pad_to(policy.padded_size(rows))
 
     def withdraw(self, request: Request) -> None:
         """Take every queued piece of ``request`` off the queues."""
@@ -178,15 +256,20 @@ class Queues:
         """Take the ``chosen`` pieces off every queue; returns them."""
         removed = []
         for signature, queue in list(self._queues.items()):
-            pieces = [piece for piece in queue if chosen(piece)]
+            pieces = [piece for piece in queue.pieces() if chosen(piece)]
             for piece in pieces:
-                queue.remove(piece)
-            self._forget(signature, sum([piece.batch.size for piece in pieces]))
+                queue.levels[piece.request.level].remove(piece)
+            queue.drop_empty()
+            self._forget(signature, pieces)
             removed += pieces
         return removed
 
-    def _forget(self, signature: Signature, rows: int) -> None:
-        self._rows[signature] -= rows
-        self.depth -= rows
-        if not self._queues[signature]:
-            del self._queues[signature], self._rows[signature]
+    def _forget(self, signature: Signature, pieces: list[Piece]) -> None:
+        queue = self._queues[signature]
+        for piece in pieces:
+            rows = piece.batch.size
+            queue.rows -= rows
+            self.depth -= rows
+            self.level_depth[piece.request.level] -= rows
+        if not queue.levels:
+            del self._queues[signature]

@@ -113,18 +113,25 @@ def servers() -> dict[str, Server]:
     return dict(_servers)
 
 
-def batched_run(name: str | tuple[str, str], value: Any, timeout: float | None = None) -> Any:
+def batched_run(name: str | tuple[str, str], value: Any, timeout: float | None = None,
+                priority: int | None = None) -> Any:
     """Run ``value`` (a Batch, or what the serving's ``preprocess`` takes) on server ``name``, batched
-    with concurrent callers; returns exactly this caller's rows. ``preprocess`` and ``postprocess`` run
-    here, in the caller."""
+    with concurrent callers, at ``priority`` (1 the most urgent level; None: the default); returns exactly
+    this caller's rows. ``preprocess`` and ``postprocess`` run here, in the caller."""
     server = lookup(name)
     serving = server.serving
-    return serving.finish(server.result(server.submit(serving.to_batch(value)), timeout))
+    batch, info = serving.prepare(value)
+    request = server.submit(batch, priority=priority)
+    timeout = serving.default_timeout(priority) if timeout is None else timeout
+    return serving.finish(server.result(request, timeout), info, request.reports)
 
 
-async def batched_run_async(name: str | tuple[str, str], value: Any, timeout: float | None = None) -> Any:
+async def batched_run_async(name: str | tuple[str, str], value: Any, timeout: float | None = None,
+                            priority: int | None = None) -> Any:
     """``batched_run`` for asyncio callers: awaits the rows without blocking the event loop."""
     server = lookup(name)
     serving = server.serving
-    request = server.submit(serving.to_batch(value), asyncio.get_running_loop())
-    return serving.finish(await server.result_async(request, timeout))
+    batch, info = serving.prepare(value)
+    request = server.submit(batch, asyncio.get_running_loop(), priority)
+    timeout = serving.default_timeout(priority) if timeout is None else timeout
+    return serving.finish(await server.result_async(request, timeout), info, request.reports)

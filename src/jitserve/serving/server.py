@@ -39,7 +39,8 @@ log = logging.getLogger("jitserve.server")
 
 @dataclass(frozen=True)
 class BatchReport:
-    """What one executed batch did: given to every batch listener after it ran."""
+    """What one executed batch did: given to every batch listener after it ran, and to a serving's
+    ``postprocess`` as the metadata of the batches that ran a request's rows."""
 
     server: str
     partition: int
@@ -118,34 +119,43 @@ class Server:
             return
         tree, row_signature = signature
         sizes = self.serving.batch_sizes
-        work = [(p, size) for p in self._partitions for size in sizes]
-        progress = _Progress(f"{self.name}: compiling {len(sizes)} batch sizes", len(work))
-        for done, (partition, size) in enumerate(work, start=1):
+        keys = self.serving.batch_keys or (None,)
+        work = [(p, size, key) for p in self._partitions for key in keys for size in sizes]
+        progress = _Progress(f"{self.name}: compiling {len(sizes)} batch sizes"
+                             f"{'' if keys == (None,) else f' x {len(keys)} batch keys'}", len(work))
+        for done, (partition, size, key) in enumerate(work, start=1):
             started = time.perf_counter()
-            partition.executor.compiled(size, tree, row_signature)  # type: ignore[attr-defined]
-            log.info("server %s: partition %d compiled batch size %d in %.3fs",
-                     self.name, partition.index, size, time.perf_counter() - started)
+            partition.executor.compiled(size, tree, row_signature, key)  # type: ignore[attr-defined]
+            log.info("server %s: partition %d compiled batch size %d%s in %.3fs", self.name, partition.index,
+                     size, "" if key is None else f" for batch key {key!r}", time.perf_counter() - started)
             progress.update(done)
         progress.close()
 
-    def stop(self, drain: bool = True) -> None:
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests and end the threads once the work left is done; returns when it is.
 
-        ``drain=True`` runs everything already queued. ``drain=False`` answers every queued request none
-        of whose rows started with :class:`ServerStoppedError` (nothing of it ran, so a router may send it
-        elsewhere) and finishes only what started. A second call waits for the first one's drain."""
+        ``drain=True`` runs everything already queued; with ``timeout``, for at most that many seconds
+        (Nx.Serving's shutdown deadline), after which what is left is answered as with ``drain=False``:
+        every queued request none of whose rows started gets :class:`ServerStoppedError` (nothing of it
+        ran, so a router may send it elsewhere), and only what started finishes. A second call waits for
+        the first one's drain."""
         with self._cond:
             first = not self._stopping
             self._stopping = True
-            withdrawn = [] if drain else self._queues.withdraw_unstarted()
-            error = ServerStoppedError(f"server {self.name!r} stopped before this request started; nothing of it ran")
-            finished = [request for request in withdrawn if request.fail(error)]
-            self._stats["stopped"] += len(finished)
+            finished = self._withdraw_unstarted("stopped before this request started") if first and not drain else []
             self._cond.notify_all()
         self._wake(finished)
         if not first:
             self._stopped.wait()
             return
+        if drain and timeout is not None:
+            deadline = time.monotonic() + timeout
+            for partition in self._partitions:
+                partition.thread.join(max(deadline - time.monotonic(), 0))
+            with self._cond:
+                finished = self._withdraw_unstarted(
+                    f"stopped (its drain timeout of {timeout}s ran out) before this request started")
+            self._wake(finished)
         for partition in self._partitions:
             partition.thread.join()
             close = getattr(partition.executor, "close", None)
@@ -154,6 +164,13 @@ class Server:
         for callback in self._on_stop:
             callback(self)
         self._stopped.set()
+
+    def _withdraw_unstarted(self, what: str) -> list[Request]:
+        """Under the lock: fail every queued request none of whose rows started; returns them, to wake."""
+        error = ServerStoppedError(f"server {self.name!r} {what}; nothing of it ran")
+        finished = [request for request in self._queues.withdraw_unstarted() if request.fail(error)]
+        self._stats["stopped"] += len(finished)
+        return finished
 
     def on_stop(self, callback: Callable[["Server"], None]) -> None:
         """Call ``callback(server)`` once the server has stopped (the registry forgets its name)."""
@@ -198,26 +215,38 @@ class Server:
 
     # callers ---------------------------------------------------------------------------------
 
-    def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None) -> Request:
-        """Queue the batch's rows (split into pieces of at most ``batch_size``); returns the request.
+    def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None,
+               priority: int | None = None) -> Request:
+        """Queue the batch's rows (split into pieces of at most ``batch_size``) at ``priority`` (1 is the
+        most urgent level; None or 0: the serving's default); returns the request.
 
         Give the running ``loop`` for a caller that will await :meth:`result_async`."""
         serving = self.serving
         size = batch.size
+        serving.check_key(batch)
+        level = serving.priority_level(priority)
         if size > serving.batch_size and serving.oversize == "error":
             raise BatchSizeError(f"batch size ({size}) cannot exceed server batch size of {serving.batch_size}")
         parts = batch.chunks(serving.batch_size) if size > serving.batch_size else [batch]
-        request = Request(size, loop)
+        request = Request(size, loop, level)
         queues = self._queues
-        max_queue = queues.policy.max_queue
+        policy = queues.policy
+        level_limit = dict(policy.level_max_queue).get(level)
         with self._cond:
             if self._stopping:
                 raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
-            if max_queue is not None and queues.depth + size > max_queue:
+            if policy.max_queue is not None and queues.depth + size > policy.max_queue:
                 self._stats["rejected"] += 1
                 raise QueueFullError(
                     f"server {self.name!r} queue is full: {queues.depth} rows queued, "
-                    f"max_queue is {max_queue}; a request of {size} rows was rejected"
+                    f"max_queue is {policy.max_queue}; a request of {size} rows was rejected"
+                )
+            queued_at_level = queues.level_depth.get(level, 0)
+            if level_limit is not None and queued_at_level + size > level_limit:
+                self._stats["rejected"] += 1
+                raise QueueFullError(
+                    f"server {self.name!r} queue for priority level {level} is full: {queued_at_level} rows "
+                    f"queued, its max_queue is {level_limit}; a request of {size} rows was rejected"
                 )
             self._stats["requests"] += 1
             if queues.add(request, parts, batch.signature, time.monotonic()):
@@ -289,7 +318,7 @@ class Server:
                 if self._stopping and not queues:
                     return None
                 self._cond.wait(wait)
-            pieces, batch = queues.take(signature)
+            pieces, batch = queues.take(signature, time.monotonic())
             self._in_flight += 1
             if queues:
                 self._cond.notify()  # more rows are waiting: another free partition may take them
@@ -309,14 +338,16 @@ class Server:
         except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
             error = failure
         elapsed = time.perf_counter() - started
-        padded = batch.size + batch.pad
+        padded = batch.size + batch.padding
         wait = sum(formed - piece.enqueued for piece in pieces)
+        report = BatchReport(self.name, partition.index, batch.size, padded,
+                             max(formed - piece.enqueued for piece in pieces), elapsed, error)
         with self._cond:  # a split request's parts may finish on several partitions at once
-            finished = self._deliver(pieces, outputs) if error is None else self._fail(pieces, error)
+            finished = self._deliver(pieces, outputs, report) if error is None else self._fail(pieces, error)
             stats = self._stats
             stats["batches"] += 1
             stats["rows"] += batch.size
-            stats["padded_rows"] += batch.pad
+            stats["padded_rows"] += batch.padding
             stats["batch_sizes"][padded] = stats["batch_sizes"].get(padded, 0) + 1
             stats["queue_wait_s"] += wait
             stats["execution_s"] += elapsed
@@ -324,8 +355,6 @@ class Server:
             self._in_flight -= 1
         self._wake(finished)
         if self._listeners:
-            report = BatchReport(self.name, partition.index, batch.size, padded,
-                                 max(formed - piece.enqueued for piece in pieces), elapsed, error)
             for listener in self._listeners:
                 try:
                     listener(report)
@@ -333,8 +362,8 @@ class Server:
                     log.exception("server %s: batch listener %r failed", self.name, listener)
 
     @staticmethod
-    def _deliver(pieces: list[Piece], outputs: Any) -> list[Request]:
-        """Give each piece its rows of the outputs; returns the requests now complete."""
+    def _deliver(pieces: list[Piece], outputs: Any, report: BatchReport) -> list[Request]:
+        """Give each piece its rows of the outputs (and the batch's report); returns the requests now complete."""
         leaves, tree = jax.tree_util.tree_flatten(outputs)
         single = leaves[0] if len(leaves) == 1 and tree.num_nodes == 1 else None  # one array: no unflattening
         finished = []
@@ -347,6 +376,7 @@ class Server:
                 continue
             part = single[start:at] if single is not None else tree.unflatten([leaf[start:at] for leaf in leaves])
             request.parts.append((piece.offset, part))
+            request.reports.append(report)
             request.rows_left -= rows
             if request.rows_left == 0:
                 finished.append(request)

@@ -10,6 +10,7 @@ the caller, any size, in chunks of at most ``batch_size``; a server
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,7 +26,20 @@ from ..template import Template, is_template, template_of
 from .queue import BatchPolicy
 
 OVERSIZE_MODES = ("split", "error")
+NO_INFO = object()  # what ``prepare`` gives as info when ``preprocess`` returned a bare batch
 ISOLATION_MODES = ("thread", "process")
+
+
+QUEUE_POLICY_KEYS = ("max_queue", "timeout")
+
+
+def _queue_policy(level: Any, policy: Mapping[str, Any]) -> dict[str, Any]:
+    """One level's queue policy (Triton's per-level ``queue_policy``): ``max_queue`` rows, default ``timeout``."""
+    unknown = sorted(set(policy) - set(QUEUE_POLICY_KEYS))
+    if unknown:
+        raise OptionError(f"priority_queues[{level!r}] has unknown key {unknown[0]!r}; expected "
+                          f"{', '.join(QUEUE_POLICY_KEYS)}")
+    return dict(policy)
 
 
 def _default_batch_sizes(batch_size: int) -> list[int]:
@@ -47,7 +61,7 @@ def _check_batch_sizes(batch_size: int, batch_sizes: Sequence[int] | None) -> li
 
 
 class Executor:
-    """One partition's executables: one per (padded batch size, row signature), compiled on first use."""
+    """One partition's executables: one per (padded batch size, row signature, batch key), compiled on first use."""
 
     def __init__(self, serving: "Serving", options: Mapping[str, Any], on_compile: Callable[[], None]) -> None:
         self.serving = serving
@@ -56,30 +70,31 @@ class Executor:
         self._compiled: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
         self._lock = threading.Lock()
 
-    def compiled(self, rows: int, tree: Any, row_signature: RowSignature) -> Callable[[Any], Any]:
-        key = (rows, tree, row_signature)
+    def compiled(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any = None) -> Callable[[Any], Any]:
+        key = (rows, tree, row_signature, batch_key)
         run = self._compiled.get(key)
         if run is None:
             with self._lock:
                 run = self._compiled.get(key)
                 if run is None:
-                    run = self._compiled[key] = self._compile(rows, tree, row_signature)
+                    run = self._compiled[key] = self._compile(rows, tree, row_signature, batch_key)
         return run
 
-    def _compile(self, rows: int, tree: Any, row_signature: RowSignature) -> Callable[[Any], Any]:
+    def _compile(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any) -> Callable[[Any], Any]:
         serving = self.serving
         templates = jax.tree_util.tree_unflatten(tree, [Template((rows, *shape), dtype) for shape, dtype in row_signature])
         compiler = compilers.get(serving.compiler_name)
+        fn = serving.fn if serving.batch_keys is None else functools.partial(serving.fn, batch_key)
         with defn_errors():
-            executable = compiler.compile(serving.fn, [templates], self.options)
+            executable = compiler.compile(fn, [templates], self.options)
         if compiler.compiles:
             self._on_compile()
         return executable.run
 
     def execute(self, batch: Batch) -> Any:
-        """Run one batch (``batch.size`` rows padded by ``batch.pad``); outputs cut to the real rows, as numpy."""
-        rows = batch.size + batch.pad
-        run = self.compiled(rows, batch.tree, batch.rows)
+        """Run one batch (``batch.size`` rows padded by ``batch.padding``); outputs cut to the real rows, as numpy."""
+        rows = batch.size + batch.padding
+        run = self.compiled(rows, batch.tree, batch.rows, batch.user_key)
         outputs = run(batch.materialize())
         return cut_rows(outputs, rows, batch.size)
 
@@ -133,6 +148,12 @@ class Serving:
         postprocess: Callable[[Any], Any] | None = None,
         compiler: str | None = None,
         isolation: str | None = None,
+        batch_keys: Sequence[Any] | None = None,
+        priority_levels: int = 1,
+        default_priority: int | None = None,
+        priority_aging: float = 1.0,
+        priority_queues: Mapping[int, Mapping[str, Any]] | None = None,
+        adaptive: bool = True,
         **compiler_options: Any,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "compiler_options", "__class__")}
@@ -164,6 +185,20 @@ class Serving:
         if isolation is not None and isolation not in ISOLATION_MODES:
             raise OptionError(f"isolation must be one of {', '.join(ISOLATION_MODES)}, got {isolation!r}")
         self.isolation = isolation or chosen.default_isolation
+        if batch_keys is not None and not list(batch_keys):
+            raise OptionError("batch_keys must name at least one key, or be None (keys are then automatic)")
+        self.batch_keys = None if batch_keys is None else tuple(batch_keys)
+        if not isinstance(priority_levels, int) or priority_levels < 1:
+            raise OptionError(f"priority_levels must be a positive integer, got {priority_levels!r}")
+        self.priority_levels = priority_levels
+        self.default_priority = priority_levels  # the least urgent, unless said otherwise
+        self.default_priority = self.priority_level(default_priority)
+        if priority_aging <= 0:
+            raise OptionError(f"priority_aging must be > 0 seconds, got {priority_aging!r}")
+        self.priority_aging = float(priority_aging)
+        self.priority_queues = {self.priority_level(level): _queue_policy(level, policy)
+                                for level, policy in (priority_queues or {}).items()}
+        self.adaptive = bool(adaptive)
         self._inline: Executor | None = None
         self._inline_lock = threading.Lock()
 
@@ -177,7 +212,26 @@ class Serving:
     @property
     def policy(self) -> BatchPolicy:
         """How a server of this serving forms batches (see ``queue.py``)."""
-        return BatchPolicy(self.batch_size, tuple(self.batch_sizes), self.batch_timeout, self.max_queue)
+        limits = tuple((level, policy["max_queue"]) for level, policy in self.priority_queues.items()
+                       if policy.get("max_queue") is not None)
+        return BatchPolicy(self.batch_size, tuple(self.batch_sizes), self.batch_timeout, self.max_queue,
+                           priority_levels=self.priority_levels, priority_aging=self.priority_aging,
+                           level_max_queue=limits, adaptive=self.adaptive)
+
+    def priority_level(self, priority: int | None) -> int:
+        """The level a request of ``priority`` queues at: 1..priority_levels (1 the most urgent), None or 0
+        the default level (Triton's convention)."""
+        if priority is None or priority == 0:
+            return self.default_priority
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) \
+                or not 1 <= priority <= self.priority_levels:
+            raise BatchError(f"priority must be 0 (the default level) or 1..{self.priority_levels} "
+                             f"(1 is the most urgent), got {priority!r}")
+        return int(priority)
+
+    def default_timeout(self, priority: int | None) -> float | None:
+        """The timeout of a request at this priority when its caller gives none (``priority_queues``)."""
+        return self.priority_queues.get(self.priority_level(priority), {}).get("timeout")
 
     @property
     def compiles(self) -> bool:
@@ -196,24 +250,43 @@ class Serving:
         leaves, tree = jax.tree_util.tree_flatten(self.input_template)
         return tree, tuple((t.shape, t.dtype) for t in leaves)
 
-    def to_batch(self, value: Any) -> Batch:
-        """The caller's input as a Batch: through ``preprocess`` when given, else it must be one."""
-        batch = self.preprocess(value) if self.preprocess is not None else value
+    def prepare(self, value: Any) -> tuple[Batch, Any]:
+        """The caller's input as ``(batch, info)``: through ``preprocess`` when given, which may return a
+        Batch or ``(batch, info)`` (Nx's ``client_preprocessing``); info is ``NO_INFO`` without one."""
+        prepared = self.preprocess(value) if self.preprocess is not None else value
+        batch, info = prepared if type(prepared) is tuple and len(prepared) == 2 else (prepared, NO_INFO)
         if not isinstance(batch, Batch):
             raise BatchError(
                 f"expected a jitserve.Batch (build one with Batch.stack or Batch.concatenate), "
-                f"got {type(batch).__name__}"
+                f"or (batch, info) from preprocess; got {type(prepared).__name__}"
             )
         if batch.size == 0:
             raise BatchError("the batch holds no rows; send at least one")
-        return batch
+        self.check_key(batch)
+        return batch, info
 
-    def finish(self, outputs: Any) -> Any:
-        return self.postprocess(outputs) if self.postprocess is not None else outputs
+    def to_batch(self, value: Any) -> Batch:
+        """The caller's input as a Batch (see :meth:`prepare`)."""
+        return self.prepare(value)[0]
+
+    def check_key(self, batch: Batch) -> None:
+        """With declared ``batch_keys``, a batch must carry one of them."""
+        if self.batch_keys is not None and batch.user_key not in self.batch_keys:
+            raise BatchError(f"unknown batch key: {batch.user_key!r} "
+                             f"(expected one of {', '.join(repr(k) for k in self.batch_keys)})")
+
+    def finish(self, outputs: Any, info: Any = NO_INFO, metadata: Sequence[Any] = ()) -> Any:
+        """``postprocess(outputs)``; when ``preprocess`` gave info, ``postprocess((outputs, metadata), info)``
+        as Nx's ``client_postprocessing`` (``metadata``: the reports of the batches that ran the rows)."""
+        if self.postprocess is None:
+            return outputs
+        if info is NO_INFO:
+            return self.postprocess(outputs)
+        return self.postprocess((outputs, tuple(metadata)), info)
 
     def run(self, value: Any) -> Any:
         """Run inline in the caller: any number of rows, in padded chunks of at most ``batch_size``."""
-        batch = self.to_batch(value)
+        batch, info = self.prepare(value)
         if self._inline is None:
             with self._inline_lock:
                 if self._inline is None:
@@ -221,7 +294,7 @@ class Serving:
         parts = []
         for chunk in batch.chunks(self.batch_size):
             parts.append(self._inline.execute(chunk.pad_to(self.policy.padded_size(chunk.size))))
-        return self.finish(concatenate_outputs(parts))
+        return self.finish(concatenate_outputs(parts), info)
 
     def __getstate__(self) -> dict[str, Any]:
         """What travels to another process (a cluster replica or client): the configuration, not the

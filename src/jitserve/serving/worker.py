@@ -69,7 +69,7 @@ class ProcessExecutor:
         self._payload = cloudpickle.dumps((serving, _transportable(options), compiler))
         self._on_compile = on_compile
         self._label = label
-        self._warm: dict[tuple[int, Any, RowSignature], None] = {}  # compiled in the worker, in order
+        self._warm: dict[tuple[int, Any, RowSignature, Any], None] = {}  # compiled in the worker, in order
         self._process: subprocess.Popen[bytes] | None = None
         self._connection: Connection | None = None
         self._lock = threading.Lock()
@@ -90,8 +90,8 @@ class ProcessExecutor:
         if status == "error":
             raise value
         self._connection = connection
-        for rows, tree, row_signature in self._warm:  # what the crashed worker had compiled
-            self._call(("compile", rows, tree, row_signature), rows)
+        for rows, tree, row_signature, batch_key in self._warm:  # what the crashed worker had compiled
+            self._call(("compile", rows, tree, row_signature, batch_key), rows)
         return connection
 
     def _call(self, message: tuple[Any, ...], rows: int) -> Any:
@@ -113,20 +113,20 @@ class ProcessExecutor:
             f"the worker process of {self._label} {_signal_name(code)} {doing}; only this batch failed, "
             f"and a new worker starts for the next one")
 
-    def compiled(self, rows: int, tree: Any, row_signature: RowSignature) -> None:
+    def compiled(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any = None) -> None:
         with self._lock:
-            if self._call(("compile", rows, tree, row_signature), rows):
+            if self._call(("compile", rows, tree, row_signature, batch_key), rows):
                 self._on_compile()
-            self._warm[(rows, tree, row_signature)] = None
+            self._warm[(rows, tree, row_signature, batch_key)] = None
 
     def execute(self, batch: Batch) -> Any:
-        rows = batch.size + batch.pad
+        rows = batch.size + batch.padding
         with self._lock:
-            compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.rows,
+            compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.rows, batch.user_key,
                                             batch.materialize()), rows)
             if compiled:
                 self._on_compile()
-                self._warm[(rows, batch.tree, batch.rows)] = None
+                self._warm[(rows, batch.tree, batch.rows, batch.user_key)] = None
         return outputs
 
     def close(self) -> None:
@@ -176,8 +176,8 @@ def main(fd: int) -> None:
                 executor.compiled(*message[1:])
                 value: Any = compiles > before
             else:
-                rows, keep, tree, row_signature, inputs = message[1:]
-                outputs = cut_rows(executor.compiled(rows, tree, row_signature)(inputs), rows, keep)
+                rows, keep, tree, row_signature, batch_key, inputs = message[1:]
+                outputs = cut_rows(executor.compiled(rows, tree, row_signature, batch_key)(inputs), rows, keep)
                 value = (compiles > before, outputs)
         except Exception as error:  # noqa: BLE001 - the caller's batch fails with it, the worker goes on
             _reply(connection, "error", error)

@@ -1,0 +1,216 @@
+"""What Nx.Serving, Triton and Ray Serve users reach for: shutdown deadlines, pre/post-processing with
+state, declared batch keys, priorities and the adaptive batching window."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jitserve as js
+from jitserve.serving.queue import BatchPolicy, Queues, Request
+
+
+def rows(*values, dtype=np.float32):
+    return js.Batch.stack([np.array([v], dtype) for v in values])
+
+
+def blocking_serving(gate: threading.Event, seen: list, **options):
+    def fn(x):
+        seen.extend(np.asarray(x)[:, 0].tolist())
+        gate.wait(10)
+        return x * 2
+
+    return js.Serving(fn, compiler="eager", input_template=js.template((1,), "float32"), **options)
+
+
+# shutdown with a deadline --------------------------------------------------------------------
+
+def test_stop_with_a_timeout_drains_for_at_most_that_long_then_answers_the_rest():
+    gate, seen = threading.Event(), []
+    server = js.serve(blocking_serving(gate, seen, batch_size=1, batch_timeout=0), name="deadline")
+    outcomes: dict[float, object] = {}
+
+    def call(value):
+        try:
+            outcomes[value] = js.batched_run("deadline", rows(value)).tolist()
+        except js.ServerStoppedError as error:
+            outcomes[value] = error
+
+    threads = [threading.Thread(target=call, args=(v,)) for v in (1.0, 2.0, 3.0)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)  # 1.0 runs (blocked on the gate), 2.0 and 3.0 wait
+    stopper = threading.Thread(target=server.stop, kwargs={"timeout": 0.2})
+    stopper.start()
+    time.sleep(0.4)  # past the deadline: the waiting requests are answered, the running one goes on
+    assert isinstance(outcomes.get(2.0), js.ServerStoppedError) and isinstance(outcomes.get(3.0), js.ServerStoppedError)
+    assert str(outcomes[2.0]) == ("server 'deadline' stopped (its drain timeout of 0.2s ran out) before this request "
+                                  "started; nothing of it ran")
+    gate.set()
+    stopper.join(10)
+    for thread in threads:
+        thread.join(10)
+    assert outcomes[1.0] == [[2.0]] and seen == [1.0], "what started finished; what did not never ran"
+    assert server.stats()["stopped"] == 2
+
+
+# client pre/post-processing with state -------------------------------------------------------
+
+def test_preprocess_info_and_batch_metadata_reach_postprocess_in_the_caller():
+    caller = threading.get_ident()
+    calls = []
+
+    def preprocess(texts):
+        return js.Batch.stack([np.array([len(t)], np.float32) for t in texts]), {"texts": texts}
+
+    def postprocess(output_and_metadata, info):
+        outputs, metadata = output_and_metadata
+        calls.append(threading.get_ident())
+        return {text: float(row[0]) for text, row in zip(info["texts"], outputs)}, metadata
+
+    serving = js.Serving(lambda x: x * 10, batch_size=2, batch_timeout=0.001, preprocess=preprocess,
+                         postprocess=postprocess, input_template=js.template((1,), "float32"))
+    with js.serve(serving, name="stateful"):
+        result, metadata = js.batched_run("stateful", ["ab", "cde", "f"])
+    assert result == {"ab": 20.0, "cde": 30.0, "f": 10.0}
+    assert calls == [caller], "postprocess runs once, in the caller"
+    assert [m.size for m in metadata] == [2, 1] and [m.padded_size for m in metadata] == [2, 1]
+    assert all(m.server == "stateful" and m.partition == 0 and m.execution_s >= 0 and m.queue_wait_s >= 0
+               for m in metadata)
+    inline, inline_metadata = serving.run(["xyz"])
+    assert inline == {"xyz": 30.0} and inline_metadata == ()
+
+
+def test_a_bare_batch_from_preprocess_keeps_the_one_argument_postprocess():
+    serving = js.Serving(lambda x: x + 1, batch_size=2, preprocess=lambda v: rows(*v), postprocess=lambda o: o.tolist())
+    assert serving.run([1.0, 2.0]) == [[2.0], [3.0]]
+
+
+# declared batch keys --------------------------------------------------------------------------
+
+def test_declared_batch_keys_compile_per_key_at_warm_up_and_pass_the_key():
+    def fn(key, x):
+        return x * (10 if key == "long" else 1)
+
+    serving = js.Serving(fn, batch_size=2, batch_timeout=0.001, batch_keys=["short", "long"],
+                         input_template=js.template((1,), "float32"))
+    with js.serve(serving, name="keyed") as server:
+        assert server.stats()["compiles"] == 4, "2 batch sizes x 2 keys, before any request"
+        assert js.batched_run("keyed", rows(1.0).key("long")).tolist() == [[10.0]]
+        assert js.batched_run("keyed", rows(1.0).key("short")).tolist() == [[1.0]]
+        with pytest.raises(js.BatchError, match=r"unknown batch key: 'medium' \(expected one of 'short', 'long'\)"):
+            js.batched_run("keyed", rows(1.0).key("medium"))
+        with pytest.raises(js.BatchError, match=r"unknown batch key: None \(expected one of 'short', 'long'\)"):
+            js.batched_run("keyed", rows(1.0))
+        assert server.stats()["compiles"] == 4
+    assert serving.run(rows(2.0).key("long")).tolist() == [[20.0]]
+    with pytest.raises(js.OptionError, match="batch_keys must name at least one key"):
+        js.Serving(fn, batch_keys=[])
+
+
+# priorities ------------------------------------------------------------------------------------
+
+def test_higher_priority_rows_run_first_though_lower_ones_were_queued_first():
+    gate, seen = threading.Event(), []
+    serving = blocking_serving(gate, seen, batch_size=2, batch_timeout=0.001, priority_levels=3)
+    with js.serve(serving, name="prio"):
+        threads = [threading.Thread(target=js.batched_run, args=("prio", rows(0.0)))]
+        threads[0].start()
+        time.sleep(0.05)  # the partition is busy with 0.0
+        for value, priority in [(1.0, 3), (2.0, 3), (3.0, None), (10.0, 1), (11.0, 1), (20.0, 2)]:
+            threads.append(threading.Thread(target=js.batched_run, args=("prio", rows(value)),
+                                            kwargs={"priority": priority}))
+            threads[-1].start()
+            time.sleep(0.01)
+        gate.set()
+        for thread in threads:
+            thread.join(10)
+    assert seen == [0.0, 10.0, 11.0, 20.0, 1.0, 2.0, 3.0], "by level, then arrival (None is the default, 3)"
+
+
+def test_low_priority_rows_still_finish_under_sustained_high_priority_load():
+    serving = js.Serving(lambda x: (time.sleep(0.002), x)[1], batch_size=1, batch_timeout=0, compiler="eager",
+                         priority_levels=2, priority_aging=0.05, input_template=js.template((1,), "float32"))
+    stop = threading.Event()
+    with js.serve(serving, name="aging"):
+        def flood():
+            while not stop.is_set():
+                js.batched_run("aging", rows(1.0), priority=1)
+
+        flooders = [threading.Thread(target=flood) for _ in range(4)]
+        for thread in flooders:
+            thread.start()
+        time.sleep(0.05)
+        try:
+            result = js.batched_run("aging", rows(7.0), priority=2, timeout=30)  # promoted after 0.05 s
+        finally:
+            stop.set()
+            for thread in flooders:
+                thread.join(10)
+    assert result.tolist() == [[7.0]]
+
+
+def test_priority_levels_have_their_own_queue_bounds_and_default_timeouts():
+    gate, seen = threading.Event(), []
+    serving = blocking_serving(gate, seen, batch_size=1, batch_timeout=0, priority_levels=2,
+                               priority_queues={2: {"max_queue": 1, "timeout": 0.1}})
+    with js.serve(serving, name="levels") as server:
+        busy = threading.Thread(target=js.batched_run, args=("levels", rows(0.0)), kwargs={"priority": 1})
+        busy.start()
+        time.sleep(0.05)
+        with pytest.raises(TimeoutError, match="timed out after 0.1s before its rows started"):
+            js.batched_run("levels", rows(1.0), priority=2)  # the level's default timeout
+        outcome = []
+        waiting = threading.Thread(target=lambda: outcome.append(pytest.raises(
+            TimeoutError, js.batched_run, "levels", rows(2.0), priority=2)))
+        waiting.start()
+        time.sleep(0.02)
+        with pytest.raises(js.QueueFullError, match="queue for priority level 2 is full: 1 rows queued, its "
+                                                    "max_queue is 1"):
+            js.batched_run("levels", rows(3.0), priority=2)
+        waiting.join(10)  # it times out too: the partition is still busy
+        assert outcome
+        gate.set()
+        busy.join(10)
+        assert server.stats()["rejected"] == 1
+    with pytest.raises(js.BatchError, match=r"priority must be 0 \(the default level\) or 1..2 \(1 is the most "
+                                            r"urgent\), got 5"):
+        serving.priority_level(5)
+    with pytest.raises(js.OptionError, match=r"priority_queues\[2\] has unknown key 'size'"):
+        js.Serving(lambda x: x, priority_levels=2, priority_queues={2: {"size": 3}})
+
+
+# the adaptive batching window -------------------------------------------------------------------
+
+def _queues(adaptive: bool) -> Queues:
+    return Queues(BatchPolicy(batch_size=8, batch_sizes=(1, 2, 4, 8), batch_timeout=0.002, adaptive=adaptive))
+
+
+def _arrive(queues: Queues, now: float) -> None:
+    queues.add(Request(1, None), [rows(1.0)], ("signature",), now)
+
+
+def test_adaptive_window_runs_at_once_when_arrivals_are_sparse_and_waits_when_dense():
+    sparse = _queues(adaptive=True)
+    _arrive(sparse, 0.0)
+    assert sparse.ready(0.0, draining=False)[0] is None, "no arrival rate known yet: wait as a fixed window does"
+    sparse.take(("signature",), 0.002)
+    for step in range(1, 4):  # one caller: a row every 10 ms, each run at once
+        _arrive(sparse, step * 0.01)
+        signature, _ = sparse.ready(step * 0.01, draining=False)
+        assert signature == ("signature",), "a batch that will not fill in 2 ms runs now"
+        sparse.take(signature, step * 0.01)
+    dense = _queues(adaptive=True)
+    for step in range(3):  # rows 10 us apart: 8 will be there well within the window
+        _arrive(dense, step * 1e-5)
+    signature, wait = dense.ready(3e-5, draining=False)
+    assert signature is None and 0 < wait <= 0.002
+    fixed = _queues(adaptive=False)
+    for step in range(4):  # the same sparse arrivals
+        _arrive(fixed, step * 0.01)
+        assert fixed.ready(step * 0.01, draining=False)[0] is None, "adaptive=False waits for the window"
+        assert fixed.ready(step * 0.01 + 0.002, draining=False)[0] == ("signature",)
+        fixed.take(("signature",), step * 0.01 + 0.002)
