@@ -10,7 +10,17 @@ In one run, on an MLP (256 -> 1024 -> 256, float32, ReLU) compiled with XLA:
 3. padding waste with random request sizes 1..batch_size (goal <= 25%);
 4. the same 64 single-row callers through Ray Serve's ``@serve.batch`` on the
    same jitted function (needs ``pip install 'jitserve[bench]'``; skipped
-   otherwise).
+   otherwise);
+5. the adaptive batching window: p50 latency of one caller sending 1-row
+   requests, with the window adaptive (the default) and fixed, against calling
+   the compiled batch-1 function directly and against an unbatched server
+   (batch size 1, no window: the direct call plus the thread hop, this
+   in-process transport; goal: adaptive p50 <= 1.2x the unbatched server's),
+   and 64 asyncio callers' throughput with the adaptive window against the
+   fixed one (goal: not lower);
+6. streaming: a 1,000-row request through ``js.batched_stream``: time to its
+   first rows against one batch-64 execution and against the whole request
+   (goal: the first rows arrive after about one batch's time).
 
     python3 dev.py bench serving
 """
@@ -51,9 +61,9 @@ def raw_rows_per_s(seconds: float) -> float:
 
 
 def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bool = False,
-           partitions: int = 1) -> dict:
-    serving = js.Serving(mlp, batch_size=BATCH, batch_timeout=batch_timeout, partitions=partitions,
-                         input_template=js.template((256,), "float32"))
+           partitions: int = 1, adaptive: bool = True, callers: int = BATCH, batch_size: int = BATCH) -> dict:
+    serving = js.Serving(mlp, batch_size=batch_size, batch_timeout=batch_timeout, partitions=partitions,
+                         adaptive=adaptive, input_template=js.template((256,), "float32"))
 
     def make_call(seed: int):
         local = random.Random(seed)
@@ -71,7 +81,7 @@ def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bo
         return call_async if use_async else call
 
     with js.serve(serving, name=name) as server:
-        load = (closed_loop_async if use_async else closed_loop)(make_call, BATCH, seconds)
+        load = (closed_loop_async if use_async else closed_loop)(make_call, callers, seconds)
         stats = server.stats()
     executed = sum(size * count for size, count in stats["batch_sizes"].items())
     return {
@@ -79,6 +89,40 @@ def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bo
         "mean_batch": stats["rows"] / stats["batches"], "waste": stats["padded_rows"] / executed,
         "compiles": stats["compiles"],
     }
+
+
+def direct_p50(calls: int = 2000) -> float:
+    """p50 of calling the compiled batch-1 function directly (the floor a served 1-row request sits on)."""
+    compiled = js.compile(mlp, [js.template((1, 256), "float32")])
+    x = rng.normal(size=(1, 256)).astype(np.float32)
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        np.asarray(compiled(x))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def streaming_first_rows(batch_timeout: float, rows: int = 1000) -> dict:
+    """Time to the first rows of a ``rows``-row request through batched_stream, against the whole request."""
+    serving = js.Serving(mlp, batch_size=BATCH, batch_timeout=batch_timeout,
+                         input_template=js.template((256,), "float32"))
+    x = rng.normal(size=(rows, 256)).astype(np.float32)
+    compiled = js.compile(mlp, [js.template((BATCH, 256), "float32")])
+    one_batch = min((lambda t0: (np.asarray(compiled(x[:BATCH])), time.perf_counter() - t0)[1])(time.perf_counter())
+                    for _ in range(20))
+    firsts, wholes = [], []
+    with js.serve(serving, name="mlp-stream"):
+        for _ in range(10):
+            started = time.perf_counter()
+            stream = js.batched_stream("mlp-stream", js.Batch.concatenate([x]))
+            first = next(stream)
+            firsts.append(time.perf_counter() - started)
+            got = first.shape[0] + sum(part.shape[0] for part in stream)
+            wholes.append(time.perf_counter() - started)
+            assert got == rows
+    return {"first": statistics.median(firsts), "whole": statistics.median(wholes), "batch": one_batch,
+            "first_rows": first.shape[0]}
 
 
 def ray_serve(seconds: float, batch_timeout: float) -> dict | None:
@@ -150,6 +194,35 @@ def main() -> None:
               f"| {ray_result['p99'] * 1e3:.2f} | | |")
     print(f"compiles per served run: {single_async['compiles']}, {single['compiles']}, {mixed['compiles']} "
           f"(all at warm-up: {len(js.Serving(mlp, batch_size=BATCH).batch_sizes)} batch sizes)")
+
+    direct = direct_p50()
+    one = {adaptive: served(args.seconds / 2, args.batch_timeout, lambda r: 1, f"mlp-one-{adaptive}",
+                            adaptive=adaptive, callers=1) for adaptive in (True, False)}
+    unbatched = served(args.seconds / 2, 0.0, lambda r: 1, "mlp-unbatched", callers=1, batch_size=1)
+    fixed_async = served(args.seconds, args.batch_timeout, lambda r: 1, "mlp-async-fixed", use_async=True,
+                         partitions=args.partitions, adaptive=False)
+    print()
+    print(f"adaptive batching window (batch_timeout {args.batch_timeout * 1e3:g} ms):")
+    print("| run | p50 ms | vs direct call | rows/s |")
+    print("|---|---|---|---|")
+    print(f"| compiled batch-1 function called directly | {direct * 1e3:.3f} | 1.00 | |")
+    print(f"| 1 caller, unbatched server (batch_size 1, batch_timeout 0) | {unbatched['p50'] * 1e3:.3f} "
+          f"| {unbatched['p50'] / direct:.2f} | {unbatched['rows_per_s']:,.0f} |")
+    for adaptive, label in [(True, "adaptive (default)"), (False, "fixed window (adaptive=False)")]:
+        r = one[adaptive]
+        print(f"| 1 caller, 1-row requests, {label} | {r['p50'] * 1e3:.3f} | {r['p50'] / direct:.2f} "
+              f"({r['p50'] / unbatched['p50']:.2f}x unbatched) | {r['rows_per_s']:,.0f} |")
+    print(f"| 64 asyncio callers, adaptive / fixed throughput | | | "
+          f"{single_async['rows_per_s']:,.0f} / {fixed_async['rows_per_s']:,.0f} = "
+          f"{single_async['rows_per_s'] / fixed_async['rows_per_s']:.2f} |")
+
+    stream = streaming_first_rows(args.batch_timeout)
+    print()
+    print("streaming a 1,000-row request (batch 64; median of 10):")
+    print("| one batch-64 execution ms | first rows ms | whole request ms | first / whole |")
+    print("|---|---|---|---|")
+    print(f"| {stream['batch'] * 1e3:.2f} | {stream['first'] * 1e3:.2f} ({stream['first_rows']} rows) "
+          f"| {stream['whole'] * 1e3:.2f} | {stream['first'] / stream['whole']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from .batch import Batch
 from .graph import Graph, trace
 from .interpreter import Interpreter, Node
 from .defaults import default_options, options, set_default_options
-from .serving import BatchReport, Server, Serving, batched_run, batched_run_async, serve
+from .serving import (BatchReport, Server, Serving, batched_run, batched_run_async, batched_stream,
+                      batched_stream_async, serve)
 from .template import Template, template
 from . import cluster  # noqa: F401,E402 - plugs the cluster back ends (Ray) into the serving registry
 
@@ -38,6 +39,8 @@ __all__ = [
     "Serving",
     "batched_run",
     "batched_run_async",
+    "batched_stream",
+    "batched_stream_async",
     "serve",
     "BatchError",
     "BatchSizeError",

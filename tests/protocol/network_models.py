@@ -58,6 +58,24 @@ class CrashingCompiler(js.Compiler):
 js.register_compiler("crashing", CrashingCompiler(), replace=True)
 
 
+CALLS = iter(range(10**9))  # the order in which "ordered" runs its batches
+
+
+def ordered(x):
+    time.sleep(0.12)
+    return np.concatenate([x, np.full_like(x, next(CALLS))], axis=1)
+
+
+def chunked(x):
+    time.sleep(0.1)
+    return x * 2
+
+
+def steps(x):
+    for step in range(3):
+        yield x + step
+
+
 def slow(x):
     time.sleep(0.6)
     return x + 1
@@ -76,4 +94,10 @@ models = {
                          input_template=js.template((3,), "int32")),
     "crashing": js.Serving(lambda x: x * 2, batch_size=2, batch_timeout=0.001, compiler="crashing",
                            isolation="process", input_template=js.template((2,), "float32")),
+    "ordered": js.Serving(ordered, batch_size=1, batch_timeout=0, compiler="eager", priority_levels=2,
+                          input_template=js.template((1,), "float32")),
+    "chunked": js.Serving(chunked, batch_size=2, batch_timeout=0.001, compiler="eager",
+                          input_template=js.template((1,), "float32")),
+    "steps": js.Serving(steps, batch_size=2, batch_timeout=0.001, streaming=True,
+                        input_template=js.template((1,), "float32")),
 }

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -192,7 +194,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, payl
 
 def test_unknown_model_and_endpoint(server):
     status, body = server.infer_json("nope", mlp_input())
-    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing"
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps"
     status, _, data = server.request("GET", "/v2/models/nope")
     assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     status, _, data = server.request("GET", "/v3/anything")
@@ -293,6 +295,121 @@ def test_a_native_crash_in_a_worker_process_fails_only_its_batch(server):
     tensor.set_data_from_numpy(np.array([[3.0, 0.5]], np.float32))
     assert client.infer("crashing", [tensor]).as_numpy("output").tolist() == [[6.0, 1.0]]
     server.assert_healthy()
+
+
+# streaming and priorities ------------------------------------------------------------------------
+
+def sse_events(response) -> list[tuple[str, dict]]:
+    """Parse a server-sent events body: (event name, JSON data) per event."""
+    events = []
+    for block in response.read().decode().split("\n\n"):
+        if not block.strip():
+            continue
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return events
+
+
+def column(values: list[float]) -> dict:
+    return {"inputs": [{"name": "input", "datatype": "FP32", "shape": [len(values), 1], "data": values}]}
+
+
+def test_http_server_sent_events_bring_each_batch_as_it_finishes(server):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.request("POST", "/v2/models/chunked/infer_stream", body=json.dumps(column([0, 1, 2, 3, 4])).encode())
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("content-type") == "text/event-stream"
+    events = sse_events(response)
+    assert [name for name, _ in events] == ["message"] * 3, "5 rows, batch size 2: three events, first rows first"
+    assert [e["outputs"][0]["data"] for _, e in events] == [[0.0, 2.0], [4.0, 6.0], [8.0]]
+    connection.request("POST", "/v2/models/steps/infer_stream", body=json.dumps(column([10])).encode())
+    events = sse_events(connection.getresponse())
+    assert [e["outputs"][0]["data"] for _, e in events] == [[10.0], [11.0], [12.0]], "one event per step"
+    connection.close()
+    status, body = server.infer_json("steps", column([1]))
+    assert status == 400 and "streams its results: call it with ModelStreamInfer" in body["error"]
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.request("POST", "/v2/models/nope/infer_stream", body=json.dumps(column([1])).encode())
+    assert connection.getresponse().status == 404, "errors before the stream starts are ordinary statuses"
+    connection.close()
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_queued_rows(server):
+    def batches_run() -> float:
+        metrics = server.request("GET", "/metrics")[2].decode()
+        found = re.search(r'jitserve_batch_size_count\{model="chunked"\} (\S+)', metrics)
+        return float(found.group(1)) if found else 0.0
+
+    before = batches_run()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps(column([float(v) for v in range(20)])).encode()  # 10 batches of 0.1 s
+    sock.sendall(b"POST /v2/models/chunked/infer_stream HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert b"data: " in sock.recv(65536) or b"data: " in sock.recv(65536)  # the first event arrived
+    sock.close()
+    time.sleep(1.5)  # long enough for all 10 batches had they stayed queued
+    assert batches_run() - before < 10, "the rows of a client that went away were taken off the queue"
+    server.assert_healthy()
+
+
+def test_tritonclient_grpc_streaming_works_unchanged(server):
+    import queue
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        tensor = grpcclient.InferInput("input", [3, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[1.0], [2.0], [3.0]], np.float32))
+        client.async_stream_infer("chunked", [tensor], request_id="a", enable_empty_final_response=True)
+        received = [results.get(timeout=30) for _ in range(3)]
+        assert all(error is None for _, error in received)
+        assert [r.as_numpy("output").ravel().tolist() for r, _ in received[:2]] == [[2.0, 4.0], [6.0]]
+        assert received[2][0].get_response().parameters["triton_final_response"].bool_param
+        step = grpcclient.InferInput("input", [1, 1], "FP32")
+        step.set_data_from_numpy(np.array([[5.0]], np.float32))
+        client.async_stream_infer("steps", [step], request_id="b")
+        assert [results.get(timeout=30)[0].as_numpy("output").item() for _ in range(3)] == [5.0, 6.0, 7.0]
+        client.async_stream_infer("nope", [step], request_id="c")
+        result, error = results.get(timeout=30)
+        assert result is None and "unknown model 'nope'" in str(error)
+    finally:
+        client.stop_stream()
+    server.assert_healthy()
+
+
+@pytest.mark.parametrize("client_module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_tritonclient_priority_runs_urgent_requests_first(server, client_module):
+    port = server.port if client_module is httpclient else server.grpc_port
+    client = client_module.InferenceServerClient(f"127.0.0.1:{port}", **(
+        {"concurrency": 4} if client_module is httpclient else {}))
+
+    def send(value: float, priority: int):
+        tensor = client_module.InferInput("input", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[value]], np.float32))
+        if client_module is httpclient:
+            return client.async_infer("ordered", [tensor], priority=priority)
+        outcome: queue.Queue = queue.Queue()
+        client.async_infer("ordered", [tensor], callback=lambda result, error: outcome.put((result, error)),
+                           priority=priority)
+        return outcome
+
+    def order_of(handle) -> float:
+        if client_module is httpclient:
+            return float(handle.get_result().as_numpy("output")[0, 1])
+        result, error = handle.get(timeout=30)
+        assert error is None, error
+        return float(result.as_numpy("output")[0, 1])
+
+    import queue
+
+    busy = send(0.0, 1)
+    time.sleep(0.02)  # the one partition is busy for 0.12 s
+    low = send(1.0, 2)
+    time.sleep(0.02)
+    urgent = send(2.0, 1)
+    orders = [order_of(handle) for handle in (busy, low, urgent)]
+    assert orders[0] < orders[2] < orders[1], "the level-1 request, queued last, ran before the level-2 one"
 
 
 def test_queue_full_is_503_and_timeout_is_504(server):

@@ -214,3 +214,77 @@ def test_adaptive_window_runs_at_once_when_arrivals_are_sparse_and_waits_when_de
         assert fixed.ready(step * 0.01, draining=False)[0] is None, "adaptive=False waits for the window"
         assert fixed.ready(step * 0.01 + 0.002, draining=False)[0] == ("signature",)
         fixed.take(("signature",), step * 0.01 + 0.002)
+
+
+# streaming ---------------------------------------------------------------------------------------
+
+def test_a_split_request_streams_its_first_rows_while_later_ones_still_run():
+    gates = [threading.Event() for _ in range(3)]
+    calls = iter(range(3))
+
+    def fn(x):
+        gates[next(calls)].wait(10)
+        return x * 2
+
+    serving = js.Serving(fn, batch_size=2, batch_timeout=0.001, compiler="eager",
+                         input_template=js.template((1,), "float32"))
+    with js.serve(serving, name="streamed"):
+        stream = js.batched_stream("streamed", rows(1.0, 2.0, 3.0, 4.0, 5.0))
+        gates[0].set()
+        assert next(stream).tolist() == [[2.0], [4.0]], "the first batch's rows arrive while the second waits"
+        gates[1].set()
+        gates[2].set()
+        assert [part.tolist() for part in stream] == [[[6.0], [8.0]], [[10.0]]]
+
+
+def test_a_serving_that_yields_steps_streams_each_step_to_each_caller():
+    def generate(x):
+        for step in range(3):
+            yield x * 10 + step
+
+    serving = js.Serving(generate, batch_size=4, batch_timeout=0.01, streaming=True,
+                         input_template=js.template((1,), "float32"))
+    with js.serve(serving, name="steps"):
+        results = {}
+
+        def read(value):
+            results[value] = [step.tolist() for step in js.batched_stream("steps", rows(value))]
+
+        threads = [threading.Thread(target=read, args=(v,)) for v in (1.0, 2.0)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert results == {1.0: [[[10.0]], [[11.0]], [[12.0]]], 2.0: [[[20.0]], [[21.0]], [[22.0]]]}
+        assert [s.tolist() for s in js.batched_run("steps", rows(3.0))] == [[[30.0]], [[31.0]], [[32.0]]]
+        with pytest.raises(js.BatchSizeError, match=r"batch size \(5\) cannot exceed server batch size of 4 \(a "
+                                                    r"streaming serving runs each request in one batch\)"):
+            js.batched_run("steps", rows(*range(5)))
+    with pytest.raises(js.OptionError, match="a streaming serving runs its generator as written"):
+        js.Serving(generate, streaming=True, compiler="xla")
+
+
+def test_asyncio_streams_and_a_caller_that_stops_early_frees_its_queued_rows():
+    import asyncio
+
+    ran = []
+
+    def fn(x):
+        ran.extend(np.asarray(x)[:, 0].tolist())
+        time.sleep(0.05)
+        return x + 1
+
+    serving = js.Serving(fn, batch_size=1, batch_timeout=0, compiler="eager", input_template=js.template((1,), "float32"))
+    with js.serve(serving, name="async-stream") as server:
+        async def main():
+            parts = [part.tolist() async for part in js.batched_stream_async("async-stream", rows(1.0, 2.0))]
+            assert parts == [[[2.0]], [[3.0]]]
+            stream = js.batched_stream_async("async-stream", rows(*[float(v) for v in range(10, 20)]))
+            first = await stream.__anext__()
+            await stream.aclose()
+            return first
+
+        assert asyncio.run(main()).tolist() == [[11.0]]
+        time.sleep(0.3)
+        assert len([v for v in ran if v >= 10]) <= 3, "rows of a stream nobody reads any more do not run"
+        assert server.stats()["cancelled"] == 1

@@ -10,6 +10,7 @@ Input names are the dict keys of an entry, else ``input`` (``input_0``,
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -147,7 +148,10 @@ class ModelSpec:
         serving = self.server.serving
         one_row = jax.tree_util.tree_map(lambda t: Template((1, *t.shape), t.dtype), serving.input_template,
                                          is_leaf=is_template)
-        shapes = compilers.get(serving.compiler_name).output_shapes(serving.fn, [one_row])
+        fn = serving.fn if serving.batch_keys is None else functools.partial(serving.fn, serving.batch_keys[0])
+        shapes = compilers.get(serving.compiler_name).output_shapes(fn, [one_row])
+        if serving.streaming:  # a generator of steps: each step is shaped like the first
+            shapes = next(iter(shapes))
         leaves = jax.tree_util.tree_leaves(shapes)
         return [TensorSpec(n, datatype_of(leaf.dtype), tuple(leaf.shape[1:]))
                 for n, leaf in zip(_tensor_names(shapes, "output"), leaves)]

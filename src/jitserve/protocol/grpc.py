@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +85,65 @@ class GrpcFront:
             self.service.failed("grpc", model, status, error)
             await context.abort(getattr(grpc.StatusCode, status), str(error))
         self.service.count(model, "grpc", "OK")
-        response = MESSAGES["ModelInferResponse"](model_name=model, model_version="1", id=request.id)
-        for name, array in outputs:
-            response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
-            response.raw_output_contents.append(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
-        return response
+        return _infer_response(model, request.id, outputs)
+
+    async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        """Triton's bidirectional stream (tritonclient's ``start_stream`` / ``async_stream_infer``): each
+        request is answered with one response per batch that ran some of its rows (per step of a
+        streaming serving), as they are ready; errors come as ``error_message``. A request that asks for
+        ``triton_enable_empty_final_response`` gets a last, empty response marked ``triton_final_response``."""
+        responses: asyncio.Queue[Any] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: Any) -> None:
+            model = request.model_name
+            try:
+                tensors = _decode_inputs(request)
+                names = [o.name for o in request.outputs] or None
+                async for outputs in self.service.infer_stream(model, tensors, names, _priority(request)):
+                    await responses.put(MESSAGES["ModelStreamInferResponse"](
+                        infer_response=_infer_response(model, request.id, outputs)))
+            except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
+                status = status_of(error)[1]
+                self.service.failed("grpc", model, status, error)
+                await responses.put(MESSAGES["ModelStreamInferResponse"](error_message=str(error)))
+                return
+            self.service.count(model, "grpc", "OK")
+            if _flag(request, "triton_enable_empty_final_response"):
+                final = MESSAGES["ModelInferResponse"](model_name=model, model_version="1", id=request.id)
+                final.parameters["triton_final_response"].bool_param = True
+                await responses.put(MESSAGES["ModelStreamInferResponse"](infer_response=final))
+
+        async def read() -> None:
+            async for request in requests:
+                task = asyncio.ensure_future(answer(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:
+                await asyncio.gather(*list(running), return_exceptions=True)
+            await responses.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (response := await responses.get()) is not None:
+                yield response
+        finally:  # the client went away (or finished): its queued rows leave the queues
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+
+def _infer_response(model: str, request_id: str, outputs: list[tuple[str, np.ndarray]]) -> Any:
+    response = MESSAGES["ModelInferResponse"](model_name=model, model_version="1", id=request_id)
+    for name, array in outputs:
+        response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
+        response.raw_output_contents.append(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
+    return response
+
+
+def _flag(request: Any, name: str) -> bool:
+    return name in request.parameters and request.parameters[name].WhichOneof("parameter_choice") == "bool_param" \
+        and request.parameters[name].bool_param
 
 
 def _priority(request: Any) -> int | None:
@@ -131,6 +185,9 @@ def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:
         pool[method] = grpc.unary_unary_rpc_method_handler(
             getattr(front, method), request_deserializer=request_class.FromString,
             response_serializer=response_class.SerializeToString)
+    pool["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        front.ModelStreamInfer, request_deserializer=MESSAGES["ModelInferRequest"].FromString,
+        response_serializer=MESSAGES["ModelStreamInferResponse"].SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE, pool)
 
 

@@ -3,7 +3,11 @@
 Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2``,
 ``/v2/models/{m}[/versions/{v}]``, ``/v2/models/{m}[/versions/{v}]/ready``,
 ``POST /v2/models/{m}[/versions/{v}]/infer`` (JSON tensors and the binary
-tensor extension that tritonclient uses by default) and ``GET /metrics``.
+tensor extension that tritonclient uses by default),
+``POST /v2/models/{m}[/versions/{v}]/infer_stream`` (the same request; the
+outputs come as server-sent events, one ``data:`` JSON response per batch that
+ran some of the rows or per step of a streaming serving, an ``event: error``
+on failure) and ``GET /metrics``.
 Errors are ``{"error": "..."}`` with 400, 404, 413, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server.
 
@@ -14,10 +18,11 @@ validation layers to the hot path.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -44,6 +49,13 @@ def _error(status: int, message: str) -> Response:
     return _json(status, {"error": message})
 
 
+class _Events:
+    """A server-sent events response: the encoded events, sent as they come."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        self.events = events
+
+
 class HttpFront:
     """The ASGI application."""
 
@@ -53,6 +65,7 @@ class HttpFront:
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response]]]] = [
             ("POST", re.compile(model + "/infer"), self.infer),
+            ("POST", re.compile(model + "/infer_stream"), self.infer_stream),
             ("GET", re.compile(r"/v2/health/live"), self.live),
             ("GET", re.compile(r"/v2/health/ready"), self.ready),
             ("GET", re.compile(r"/v2"), self.server_metadata),
@@ -65,15 +78,19 @@ class HttpFront:
         if scope["type"] != "http":
             return
         try:
-            status, headers, body = await self.route(scope, receive)
+            response = await self.route(scope, receive)
         except Exception as error:  # noqa: BLE001 - every failure becomes a response, never a dead server
             log.exception("unexpected error serving %s %s", scope.get("method"), scope.get("path"))
-            status, headers, body = _error(500, f"{type(error).__name__}: {error}")
+            response = _error(500, f"{type(error).__name__}: {error}")
+        if isinstance(response, _Events):
+            await _send_events(response.events, receive, send)
+            return
+        status, headers, body = response
         await send({"type": "http.response.start", "status": status,
                     "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    async def route(self, scope: dict[str, Any], receive: Callable[..., Any]) -> Response:
+    async def route(self, scope: dict[str, Any], receive: Callable[..., Any]) -> Response | _Events:
         method, path = scope["method"], scope["path"]
         allowed = []
         for route_method, pattern, handler in self.routes:
@@ -149,6 +166,66 @@ class HttpFront:
             return _error(status, str(error))
         self.service.count(model, "http", 200)
         return response
+
+
+    async def infer_stream(self, scope: dict[str, Any], receive: Callable[..., Any], model: str,
+                           version: str | None) -> Response | _Events:
+        """The request is read, checked and queued first (its errors are ordinary 4xx/5xx responses); then
+        the outputs go out as events while the rows run."""
+        try:
+            body, header_length = await self._read_body(scope, receive)
+            request, binary = _split_body(body, header_length)
+            tensors, requested, _ = _decode_request(request, binary)
+            stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
+                                               _priority(request))
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            status = 413 if isinstance(error, _TooLarge) else status_of(error)[0]
+            self.service.failed("http", model, status, error)
+            return _error(status, str(error))
+        return _Events(self._events(model, request.get("id"), stream))
+
+    async def _events(self, model: str, request_id: Any, stream: AsyncIterator[list[tuple[str, np.ndarray]]]
+                      ) -> AsyncIterator[bytes]:
+        try:
+            async for outputs in stream:
+                yield b"data: " + _encode_response(model, request_id, outputs, {}, False)[2] + b"\n\n"
+        except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
+            status = status_of(error)[0]
+            self.service.failed("http", model, status, error)
+            yield b"event: error\ndata: " + json.dumps({"error": str(error), "status": status}).encode() + b"\n\n"
+            return
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        self.service.count(model, "http", 200)
+
+
+async def _send_events(events: AsyncIterator[bytes], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    """Send each event as it comes; a client that disconnects ends the stream (its queued rows are freed)."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        while True:
+            following = asyncio.ensure_future(anext(events))
+            await asyncio.wait({following, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():  # gone: stop waiting for rows nobody will read
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+                return
+            try:
+                event = following.result()
+            except StopAsyncIteration:
+                break
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        watcher.cancel()
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 class _TooLarge(Exception):

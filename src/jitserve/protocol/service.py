@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,10 +81,33 @@ class InferenceService:
         batch = spec.to_batch(tensors)
         server = spec.server
         serving = server.serving
+        if serving.streaming:
+            raise ProtocolError(f"model '{model}' streams its results: call it with ModelStreamInfer (gRPC) or "
+                                f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
         request = server.submit(batch, asyncio.get_running_loop(), priority)
-        timeout = self.request_timeout if self.request_timeout is not None else serving.default_timeout(priority)
-        outputs = serving.finish(await server.result_async(request, timeout))
+        outputs = serving.finish(await server.result_async(request, self._timeout(serving, priority)))
         return select_outputs(spec.named_outputs(outputs), requested, model)
+
+    def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+                     priority: int | None = None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        """``infer`` whose outputs come as they are ready: one item per batch that ran some of the rows (in
+        row order), or per step of a streaming serving. The request is checked and queued now (its errors
+        raise here, before anything is sent); a consumer that stops early frees its queued rows."""
+        spec = self.model(model)
+        batch = spec.to_batch(tensors)
+        server = spec.server
+        request = server.submit(batch, asyncio.get_running_loop(), priority, stream=True)
+        return self._stream(spec, request, requested, self._timeout(server.serving, priority))
+
+    @staticmethod
+    async def _stream(spec: ModelSpec, request: Any, requested: Sequence[str] | None,
+                      timeout: float | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        server = spec.server
+        async for outputs in server.stream_async(request, timeout):
+            yield select_outputs(spec.named_outputs(server.serving.finish(outputs)), requested, spec.name)
+
+    def _timeout(self, serving: Any, priority: int | None) -> float | None:
+        return self.request_timeout if self.request_timeout is not None else serving.default_timeout(priority)
 
     def count(self, model: str, protocol: str, status: int | str) -> None:
         self.metrics.requests.labels(model if model in self.models else "", protocol, str(status)).inc()

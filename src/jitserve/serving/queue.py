@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import queue as thread_queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,15 +35,41 @@ from ..batch import Batch
 Signature = tuple[Any, ...]
 
 
+END = object()  # the last item of a stream
+
+
+class Stream:
+    """Where a streaming request's items go as batches finish: ``(row offset or step, outputs)``, an
+    exception, then ``END``; a thread-safe queue for a sync caller, an asyncio one on the caller's loop."""
+
+    __slots__ = ("loop", "items")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop
+        self.items: Any = thread_queue.SimpleQueue() if loop is None else asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        if self.loop is None:
+            self.items.put(item)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is reading any more
+            pass
+
+
 class Request:
     """One caller's rows in flight. A sync caller waits on ``done`` (a held lock released when the request
-    finishes); an asyncio caller awaits ``future``, resolved on its own ``loop``. ``parts`` collects
-    ``(row offset, outputs)`` as batches finish, ``reports`` the report of each batch that ran some of its
-    rows; ``error`` is set instead when the request failed. ``level`` is its priority level."""
+    finishes); an asyncio caller awaits ``future``, resolved on its own ``loop``; a streaming caller reads
+    its ``stream``. ``parts`` collects ``(row offset, outputs)`` as batches finish (``(step, outputs)`` for
+    a serving that yields steps), ``reports`` the report of each batch that ran some of its rows;
+    ``error`` is set instead when the request failed. ``level`` is its priority level."""
 
-    __slots__ = ("rows", "rows_left", "parts", "reports", "error", "started", "done", "loop", "future", "level")
+    __slots__ = ("rows", "rows_left", "parts", "reports", "error", "started", "done", "loop", "future", "level",
+                 "stream")
 
-    def __init__(self, rows: int, loop: asyncio.AbstractEventLoop | None, level: int = 1) -> None:
+    def __init__(self, rows: int, loop: asyncio.AbstractEventLoop | None, level: int = 1,
+                 stream: bool = False) -> None:
         self.rows = rows
         self.rows_left = rows
         self.parts: list[tuple[int, Any]] = []
@@ -51,6 +78,7 @@ class Request:
         self.started = False
         self.loop = loop
         self.level = level
+        self.stream = Stream(loop) if stream else None
         self.done = threading.Lock()
         self.future: asyncio.Future[None] | None = None
         if loop is None:
@@ -64,6 +92,8 @@ class Request:
             return False
         self.error = error
         self.rows_left = 0
+        if self.stream is not None:
+            self.stream.put(error)
         return True
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
@@ -135,3 +136,30 @@ async def batched_run_async(name: str | tuple[str, str], value: Any, timeout: fl
     request = server.submit(batch, asyncio.get_running_loop(), priority)
     timeout = serving.default_timeout(priority) if timeout is None else timeout
     return serving.finish(await server.result_async(request, timeout), info, request.reports)
+
+
+def batched_stream(name: str | tuple[str, str], value: Any, timeout: float | None = None,
+                   priority: int | None = None) -> Iterator[Any]:
+    """``batched_run`` whose results come as they are ready: this caller's rows in order, one part per
+    batch that ran some of them (the first rows while later ones still run), or one item per step of a
+    serving that yields steps (``Serving(..., streaming=True)``). ``postprocess`` runs on each item.
+    Closing the iterator early takes the rows that have not started off the queue."""
+    server = lookup(name)
+    serving = server.serving
+    batch, info = serving.prepare(value)
+    request = server.submit(batch, priority=priority, stream=True)
+    timeout = serving.default_timeout(priority) if timeout is None else timeout
+    for outputs in server.stream(request, timeout):
+        yield serving.finish(outputs, info, request.reports)
+
+
+async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout: float | None = None,
+                               priority: int | None = None) -> AsyncIterator[Any]:
+    """``batched_stream`` for asyncio callers (``async for``)."""
+    server = lookup(name)
+    serving = server.serving
+    batch, info = serving.prepare(value)
+    request = server.submit(batch, asyncio.get_running_loop(), priority, stream=True)
+    timeout = serving.default_timeout(priority) if timeout is None else timeout
+    async for outputs in server.stream_async(request, timeout):
+        yield serving.finish(outputs, info, request.reports)

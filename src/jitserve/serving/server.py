@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue as thread_queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,11 +31,12 @@ import jax
 
 from ..batch import Batch
 from ..errors import BatchSizeError, QueueFullError, ServerStoppedError
-from .queue import BatchPolicy, Piece, Queues, Request
+from .queue import END, BatchPolicy, Piece, Queues, Request
 from .serving import Executor, Serving, concatenate_outputs
 from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
+_ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
 
 
 @dataclass(frozen=True)
@@ -216,19 +218,21 @@ class Server:
     # callers ---------------------------------------------------------------------------------
 
     def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None,
-               priority: int | None = None) -> Request:
+               priority: int | None = None, stream: bool = False) -> Request:
         """Queue the batch's rows (split into pieces of at most ``batch_size``) at ``priority`` (1 is the
         most urgent level; None or 0: the serving's default); returns the request.
 
-        Give the running ``loop`` for a caller that will await :meth:`result_async`."""
+        Give the running ``loop`` for a caller that will await :meth:`result_async` or read
+        :meth:`stream_async`; ``stream=True`` for a caller that reads the results as they come."""
         serving = self.serving
         size = batch.size
         serving.check_key(batch)
         level = serving.priority_level(priority)
-        if size > serving.batch_size and serving.oversize == "error":
-            raise BatchSizeError(f"batch size ({size}) cannot exceed server batch size of {serving.batch_size}")
+        if size > serving.batch_size and (serving.oversize == "error" or serving.streaming):
+            why = " (a streaming serving runs each request in one batch)" if serving.streaming else ""
+            raise BatchSizeError(f"batch size ({size}) cannot exceed server batch size of {serving.batch_size}{why}")
         parts = batch.chunks(serving.batch_size) if size > serving.batch_size else [batch]
-        request = Request(size, loop, level)
+        request = Request(size, loop, level, stream)
         queues = self._queues
         policy = queues.policy
         level_limit = dict(policy.level_max_queue).get(level)
@@ -286,14 +290,66 @@ class Server:
     def _timeout_error(self, timeout: float | None) -> TimeoutError:
         return TimeoutError(f"request to server {self.name!r} timed out after {timeout}s before its rows started")
 
-    @staticmethod
-    def _outcome(request: Request) -> Any:
+    def _outcome(self, request: Request) -> Any:
         if request.error is not None:
             raise request.error
         parts = request.parts
         if len(parts) > 1:
             parts.sort(key=lambda part: part[0])
+        if self.serving.streaming:  # one output per step the serving yielded
+            return [outputs for _, outputs in parts]
         return concatenate_outputs([outputs for _, outputs in parts])
+
+    def stream(self, request: Request, timeout: float | None) -> Iterator[Any]:
+        """The outputs of a ``stream=True`` request as they come: consecutive row ranges in order (each
+        step, for a serving that yields steps). Closing the iterator early takes unstarted rows off the
+        queues; ``timeout`` as for :meth:`result`."""
+        items = request.stream.items  # type: ignore[union-attr]
+        order = _StreamOrder(self.serving.streaming)
+        try:
+            while True:
+                try:
+                    ready = order.take(items.get(timeout=None if request.started else timeout))
+                except thread_queue.Empty:
+                    self._expire(request, timeout)
+                    continue
+                if ready is None:
+                    return
+                yield from ready
+        finally:
+            self._abandon(request)
+
+    async def stream_async(self, request: Request, timeout: float | None) -> AsyncIterator[Any]:
+        """:meth:`stream` for a request submitted with its event loop and ``stream=True``."""
+        items = request.stream.items  # type: ignore[union-attr]
+        order = _StreamOrder(self.serving.streaming)
+        try:
+            while True:
+                try:
+                    ready = order.take(await asyncio.wait_for(items.get(), None if request.started else timeout))
+                except TimeoutError:
+                    self._expire(request, timeout)
+                    continue
+                if ready is None:
+                    return
+                for outputs in ready:
+                    yield outputs
+        finally:
+            self._abandon(request)
+
+    def _expire(self, request: Request, timeout: float | None) -> None:
+        """A streaming request's timeout passed: withdrawn with TimeoutError unless its rows started."""
+        if self._withdraw(request, timed_out=True):
+            raise self._timeout_error(timeout) from None
+    def _abandon(self, request: Request) -> None:
+        """A streaming caller stopped reading: its queued rows leave the queues (a running batch finishes,
+        unread). Counted as cancelled."""
+        with self._cond:
+            if request.rows_left == 0:
+                return
+            self._queues.withdraw(request)
+            request.fail(_ABANDONED)
+            self._stats["cancelled"] += 1
 
     def _withdraw(self, request: Request, timed_out: bool) -> bool:
         """Take a request that has not started (nor finished) off the queues; False if it had."""
@@ -335,6 +391,11 @@ class Server:
         error: BaseException | None = None
         try:
             outputs = partition.executor.execute(batch)
+            if self.serving.streaming:  # each step reaches the callers as soon as the serving yields it
+                for step, step_outputs in enumerate(outputs):
+                    with self._cond:
+                        self._deliver_step(pieces, step, step_outputs)
+                outputs = None
         except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
             error = failure
         elapsed = time.perf_counter() - started
@@ -362,25 +423,47 @@ class Server:
                     log.exception("server %s: batch listener %r failed", self.name, listener)
 
     @staticmethod
-    def _deliver(pieces: list[Piece], outputs: Any, report: BatchReport) -> list[Request]:
-        """Give each piece its rows of the outputs (and the batch's report); returns the requests now complete."""
+    def _pieces_of(pieces: list[Piece], outputs: Any) -> Iterator[tuple[Piece, Any]]:
+        """Each piece with its rows of the outputs."""
         leaves, tree = jax.tree_util.tree_flatten(outputs)
         single = leaves[0] if len(leaves) == 1 and tree.num_nodes == 1 else None  # one array: no unflattening
-        finished = []
         at = 0
         for piece in pieces:
-            rows = piece.batch.size
+            start, at = at, at + piece.batch.size
+            yield piece, single[start:at] if single is not None else tree.unflatten([leaf[start:at] for leaf in leaves])
+
+    def _deliver(self, pieces: list[Piece], outputs: Any, report: BatchReport) -> list[Request]:
+        """Give each piece its rows of the outputs (and the batch's report); returns the requests now
+        complete. (A serving that yields steps delivered them already: only the report and the count.)"""
+        finished = []
+        parts = self._pieces_of(pieces, outputs) if outputs is not None else ((piece, None) for piece in pieces)
+        for piece, part in parts:
             request = piece.request
-            start, at = at, at + rows
             if request.error is not None:  # another part of it failed: its caller has the error already
                 continue
-            part = single[start:at] if single is not None else tree.unflatten([leaf[start:at] for leaf in leaves])
-            request.parts.append((piece.offset, part))
+            if part is not None:
+                if request.stream is not None:
+                    request.stream.put((piece.offset, part))
+                else:
+                    request.parts.append((piece.offset, part))
             request.reports.append(report)
-            request.rows_left -= rows
+            request.rows_left -= piece.batch.size
             if request.rows_left == 0:
                 finished.append(request)
+                if request.stream is not None:
+                    request.stream.put(END)
         return finished
+
+    def _deliver_step(self, pieces: list[Piece], step: int, outputs: Any) -> None:
+        """One step a streaming serving yielded: each caller's rows of it, to its stream or its parts."""
+        for piece, part in self._pieces_of(pieces, outputs):
+            request = piece.request
+            if request.error is not None:
+                continue
+            if request.stream is not None:
+                request.stream.put((step, part))
+            else:
+                request.parts.append((step, part))
 
     @staticmethod
     def _fail(pieces: list[Piece], error: BaseException) -> list[Request]:
@@ -400,6 +483,35 @@ class Server:
                 loop.call_soon_threadsafe(_resolve_futures, requests)
             except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
                 pass
+
+
+class _StreamOrder:
+    """Puts a stream's items in order: row ranges by offset (they may finish out of order on several
+    partitions), steps as they come."""
+
+    __slots__ = ("steps", "waiting", "next_offset")
+
+    def __init__(self, steps: bool) -> None:
+        self.steps = steps
+        self.waiting: dict[int, Any] = {}
+        self.next_offset = 0
+
+    def take(self, item: Any) -> list[Any] | None:
+        """The outputs now ready to hand out after ``item``; None at the end; a failure raises."""
+        if item is END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        key, outputs = item
+        if self.steps:
+            return [outputs]
+        self.waiting[key] = outputs
+        ready = []
+        while self.next_offset in self.waiting:
+            outputs = self.waiting.pop(self.next_offset)
+            self.next_offset += len(jax.tree_util.tree_leaves(outputs)[0])
+            ready.append(outputs)
+        return ready
 
 
 class _Progress:

@@ -96,6 +96,8 @@ class Executor:
         rows = batch.size + batch.padding
         run = self.compiled(rows, batch.tree, batch.rows, batch.user_key)
         outputs = run(batch.materialize())
+        if self.serving.streaming:  # a generator of steps, each cut as it comes
+            return (cut_rows(step, rows, batch.size) for step in outputs)
         return cut_rows(outputs, rows, batch.size)
 
 
@@ -154,6 +156,7 @@ class Serving:
         priority_aging: float = 1.0,
         priority_queues: Mapping[int, Mapping[str, Any]] | None = None,
         adaptive: bool = True,
+        streaming: bool = False,
         **compiler_options: Any,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "compiler_options", "__class__")}
@@ -179,12 +182,19 @@ class Serving:
         )
         self.preprocess = preprocess
         self.postprocess = postprocess
+        if streaming and compiler not in (None, "eager"):
+            raise OptionError(f"a streaming serving runs its generator as written (compiler='eager'), got "
+                              f"compiler={compiler!r}; compile its steps with js.jit inside it")
+        self.streaming = bool(streaming)
         chosen, self.compiler_options = resolve_options(
-            {**({"compiler": compiler} if compiler else {}), **compiler_options})
+            {**({"compiler": "eager" if streaming else compiler} if compiler or streaming else {}),
+             **compiler_options})
         self.compiler_name = chosen.name
         if isolation is not None and isolation not in ISOLATION_MODES:
             raise OptionError(f"isolation must be one of {', '.join(ISOLATION_MODES)}, got {isolation!r}")
         self.isolation = isolation or chosen.default_isolation
+        if streaming and self.isolation == "process":
+            raise OptionError("a streaming serving runs in the server's process (isolation='thread')")
         if batch_keys is not None and not list(batch_keys):
             raise OptionError("batch_keys must name at least one key, or be None (keys are then automatic)")
         self.batch_keys = None if batch_keys is None else tuple(batch_keys)
