@@ -510,3 +510,24 @@ def test_sigterm_drains_in_flight_requests():
     assert results and results[0][0] == 200 and results[0][1]["outputs"][0]["data"] == [5.0]
     assert "model 'slow' drained and stopped" in output
     assert os.name != "posix" or running.process.returncode == 0
+
+
+def test_drain_timeout_bounds_the_drain_and_answers_what_did_not_start():
+    running = start("--drain-timeout", "0.25")
+    results = []
+
+    def call():
+        try:
+            results.append(running.infer_json("chunked", column([float(v) for v in range(20)]), timeout=30))
+        except (OSError, ValueError, http.client.HTTPException) as error:  # cut off by the server on its way out
+            results.append((None, error))
+
+    caller = threading.Thread(target=call)  # 10 batches of 0.1 s
+    caller.start()
+    time.sleep(0.15)
+    output = stop(running)
+    caller.join(30)
+    stats = re.search(r"model 'chunked' drained and stopped: (\{.*\})", output).group(1)
+    rows_run = int(re.search(r"'rows': (\d+)", stats).group(1))
+    assert rows_run < 20, f"the drain stopped at its deadline: {stats}"
+    assert results and results[0][0] != 200, "the request did not complete, and was not reported complete"

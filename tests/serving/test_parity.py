@@ -47,8 +47,8 @@ def test_stop_with_a_timeout_drains_for_at_most_that_long_then_answers_the_rest(
     stopper.start()
     time.sleep(0.4)  # past the deadline: the waiting requests are answered, the running one goes on
     assert isinstance(outcomes.get(2.0), js.ServerStoppedError) and isinstance(outcomes.get(3.0), js.ServerStoppedError)
-    assert str(outcomes[2.0]) == ("server 'deadline' stopped (its drain timeout of 0.2s ran out) before this request "
-                                  "started; nothing of it ran")
+    assert str(outcomes[2.0]) == ("server 'deadline' stopped (its drain timeout of 0.2s ran out) before all of this "
+                                  "request ran; nothing of it ran")
     gate.set()
     stopper.join(10)
     for thread in threads:

@@ -282,6 +282,11 @@ class Queues:
         removed = self._remove(lambda piece: not piece.request.started)
         return list({id(piece.request): piece.request for piece in removed}.values())
 
+    def withdraw_all(self) -> list[Request]:
+        """Take every queued piece off the queues (a drain deadline passed); the requests they belong to."""
+        removed = self._remove(lambda piece: True)
+        return list({id(piece.request): piece.request for piece in removed}.values())
+
     def _remove(self, chosen: Callable[[Piece], bool]) -> list[Piece]:
         """Take the ``chosen`` pieces off every queue; returns them."""
         removed = []

@@ -137,10 +137,11 @@ class Server:
         """Stop taking requests and end the threads once the work left is done; returns when it is.
 
         ``drain=True`` runs everything already queued; with ``timeout``, for at most that many seconds
-        (Nx.Serving's shutdown deadline), after which what is left is answered as with ``drain=False``:
-        every queued request none of whose rows started gets :class:`ServerStoppedError` (nothing of it
-        ran, so a router may send it elsewhere), and only what started finishes. A second call waits for
-        the first one's drain."""
+        (Nx.Serving's shutdown deadline), after which every request with rows still queued gets
+        :class:`ServerStoppedError` (saying whether any of its rows had run) and only the batches already
+        running finish. ``drain=False`` answers every queued request none of whose rows started with
+        ``ServerStoppedError`` (nothing of it ran, so a router may send it elsewhere) and finishes what
+        started. A second call waits for the first one's drain."""
         with self._cond:
             first = not self._stopping
             self._stopping = True
@@ -155,8 +156,13 @@ class Server:
             for partition in self._partitions:
                 partition.thread.join(max(deadline - time.monotonic(), 0))
             with self._cond:
-                finished = self._withdraw_unstarted(
-                    f"stopped (its drain timeout of {timeout}s ran out) before this request started")
+                finished = []
+                for request in self._queues.withdraw_all():
+                    ran = "some of its rows had run, the rest never will" if request.started else "nothing of it ran"
+                    if request.fail(ServerStoppedError(f"server {self.name!r} stopped (its drain timeout of "
+                                                       f"{timeout}s ran out) before all of this request ran; {ran}")):
+                        finished.append(request)
+                self._stats["stopped"] += len(finished)
             self._wake(finished)
         for partition in self._partitions:
             partition.thread.join()
@@ -282,8 +288,8 @@ class Server:
                     if self._withdraw(request, timed_out=True):
                         raise self._timeout_error(timeout) from None
                     await future
-        except asyncio.CancelledError:
-            self._withdraw(request, timed_out=False)
+        except asyncio.CancelledError:  # the caller went away: none of its queued rows run for nobody
+            self._abandon(request)
             raise
         return self._outcome(request)
 
