@@ -275,6 +275,9 @@ def serve(serving: Serving, name: str, *, replicas: int = 1, weight: float = 1, 
     gives one replica per GPU; ``num_gpus=k`` with ``partitions=k`` one replica per node of k GPUs."""
     if weight <= 0:
         raise OptionError(f"weight must be > 0, got {weight!r}")
+    if serving.streaming:
+        raise OptionError("a streaming serving runs in the process that reads its steps; serve it locally "
+                          "(js.serve(serving, name)) or behind jitserve serve")
     connect(address)
     _travel_by_value(serving)
     actor_options: dict[str, Any] = {"namespace": NAMESPACE, "lifetime": "detached", "max_restarts": max_restarts,
