@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import jitserve as js
 from jitserve.cli import main
@@ -79,3 +80,24 @@ def test_closed_loops_count_rows_and_latencies():
     for load in (threads, tasks):
         assert load.calls == len(load.latencies) > 0 and load.rows_per_s > 0
         assert load.percentile(99) >= load.percentile(50) > 0
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    (None, "jitserve serve: no such file: {path}"),
+    ("def broken(:\n", "jitserve serve: {path}:1: syntax error: "),
+    ("raise RuntimeError('model weights missing')\n", "jitserve serve: cannot load {path}: RuntimeError: model "
+                                                      "weights missing (--debug shows the traceback)"),
+])
+def test_a_target_that_does_not_load_is_one_line_and_exit_2(tmp_path, source, expected):
+    path = tmp_path / "model.py"
+    if source is not None:
+        path.write_text(source)
+    done = subprocess.run([sys.executable, "-m", "jitserve", "serve", f"{path}:serving"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], "one line, no traceback"
+    assert done.stderr.startswith(expected.format(path=path))
+    if source is not None:
+        debug = subprocess.run([sys.executable, "-m", "jitserve", "--debug", "serve", f"{path}:serving"],
+                               capture_output=True, text=True, timeout=120)
+        assert "Traceback (most recent call last)" in debug.stderr

@@ -18,6 +18,7 @@ import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from . import compilers
 from .defn import devices, jit, to_mlir
-from .errors import JitserveError
+from .errors import JitserveError, OptionError
 from .template import is_template
 
 DEMO_SHAPES: dict[str, tuple[int, ...]] = {
@@ -107,22 +108,34 @@ def mlir(args: argparse.Namespace) -> int:
 
 
 def load_target(target: str) -> Any:
-    """The object named by ``path/to/file.py:attr`` or ``package.module:attr``."""
+    """The object named by ``path/to/file.py:attr`` or ``package.module:attr``; what stops it loading
+    (no such file or module, a syntax error, an exception while it runs) is one :class:`OptionError` line."""
     location, _, attribute = target.rpartition(":")
     if not location or not attribute:
-        raise SystemExit(f"TARGET must look like path/to/file.py:attr or package.module:attr, got {target!r}")
-    if location.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(f"jitserve_target_{abs(hash(location))}", location)
-        if spec is None or spec.loader is None:
-            raise SystemExit(f"cannot load {location}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(location)
+        raise OptionError(f"TARGET must look like path/to/file.py:attr or package.module:attr, got {target!r}")
+    try:
+        if location.endswith(".py"):
+            if not Path(location).is_file():
+                raise OptionError(f"no such file: {location}")
+            spec = importlib.util.spec_from_file_location(f"jitserve_target_{abs(hash(location))}", location)
+            if spec is None or spec.loader is None:
+                raise OptionError(f"cannot load {location} as a Python file")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(location)
+    except OptionError:
+        raise
+    except SyntaxError as error:
+        raise OptionError(f"{location}:{error.lineno}: syntax error: {error.msg} (--debug shows the traceback)") \
+            from error
+    except Exception as error:  # noqa: BLE001 - whatever the user's module raised, in one line
+        raise OptionError(f"cannot load {location}: {type(error).__name__}: {error} (--debug shows the traceback)") \
+            from error
     try:
         return getattr(module, attribute)
     except AttributeError:
-        raise SystemExit(f"{location} has no attribute {attribute!r}") from None
+        raise OptionError(f"{location} has no attribute {attribute!r}") from None
 
 
 def load_servings(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,7 +148,7 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
                                  ("compiler", args.compiler)] if v is not None}
     for name, serving in servings.items():
         if not isinstance(serving, Serving):
-            raise SystemExit(f"{args.target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving")
+            raise OptionError(f"{args.target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving")
         servings[name] = serving.replace(**changes) if changes else serving
     return servings
 
@@ -184,7 +197,7 @@ def front_command(args: argparse.Namespace) -> int:
     cluster.connect(args.ray)
     names = args.models or cluster.running_servings()
     if not names:
-        raise SystemExit(f"no servings run in the ray cluster at {args.ray}; start some with "
+        raise OptionError(f"no servings run in the ray cluster at {args.ray}; start some with "
                          f"'jitserve serve FILE:serving --ray {args.ray}'")
 
     def start(servers: dict[str, Any]) -> None:
@@ -204,7 +217,7 @@ def bench_command(args: argparse.Namespace) -> int:
     name = args.name if args.name in servings else next(iter(servings))
     serving = servings[name]
     if serving.input_template is None:
-        raise SystemExit(f"model '{name}' has no input_template: jitserve bench needs one to make inputs")
+        raise OptionError(f"model '{name}' has no input_template: jitserve bench needs one to make inputs")
 
     def make_call(seed: int) -> Any:
         rng = np.random.default_rng(seed)
@@ -255,6 +268,7 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jitserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve a Serving over HTTP and gRPC (Open Inference Protocol)")
     serve_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")
@@ -293,5 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except JitserveError as error:  # a mistake in what was asked: one line, not a traceback
+        if args.debug:
+            raise
         print(f"jitserve {args.command}: {error}", file=sys.stderr)
         return 2

@@ -40,6 +40,10 @@ class BatchSizeError(JitserveError, ValueError):
     """A request is larger than the server batch size and the serving does not split."""
 
 
+class RequestTooLargeError(BatchSizeError):
+    """A request has more rows than a server's queue can ever hold (``max_queue``): not retryable."""
+
+
 class QueueFullError(JitserveError, RuntimeError):
     """A server's queue holds ``max_queue`` rows already; the request was not queued."""
 
@@ -66,6 +70,10 @@ class ServerExistsError(JitserveError, ValueError):
 
 class ProtocolError(JitserveError, ValueError):
     """A network request does not follow the Open Inference Protocol or does not fit the model."""
+
+
+class BodyTooLargeError(ProtocolError):
+    """A network request body is larger than the server's limit (HTTP 413)."""
 
 
 class OutputShapeError(JitserveError, ValueError):

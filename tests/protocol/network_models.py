@@ -100,4 +100,5 @@ models = {
                           input_template=js.template((1,), "float32")),
     "steps": js.Serving(steps, batch_size=2, batch_timeout=0.001, streaming=True,
                         input_template=js.template((1,), "float32")),
+    "wide": js.Serving(lambda x: x + 1, batch_size=2, batch_timeout=0.001, input_template=js.template((3,), "int64")),
 }

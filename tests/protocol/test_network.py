@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -92,7 +93,10 @@ def server():
     assert "127.0.0.1" in output and "0.0.0.0" not in output
     assert "compiled batch size 32" in output, "warm-up compiles are logged"
     assert "WARNING jitserve.serve: http: model 'mlp': 400: input 'input' has datatype FP64" in output
-    assert "ERROR jitserve.serve: grpc: model 'fragile' failed" in output and "ValueError: negative input" in output
+    assert "ERROR jitserve.serve: grpc: model 'fragile' failed (request id " in output
+    assert "ValueError: negative input" in output, "the model's failure is in the log, under its request id"
+    assert "was killed by SIGSEGV" in output
+    assert "model 'forged\\nERROR fake line'" in output and "\nERROR fake line" not in output, "log lines cannot be forged"
 
 
 def reference_mlp(x: np.ndarray) -> np.ndarray:
@@ -181,6 +185,14 @@ BAD_REQUESTS = [
     ({**mlp_input(), "outputs": [{"name": "logits"}]}, 400, "unknown output 'logits' for model 'mlp'; it has: output"),
     ({**mlp_input(), "outputs": 5}, 400, "'outputs' must be a list of objects with a string 'name'"),
     (mlp_input(shape=[0] * 70, data=[]), 400, "input 'input': shape has 70 dimensions; at most 32 are supported"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "the request body nests JSON too deeply"),
+    (mlp_input(shape=[0, 2**63 - 1], data=[]), 400, "input 'input': shape [0, 9223372036854775807] has a dimension over"),
+    (mlp_input(shape=[2**63, 0], data=[]), 400, "has a dimension over 2147483647"),
+    (mlp_input(data=[1, True, 2.5, False] * 4), 400, "input 'input': data must be FP32 values (true/false only for BOOL)"),
+    ({**mlp_input(), "parameters": {"binary_data_output": "false"}}, 400,
+     "the request: parameter 'binary_data_output' must be true or false, got 'false'"),
+    ({**mlp_input(), "outputs": [{"name": "output", "parameters": {"binary_data": 1}}]}, 400,
+     "output 'output': parameter 'binary_data' must be true or false, got 1"),
 ]
 
 
@@ -192,9 +204,71 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, payl
     server.assert_healthy()
 
 
+def test_binary_bodies_are_checked_to_the_last_byte(server):
+    x = np.ones((1, 16), np.float32)
+    header = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],
+                                     "parameters": {"binary_data_size": 64}}]}).encode()
+    for extra, message in [(b"junk", "the body has 4 bytes after the last binary input"), (b"", None)]:
+        status, _, body = server.request("POST", "/v2/models/mlp/infer", header + x.tobytes() + extra,
+                                         {"Inference-Header-Content-Length": str(len(header))})
+        if message is None:
+            assert status == 200
+        else:
+            assert status == 400 and message in json.loads(body)["error"]
+    both = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16,
+                                   "parameters": {"binary_data_size": 64}}]}).encode()
+    status, _, body = server.request("POST", "/v2/models/mlp/infer", both + x.tobytes(),
+                                     {"Inference-Header-Content-Length": str(len(both))})
+    assert status == 400 and "has both 'data' and a binary_data_size parameter; send one" in json.loads(body)["error"]
+    server.assert_healthy()
+
+
+def test_grpc_refuses_raw_and_typed_contents_together(server):
+    from jitserve.protocol.grpc import MESSAGES
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                request_serializer=MESSAGES["ModelInferRequest"].SerializeToString,
+                                response_deserializer=MESSAGES["ModelInferResponse"].FromString)
+    request = MESSAGES["ModelInferRequest"](model_name="mlp")
+    tensor = request.inputs.add(name="input", datatype="FP32", shape=[1, 16])
+    tensor.contents.fp32_contents.extend([0.0] * 16)
+    request.raw_input_contents.append(np.zeros(16, np.float32).tobytes())
+    with pytest.raises(grpc.RpcError) as info:
+        infer(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "both raw_input_contents and typed contents" in info.value.details()
+    channel.close()
+
+
+def test_64_bit_inputs_are_refused_where_the_model_computes_in_32_bits(server):
+    model = json.loads(server.request("GET", "/v2/models/wide")[2])
+    assert model["inputs"][0]["datatype"] == "INT32", "without x64 the metadata says what the model computes in"
+    status, body = server.infer_json("wide", {"inputs": [{"name": "input", "datatype": "INT64", "shape": [1, 3],
+                                                          "data": [1, 2**32 + 1, 2**62]}]})
+    assert status == 400 and body["error"] == ("input 'input' has datatype INT64, but model 'wide' expects INT32 (it "
+                                               "computes without 64-bit types: run the server with JAX_ENABLE_X64=1 "
+                                               "for them)")
+    status, body = server.infer_json("wide", {"inputs": [{"name": "input", "datatype": "INT32", "shape": [1, 3],
+                                                          "data": [1, 2, 3]}]})
+    assert status == 200 and body["outputs"][0]["data"] == [2, 3, 4]
+
+
+def test_a_request_larger_than_the_queue_can_ever_hold_is_a_4xx(server):
+    status, body = server.infer_json("slow", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 1],
+                                                          "data": [1.0, 2.0]}]})
+    assert status == 400 and body["error"] == "a request of 2 rows can never fit server 'slow''s queue: max_queue is 1 rows"
+
+
+def test_client_text_cannot_forge_log_lines(server):
+    status, _, _ = server.request("POST", "/v2/models/forged%0AERROR%20fake%20line/infer",
+                                  json.dumps(mlp_input()).encode())  # the model name holds a newline
+    assert status == 404
+
+
 def test_unknown_model_and_endpoint(server):
     status, body = server.infer_json("nope", mlp_input())
-    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps"
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide"
     status, _, data = server.request("GET", "/v2/models/nope")
     assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     status, _, data = server.request("GET", "/v3/anything")
@@ -241,10 +315,12 @@ def test_a_failing_model_is_500_for_its_request_only(server):
                                                          "data": values}]})
 
     status, body = request([-1.0, 1.0])
-    assert status == 500 and body["error"] == "negative input"
+    assert status == 500 and re.fullmatch(r"internal error in model 'fragile'; the server log has the details under "
+                                          r"request id [0-9a-f]{12}", body["error"]), "no model internals leak"
     status, body = request([1.0, 2.0])
     assert status == 200 and body["outputs"][0]["data"] == [1.0, 2.0]
-    assert "negative input" in grpc_internal_error(server, "fragile", [[-1.0, 0.0]])
+    assert "internal error in model 'fragile'; the server log has the details under request id" in \
+        grpc_internal_error(server, "fragile", [[-1.0, 0.0]])
     server.assert_healthy()
 
 
@@ -285,11 +361,10 @@ def test_a_native_crash_in_a_worker_process_fails_only_its_batch(server):
                                                           "data": values}]})
 
     status, body = request([-1.0, 1.0])  # segfaults the worker process
-    assert status == 500
-    assert "worker process" in body["error"] and "SIGSEGV" in body["error"], body
+    assert status == 500 and "internal error in model 'crashing'" in body["error"], body
     status, body = request([1.0, 2.0])  # a new worker answers
     assert status == 200 and body["outputs"][0]["data"] == [2.0, 4.0]
-    assert "SIGSEGV" in grpc_internal_error(server, "crashing", [[-3.0, 0.0]])
+    assert "internal error in model 'crashing'" in grpc_internal_error(server, "crashing", [[-3.0, 0.0]])
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     tensor = grpcclient.InferInput("input", [1, 2], "FP32")
     tensor.set_data_from_numpy(np.array([[3.0, 0.5]], np.float32))
@@ -531,3 +606,22 @@ def test_drain_timeout_bounds_the_drain_and_answers_what_did_not_start():
     rows_run = int(re.search(r"'rows': (\d+)", stats).group(1))
     assert rows_run < 20, f"the drain stopped at its deadline: {stats}"
     assert results and results[0][0] != 200, "the request did not complete, and was not reported complete"
+
+
+def test_a_second_server_on_a_taken_port_refuses_to_start_and_the_first_keeps_its_traffic(server):
+    for ports in (["--port", str(free_port()), "--grpc-port", str(server.grpc_port)],
+                  ["--port", str(server.port), "--grpc-port", str(free_port())]):
+        taken = ports[3] if ports[3] == str(server.grpc_port) else ports[1]
+        second = subprocess.run(
+            [sys.executable, "-m", "jitserve", "serve", str(ROOT / "tests/protocol/network_models.py") + ":models",
+             *ports], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines()[-1].startswith(f"jitserve serve: port {taken} on 127.0.0.1 is taken")
+        assert "compiled batch size" not in second.stderr + second.stdout, "the ports are checked before compiling"
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    x = np.random.default_rng(7).normal(size=(1, 16)).astype(np.float32)
+    for _ in range(20):  # every call still reaches the first server
+        tensor = grpcclient.InferInput("input", [1, 16], "FP32")
+        tensor.set_data_from_numpy(x)
+        np.testing.assert_allclose(client.infer("mlp", [tensor]).as_numpy("output"), reference_mlp(x), rtol=1e-5,
+                                   atol=1e-6)

@@ -50,7 +50,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..batch import Batch
-from ..errors import OptionError, QueueFullError, ServerStoppedError, UnknownServerError
+from ..errors import OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError, UnknownServerError
 from ..serving.server import Server
 from ..serving.serving import Serving
 
@@ -375,6 +375,7 @@ class Router:
         stopping replica."""
         tried: set[str] = set()
         full: set[str] = set()
+        too_large: dict[str, RequestTooLargeError] = {}  # replicas whose queue can never hold the batch
         lost: list[str] = []
         while len(lost) < MAX_TRIES:
             member = self._choose(tried)
@@ -387,8 +388,10 @@ class Router:
                 return outputs
             except BaseException as error:  # noqa: BLE001 - sorted below: retry, next choice, or the caller's
                 cause = _cause(error)
-                if isinstance(cause, QueueFullError):
+                if isinstance(cause, (QueueFullError, RequestTooLargeError)):  # another replica may take it
                     full.add(member.name)
+                    if isinstance(cause, RequestTooLargeError):
+                        too_large[member.name] = cause
                     continue
                 if not isinstance(error, _LOST) and not isinstance(cause, ServerStoppedError):
                     raise cause from None
@@ -399,6 +402,8 @@ class Router:
             finally:
                 self._add_outstanding(member, -size)
         if full and not lost:
+            if set(too_large) == full:  # no replica could ever take it: not retryable
+                raise next(iter(too_large.values()))
             raise QueueFullError(f"every replica of {self.name!r} has a full queue ({', '.join(sorted(full))})")
         if lost and self._members:
             raise ServerStoppedError(f"a batch of {size} rows for {self.name!r} was not answered after "

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import uvicorn
 
+from ..errors import OptionError
 from ..serving.registry import serve
 from ..serving.server import Server
 from ..serving.serving import Serving
@@ -41,6 +43,22 @@ def start_locally(servings: Mapping[str, Serving]) -> Callable[[dict[str, Server
     return start
 
 
+def check_ports_free(host: str, ports: list[int | None]) -> None:
+    """Refuse to start, before compiling anything, when another process listens on one of the ports (a
+    second gRPC server would otherwise share the port and silently take a part of the first one's calls)."""
+    for port in ports:
+        if not port:
+            continue
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                raise OptionError(f"port {port} on {host} is taken ({error.strerror}); stop what holds it, or "
+                                  f"choose another with --port / --grpc-port") from None
+
+
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
         grpc_port: int | None = 8001, request_timeout: float | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_exit: Callable[[], None] | None = None,
@@ -48,6 +66,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal. ``start(servers)`` fills
     ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at exit each is stopped
     (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
+    check_ports_free(host, [port, grpc_port])
     signal.signal(signal.SIGTERM, _interrupt)
     servers: dict[str, Server] = {}
     grpc_server = None

@@ -53,15 +53,36 @@ def dtype_of(tensor: str, datatype: str) -> np.dtype:
 
 
 MAX_RANK = 32
+MAX_DIMENSION = 2**31 - 1  # what any real tensor sent in one request stays under; [0, 2**63 - 1] is refused
 
 
 def check_shape(tensor: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                         for d in shape):
-        raise ProtocolError(f"input '{tensor}': shape must be a list of non-negative integers, got {shape!r}")
+        raise ProtocolError(f"input '{tensor}': shape must be a list of non-negative integers, got {_short(shape)}")
     if len(shape) > MAX_RANK:
         raise ProtocolError(f"input '{tensor}': shape has {len(shape)} dimensions; at most {MAX_RANK} are supported")
+    if any(d > MAX_DIMENSION for d in shape):
+        raise ProtocolError(f"input '{tensor}': shape {_short(shape)} has a dimension over {MAX_DIMENSION}")
     return tuple(shape)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A client's value as it may appear in an error message: its repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _holds_bool(values: Any) -> bool:
+    """Whether a (nested) list of JSON values holds a true/false (JSON booleans pass as numbers in numpy)."""
+    stack = [values]
+    while stack:
+        value = stack.pop()
+        if type(value) is list:
+            stack.extend(value)
+        elif type(value) is bool:
+            return True
+    return False
 
 
 def decode_raw(tensor: str, datatype: str, shape: Any, raw: bytes | memoryview) -> np.ndarray:
@@ -88,8 +109,8 @@ def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.nda
         raise ProtocolError(f"input '{tensor}': {array.size} values, expected {math.prod(dims)} for shape {list(dims)}")
     if array.size == 0:
         return np.zeros(dims, dtype)
-    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind]:
-        raise ProtocolError(f"input '{tensor}': data must be {datatype} values")
+    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (dtype.kind != "b" and _holds_bool(values)):
+        raise ProtocolError(f"input '{tensor}': data must be {datatype} values (true/false only for BOOL)")
     converted = array.astype(dtype).reshape(dims)
     if dtype.kind in "iu" and not np.array_equal(converted.reshape(array.shape), array):
         raise ProtocolError(f"input '{tensor}': data does not fit {datatype}")
@@ -110,6 +131,12 @@ def _tensor_names(tree: Any, prefix: str) -> list[str]:
         else:
             names.append(".".join(parts))
     return names
+
+
+def _computed_dtype(serving: Any, dtype: np.dtype) -> np.dtype:
+    """The dtype a compiled serving computes an input in: without x64, JAX turns 64-bit types into 32-bit
+    ones, so the model says INT32 / FP32 and 64-bit requests are refused instead of silently cut."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype)) if serving.compiles else np.dtype(dtype)
 
 
 @dataclass(frozen=True)
@@ -133,7 +160,7 @@ class ModelSpec:
         self.inputs: list[TensorSpec] = []
         if serving.input_template is not None:
             leaves, self._input_tree = jax.tree_util.tree_flatten(serving.input_template)
-            self.inputs = [TensorSpec(n, datatype_of(t.dtype), t.shape)
+            self.inputs = [TensorSpec(n, datatype_of(_computed_dtype(serving, t.dtype)), t.shape)
                            for n, t in zip(_tensor_names(serving.input_template, "input"), leaves)]
         self._outputs: list[TensorSpec] | None = None
 
@@ -179,8 +206,10 @@ class ModelSpec:
             for spec in self.inputs:
                 array = tensors[spec.name]
                 if datatype_of(array.dtype) != spec.datatype:
+                    narrowed = " (it computes without 64-bit types: run the server with JAX_ENABLE_X64=1 for them)" \
+                        if array.dtype.itemsize == 8 and DATATYPES[spec.datatype].itemsize == 4 else ""
                     raise ProtocolError(f"input '{spec.name}' has datatype {datatype_of(array.dtype)}, "
-                                        f"but model '{self.name}' expects {spec.datatype}")
+                                        f"but model '{self.name}' expects {spec.datatype}{narrowed}")
                 if array.ndim == 0 or array.shape[1:] != spec.row_shape:
                     raise ProtocolError(f"input '{spec.name}' has shape {list(array.shape)}, but model "
                                         f"'{self.name}' expects {[-1, *spec.row_shape]}")

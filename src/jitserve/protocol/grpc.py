@@ -81,9 +81,8 @@ class GrpcFront:
             outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
                                                _priority(request))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
-            status = status_of(error)[1]
-            self.service.failed("grpc", model, status, error)
-            await context.abort(getattr(grpc.StatusCode, status), str(error))
+            _, status, message = self.service.failed("grpc", model, error)
+            await context.abort(getattr(grpc.StatusCode, status), message)
         self.service.count(model, "grpc", "OK")
         return _infer_response(model, request.id, outputs)
 
@@ -104,9 +103,8 @@ class GrpcFront:
                     await responses.put(MESSAGES["ModelStreamInferResponse"](
                         infer_response=_infer_response(model, request.id, outputs)))
             except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
-                status = status_of(error)[1]
-                self.service.failed("grpc", model, status, error)
-                await responses.put(MESSAGES["ModelStreamInferResponse"](error_message=str(error)))
+                message = self.service.failed("grpc", model, error)[2]
+                await responses.put(MESSAGES["ModelStreamInferResponse"](error_message=message))
                 return
             self.service.count(model, "grpc", "OK")
             if _flag(request, "triton_enable_empty_final_response"):
@@ -161,6 +159,8 @@ def _decode_inputs(request: Any) -> dict[str, np.ndarray]:
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+    if raw and any(tensor.HasField("contents") for tensor in request.inputs):
+        raise ProtocolError("the request has both raw_input_contents and typed contents; the protocol allows one")
     tensors: dict[str, np.ndarray] = {}
     for position, tensor in enumerate(request.inputs):
         if tensor.name in tensors:
@@ -198,7 +198,8 @@ class GrpcServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jitserve-grpc", daemon=True)
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.so_reuseport", 0)]  # a second server on this port fails instead of sharing it
         self._server: Any = None
         self._address = f"{host}:{port}"
         self._build: Callable[[], Any] = lambda: grpc.aio.server(options=options)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import BodyTooLargeError, ProtocolError
 from .codec import datatype_of, decode_raw, decode_values
 from .metrics import CONTENT_TYPE
 from .service import InferenceService, status_of
@@ -136,14 +136,14 @@ class HttpFront:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise _TooLarge(int(declared), self.max_body_bytes)
+            raise _too_large(int(declared), self.max_body_bytes)
         chunks, size = [], 0
         while True:
             message = await receive()
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                raise _TooLarge(size, self.max_body_bytes)
+                raise _too_large(size, self.max_body_bytes)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -161,11 +161,13 @@ class HttpFront:
                                                _priority(request))
             response = _encode_response(model, request.get("id"), outputs, dict(requested), binary_outputs)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
-            status = 413 if isinstance(error, _TooLarge) else status_of(error)[0]
-            self.service.failed("http", model, status, error)
-            return _error(status, str(error))
+            return self._failed(model, error)
         self.service.count(model, "http", 200)
         return response
+
+    def _failed(self, model: str, error: BaseException) -> Response:
+        status, _, message = self.service.failed("http", model, error)
+        return _error(status, message)
 
 
     async def infer_stream(self, scope: dict[str, Any], receive: Callable[..., Any], model: str,
@@ -179,9 +181,7 @@ class HttpFront:
             stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
                                                _priority(request))
         except Exception as error:  # noqa: BLE001 - statuses by error class
-            status = 413 if isinstance(error, _TooLarge) else status_of(error)[0]
-            self.service.failed("http", model, status, error)
-            return _error(status, str(error))
+            return self._failed(model, error)
         return _Events(self._events(model, request.get("id"), stream))
 
     async def _events(self, model: str, request_id: Any, stream: AsyncIterator[list[tuple[str, np.ndarray]]]
@@ -190,9 +190,8 @@ class HttpFront:
             async for outputs in stream:
                 yield b"data: " + _encode_response(model, request_id, outputs, {}, False)[2] + b"\n\n"
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
-            status = status_of(error)[0]
-            self.service.failed("http", model, status, error)
-            yield b"event: error\ndata: " + json.dumps({"error": str(error), "status": status}).encode() + b"\n\n"
+            status, _, message = self.service.failed("http", model, error)
+            yield b"event: error\ndata: " + json.dumps({"error": message, "status": status}).encode() + b"\n\n"
             return
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
@@ -228,9 +227,8 @@ async def _send_events(events: AsyncIterator[bytes], receive: Callable[..., Any]
         await events.aclose()  # type: ignore[attr-defined]
 
 
-class _TooLarge(Exception):
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"request body of {size} bytes exceeds the limit of {limit} bytes")
+def _too_large(size: int, limit: int) -> BodyTooLargeError:
+    return BodyTooLargeError(f"request body of {size} bytes exceeds the limit of {limit} bytes")
 
 
 def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], memoryview]:
@@ -242,6 +240,8 @@ def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any],
         request = json.loads(bytes(header))
     except (ValueError, UnicodeDecodeError) as error:
         raise ProtocolError(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ProtocolError("the request body nests JSON too deeply") from None
     if not isinstance(request, dict):
         raise ProtocolError("the request must be a JSON object with an 'inputs' list")
     return request, view[header_length:] if header_length is not None else view[:0]
@@ -265,8 +265,10 @@ def _decode_request(request: dict[str, Any], binary: memoryview
             raise ProtocolError(f"input '{name}' needs a string 'datatype'")
         parameters = tensor.get("parameters") or {}
         size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+        if size is not None and "data" in tensor:
+            raise ProtocolError(f"input '{name}' has both 'data' and a binary_data_size parameter; send one")
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise ProtocolError(f"input '{name}': binary_data_size {size!r} does not fit the "
                                     f"{len(binary) - offset} binary bytes left in the body")
             tensors[name] = decode_raw(name, datatype, shape, binary[offset:offset + size])
@@ -275,8 +277,11 @@ def _decode_request(request: dict[str, Any], binary: memoryview
             tensors[name] = decode_values(name, datatype, shape, tensor["data"])
         else:
             raise ProtocolError(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
+    if offset != len(binary):
+        raise ProtocolError(f"the body has {len(binary) - offset} bytes after the last binary input; "
+                            f"binary_data_size must account for every byte")
     parameters = request.get("parameters") or {}
-    binary_all = bool(parameters.get("binary_data_output", False)) if isinstance(parameters, dict) else False
+    binary_all = _flag(parameters, "binary_data_output", "the request")
     outputs = request.get("outputs") or []
     if not isinstance(outputs, list):
         raise ProtocolError("'outputs' must be a list of objects with a string 'name'")
@@ -285,9 +290,18 @@ def _decode_request(request: dict[str, Any], binary: memoryview
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise ProtocolError("each requested output must be an object with a string 'name'")
         output_parameters = output.get("parameters") or {}
-        requested.append((output["name"], output_parameters.get("binary_data")
-                          if isinstance(output_parameters, dict) else None))
+        chosen = _flag(output_parameters, "binary_data", f"output '{output['name']}'") \
+            if isinstance(output_parameters, dict) and "binary_data" in output_parameters else None
+        requested.append((output["name"], chosen))
     return tensors, requested, binary_all
+
+
+def _flag(parameters: Any, name: str, where: str) -> bool:
+    """A boolean parameter: JSON true or false only ("false" as a string is an error, not true)."""
+    value = parameters.get(name, False) if isinstance(parameters, dict) else False
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{where}: parameter '{name}' must be true or false, got {value!r}")
+    return value
 
 
 def _priority(request: dict[str, Any]) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 from .. import __version__
 from ..errors import (
     BatchError,
+    BodyTooLargeError,
     BatchSizeError,
     ProtocolError,
     QueueFullError,
@@ -35,6 +37,7 @@ EXTENSIONS = ["binary_tensor_data"]
 # exception class -> (HTTP status, gRPC status name); the first match in order wins
 STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
     (UnknownServerError, 404, "NOT_FOUND"),
+    (BodyTooLargeError, 413, "RESOURCE_EXHAUSTED"),
     (ProtocolError, 400, "INVALID_ARGUMENT"),
     (BatchError, 400, "INVALID_ARGUMENT"),
     (BatchSizeError, 400, "INVALID_ARGUMENT"),
@@ -112,10 +115,29 @@ class InferenceService:
     def count(self, model: str, protocol: str, status: int | str) -> None:
         self.metrics.requests.labels(model if model in self.models else "", protocol, str(status)).inc()
 
-    def failed(self, protocol: str, model: str, status: int | str, error: BaseException) -> None:
-        """Count and log a failed request: the model's own failure with its traceback, a client's as one line."""
-        if status in (500, "INTERNAL"):
-            log.error("%s: model '%s' failed", protocol, model, exc_info=error)
+    def failed(self, protocol: str, model: str, error: BaseException) -> tuple[int, str, str]:
+        """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
+        client. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
+        the client gets only that id; a client's mistake is one warning line. What the client sent is
+        escaped and cut before it reaches the log."""
+        http_status, grpc_status = status_of(error)
+        status: int | str = http_status if protocol == "http" else grpc_status
+        if http_status == 500:
+            request_id = uuid.uuid4().hex[:12]
+            log.error("%s: model '%s' failed (request id %s)", protocol, loggable(model), request_id, exc_info=error)
+            message = f"internal error in model '{model}'; the server log has the details under request id {request_id}"
         else:
-            log.warning("%s: model '%s': %s: %s", protocol, model, status, error)
+            log.warning("%s: model '%s': %s: %s", protocol, loggable(model), status, loggable(str(error)))
+            message = str(error)
         self.count(model, protocol, status)
+        return http_status, grpc_status, message
+
+
+LOGGED_CHARACTERS = 300
+
+
+def loggable(text: str) -> str:
+    """Client-controlled text as it may enter a log line: control characters escaped (no forged lines),
+    at most ``LOGGED_CHARACTERS`` characters."""
+    escaped = text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return escaped if len(escaped) <= LOGGED_CHARACTERS else escaped[:LOGGED_CHARACTERS] + "..."

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import jax
 
 from ..batch import Batch
-from ..errors import BatchSizeError, QueueFullError, ServerStoppedError
+from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, ServerStoppedError
 from .queue import END, BatchPolicy, Piece, Queues, Request
 from .serving import Executor, Serving, concatenate_outputs
 from .worker import ProcessExecutor
@@ -243,6 +243,11 @@ class Server:
         policy = queues.policy
         level_limit = dict(policy.level_max_queue).get(level)
         with self._cond:
+            for limit, which in [(policy.max_queue, "max_queue"), (level_limit, f"priority level {level}'s max_queue")]:
+                if limit is not None and size > limit:  # it could never be queued: not a retryable "full"
+                    self._stats["rejected"] += 1
+                    raise RequestTooLargeError(f"a request of {size} rows can never fit server {self.name!r}'s "
+                                               f"queue: {which} is {limit} rows")
             if self._stopping:
                 raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
             if policy.max_queue is not None and queues.depth + size > policy.max_queue:
