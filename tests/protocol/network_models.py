@@ -101,4 +101,6 @@ models = {
     "steps": js.Serving(steps, batch_size=2, batch_timeout=0.001, streaming=True,
                         input_template=js.template((1,), "float32")),
     "wide": js.Serving(lambda x: x + 1, batch_size=2, batch_timeout=0.001, input_template=js.template((3,), "int64")),
+    "reciprocal": js.Serving(lambda x: 1.0 / x, batch_size=2, batch_timeout=0.001,
+                             input_template=js.template((2,), "float32")),
 }

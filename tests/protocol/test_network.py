@@ -178,7 +178,7 @@ BAD_REQUESTS = [
     (mlp_input(shape=[2, 16]), 400, "input 'input': 16 values, expected 32 for shape [2, 16]"),
     (mlp_input(shape=[0, 16], data=[]), 400, "the inputs hold no rows (batch size 0)"),
     (mlp_input(shape="1x16"), 400, "input 'input': shape must be a list of non-negative integers"),
-    (mlp_input(data=["a"] * 16), 400, "input 'input': data must be FP32 values"),
+    (mlp_input(data=["a"] * 16), 400, "input 'input': 'a' is not a number (strings allowed in float data"),
     (mlp_input(name="inputs"), 400, "unknown input 'inputs' for model 'mlp'; expected: input"),
     (mlp_input(data=None) | {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16]}]}, 400,
      "input 'input' has neither 'data' nor a binary_data_size parameter"),
@@ -260,6 +260,19 @@ def test_a_request_larger_than_the_queue_can_ever_hold_is_a_4xx(server):
     assert status == 400 and body["error"] == "a request of 2 rows can never fit server 'slow''s queue: max_queue is 1 rows"
 
 
+def test_non_finite_floats_are_strict_json_both_ways(server):
+    status, _, data = server.request("POST", "/v2/models/reciprocal/infer", json.dumps(
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 2], "data": [0.0, -0.0, "Infinity", "NaN"]}]}
+    ).encode())
+    assert status == 200 and b"NaN" in data
+    body = json.loads(data, parse_constant=lambda token: pytest.fail(f"bare {token} in a JSON response"))
+    assert body["outputs"][0]["data"] == ["Infinity", "-Infinity", 0.0, "NaN"]
+    status, body = server.infer_json("reciprocal", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2],
+                                                                "data": [1.0, "one"]}]})
+    assert status == 400 and "'one' is not a number (strings allowed in float data: NaN, Infinity, -Infinity)" \
+        in body["error"]
+
+
 def test_client_text_cannot_forge_log_lines(server):
     status, _, _ = server.request("POST", "/v2/models/forged%0AERROR%20fake%20line/infer",
                                   json.dumps(mlp_input()).encode())  # the model name holds a newline
@@ -268,7 +281,7 @@ def test_client_text_cannot_forge_log_lines(server):
 
 def test_unknown_model_and_endpoint(server):
     status, body = server.infer_json("nope", mlp_input())
-    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide"
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide, reciprocal"
     status, _, data = server.request("GET", "/v2/models/nope")
     assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     status, _, data = server.request("GET", "/v3/anything")

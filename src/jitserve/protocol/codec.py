@@ -73,14 +73,15 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _holds_bool(values: Any) -> bool:
-    """Whether a (nested) list of JSON values holds a true/false (JSON booleans pass as numbers in numpy)."""
+def _holds(values: Any, kind: type) -> bool:
+    """Whether a (nested) list of JSON values holds a value of ``kind`` (bool: numpy would take true/false
+    as numbers; str: a non-finite float)."""
     stack = [values]
     while stack:
         value = stack.pop()
         if type(value) is list:
             stack.extend(value)
-        elif type(value) is bool:
+        elif type(value) is kind:
             return True
     return False
 
@@ -97,10 +98,36 @@ def decode_raw(tensor: str, datatype: str, shape: Any, raw: bytes | memoryview) 
 
 _SOURCE_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}  # JSON value kinds each target kind accepts
 
+# Non-finite floats in JSON tensors, as protobuf's JSON mapping writes them (bare NaN is not JSON).
+NON_FINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def _with_non_finite(tensor: str, values: Any) -> Any:
+    """A nested list of JSON values with the strings "NaN", "Infinity", "-Infinity" read as floats."""
+    if type(values) is list:
+        return [_with_non_finite(tensor, value) for value in values]
+    if type(values) is str:
+        if values not in NON_FINITE:
+            raise ProtocolError(f"input '{tensor}': {_short(values)} is not a number (strings allowed in float "
+                                f"data: {', '.join(NON_FINITE)})")
+        return NON_FINITE[values]
+    return values
+
+
+def json_values(array: np.ndarray) -> list[Any]:
+    """A tensor's values for a JSON body: NaN and infinities as the strings above, never bare tokens."""
+    flat = array.reshape(-1)
+    if flat.dtype.kind != "f" or np.isfinite(flat).all():
+        return flat.tolist()
+    return [value if math.isfinite(value) else ("NaN" if value != value else "Infinity" if value > 0 else "-Infinity")
+            for value in flat.tolist()]
+
 
 def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.ndarray:
     """A tensor from a (flat or nested) list of JSON values."""
     dtype, dims = dtype_of(tensor, datatype), check_shape(tensor, shape)
+    if dtype.kind == "f" and _holds(values, str):
+        values = _with_non_finite(tensor, values)
     try:
         array = np.asarray(values)
     except ValueError:
@@ -109,7 +136,7 @@ def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.nda
         raise ProtocolError(f"input '{tensor}': {array.size} values, expected {math.prod(dims)} for shape {list(dims)}")
     if array.size == 0:
         return np.zeros(dims, dtype)
-    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (dtype.kind != "b" and _holds_bool(values)):
+    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (dtype.kind != "b" and _holds(values, bool)):
         raise ProtocolError(f"input '{tensor}': data must be {datatype} values (true/false only for BOOL)")
     converted = array.astype(dtype).reshape(dims)
     if dtype.kind in "iu" and not np.array_equal(converted.reshape(array.shape), array):

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BodyTooLargeError, ProtocolError
-from .codec import datatype_of, decode_raw, decode_values
+from .codec import datatype_of, decode_raw, decode_values, json_values
 from .metrics import CONTENT_TYPE
 from .service import InferenceService, status_of
 
@@ -324,12 +324,12 @@ def _encode_response(model: str, request_id: Any, outputs: list[tuple[str, np.nd
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = array.reshape(-1).tolist()
+            entry["data"] = json_values(array)
         described.append(entry)
     payload: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described}
     if request_id is not None:
         payload["id"] = request_id
-    header = json.dumps(payload).encode()
+    header = json.dumps(payload, allow_nan=False).encode()
     if not blobs:
         return 200, JSON_HEADERS, header
     headers = [(b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(len(header)).encode())]
