@@ -288,3 +288,53 @@ def test_asyncio_streams_and_a_caller_that_stops_early_frees_its_queued_rows():
         time.sleep(0.3)
         assert len([v for v in ran if v >= 10]) <= 3, "rows of a stream nobody reads any more do not run"
         assert server.stats()["cancelled"] == 1
+
+
+# a failing batch fails only the requests whose own rows fail -------------------------------------
+
+def _fragile(x):
+    if (np.asarray(x) < 0).any():
+        raise ValueError("negative input")
+    return x * 2
+
+
+def test_bisecting_a_failed_batch_fails_only_the_bad_requests():
+    serving = js.Serving(_fragile, batch_size=16, batch_timeout=0.05, compiler="eager",
+                         input_template=js.template((1,), "float32"))
+    values = [float(v) for v in range(1, 17)]
+    values[5] = -1.0  # one bad request among 16 that share a batch
+    outcomes: dict[int, object] = {}
+    with js.serve(serving, name="bisect") as server:
+        def call(position):
+            try:
+                outcomes[position] = js.batched_run("bisect", rows(values[position])).item()
+            except ValueError as error:
+                outcomes[position] = error
+
+        threads = [threading.Thread(target=call, args=(p,)) for p in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        stats = server.stats()
+    assert isinstance(outcomes[5], ValueError) and str(outcomes[5]) == "negative input"
+    assert all(outcomes[p] == values[p] * 2 for p in range(16) if p != 5), "good requests get their rows"
+    assert stats["batches"] == 1 and 0 < stats["bisect_runs"] <= 2 * 4 + 2, "at most a logarithmic number of re-runs"
+
+
+def test_a_function_that_always_fails_is_not_retried_endlessly_and_bisecting_can_be_turned_off():
+    def broken(x):
+        raise RuntimeError("broken")
+
+    for isolate, most in [(True, 2), (False, 0)]:
+        serving = js.Serving(broken, batch_size=8, batch_timeout=0.05, compiler="eager", isolate_failures=isolate,
+                             input_template=js.template((1,), "float32"))
+        errors = []
+        with js.serve(serving, name=f"broken-{isolate}") as server:
+            threads = [threading.Thread(target=lambda: errors.append(
+                pytest.raises(RuntimeError, js.batched_run, f"broken-{isolate}", rows(1.0)))) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(10)
+            assert len(errors) == 8 and server.stats()["bisect_runs"] <= most

@@ -95,7 +95,8 @@ class Server:
         self._on_stop: list[Callable[[Server], None]] = []
         self._stats: dict[str, Any] = {
             "requests": 0, "batches": 0, "rows": 0, "padded_rows": 0, "compiles": 0, "errors": 0,
-            "rejected": 0, "timeouts": 0, "cancelled": 0, "stopped": 0, "batch_sizes": {}, "queue_wait_s": 0.0,
+            "rejected": 0, "timeouts": 0, "cancelled": 0, "stopped": 0, "bisect_runs": 0, "batch_sizes": {},
+            "queue_wait_s": 0.0,
             "execution_s": 0.0,
         }
         self._compiles_own = executors is None
@@ -400,6 +401,7 @@ class Server:
     def _execute(self, partition: _Partition, pieces: list[Piece], batch: Batch, formed: float) -> None:
         started = time.perf_counter()
         error: BaseException | None = None
+        outputs: Any = None
         try:
             outputs = partition.executor.execute(batch)
             if self.serving.streaming:  # each step reaches the callers as soon as the serving yields it
@@ -409,14 +411,22 @@ class Server:
                 outputs = None
         except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
             error = failure
+        outcomes = [(pieces, outputs, error)]
+        reruns = 0
+        if error is not None and self.serving.isolate_failures and not self.serving.streaming:
+            outcomes, reruns = self._bisect(partition, pieces, error)
         elapsed = time.perf_counter() - started
         padded = batch.size + batch.padding
         wait = sum(formed - piece.enqueued for piece in pieces)
         report = BatchReport(self.name, partition.index, batch.size, padded,
                              max(formed - piece.enqueued for piece in pieces), elapsed, error)
         with self._cond:  # a split request's parts may finish on several partitions at once
-            finished = self._deliver(pieces, outputs, report) if error is None else self._fail(pieces, error)
+            finished = []
+            for part, part_outputs, part_error in outcomes:
+                finished += (self._deliver(part, part_outputs, report) if part_error is None
+                             else self._fail(part, part_error))
             stats = self._stats
+            stats["bisect_runs"] += reruns
             stats["batches"] += 1
             stats["rows"] += batch.size
             stats["padded_rows"] += batch.padding
@@ -432,6 +442,53 @@ class Server:
                     listener(report)
                 except Exception:  # noqa: BLE001 - a broken listener must not stop the server
                     log.exception("server %s: batch listener %r failed", self.name, listener)
+
+    def _bisect(self, partition: _Partition, pieces: list[Piece], error: BaseException
+                ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int]:
+        """A batch failed: re-run its requests in halves so that only requests whose own rows fail get an
+        error. Each request's pieces stay together. If both halves of the first split fail too, the function
+        fails whatever the rows and everyone gets the original error; re-runs stop after 2 x log2(requests)
+        + 2, the rest getting their last error. Returns (pieces, outputs, error) groups and the re-run count."""
+        groups: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            groups.setdefault(id(piece.request), []).append(piece)
+        requests = list(groups.values())
+        budget = 2 * max(len(requests) - 1, 1).bit_length() + 2
+        outcomes: list[tuple[list[Piece], Any, BaseException | None]] = []
+        reruns = 0
+
+        def flat(part: list[list[Piece]]) -> list[Piece]:
+            return [piece for group in part for piece in group]
+
+        def split(part: list[list[Piece]], failure: BaseException, top: bool) -> None:
+            nonlocal reruns
+            if len(part) == 1 or reruns >= budget:
+                outcomes.append((flat(part), None, failure))
+                return
+            middle = len(part) // 2
+            halves = []
+            for half in (part[:middle], part[middle:]):
+                reruns += 1
+                try:
+                    halves.append((half, self._run_pieces(partition, flat(half)), None))
+                except BaseException as half_failure:  # noqa: BLE001 - sorted below
+                    halves.append((half, None, half_failure))
+            if top and all(half_error is not None for _, _, half_error in halves):
+                outcomes.append((flat(part), None, failure))  # it fails whatever the rows: no deeper
+                return
+            for half, half_outputs, half_error in halves:
+                if half_error is None:
+                    outcomes.append((flat(half), half_outputs, None))
+                else:
+                    split(half, half_error, top=False)
+
+        split(requests, error, top=True)
+        return outcomes, reruns
+
+    def _run_pieces(self, partition: _Partition, pieces: list[Piece]) -> Any:
+        rows = sum(piece.batch.size for piece in pieces)
+        batch = Batch.join([piece.batch for piece in pieces]).pad_to(self._queues.policy.padded_size(rows))
+        return partition.executor.execute(batch)
 
     @staticmethod
     def _pieces_of(pieces: list[Piece], outputs: Any) -> Iterator[tuple[Piece, Any]]:

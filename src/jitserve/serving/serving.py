@@ -157,6 +157,7 @@ class Serving:
         priority_queues: Mapping[int, Mapping[str, Any]] | None = None,
         adaptive: bool = True,
         streaming: bool = False,
+        isolate_failures: bool = True,
         **compiler_options: Any,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "compiler_options", "__class__")}
@@ -209,6 +210,7 @@ class Serving:
         self.priority_queues = {self.priority_level(level): _queue_policy(level, policy)
                                 for level, policy in (priority_queues or {}).items()}
         self.adaptive = bool(adaptive)
+        self.isolate_failures = bool(isolate_failures)
         self._inline: Executor | None = None
         self._inline_lock = threading.Lock()
 
