@@ -273,6 +273,38 @@ def test_non_finite_floats_are_strict_json_both_ways(server):
         in body["error"]
 
 
+def test_a_body_cut_short_by_a_half_close_never_runs(server):
+    def batches_run() -> float:
+        found = re.search(r'jitserve_batch_size_count\{model="chunked"\} (\S+)',
+                          server.request("GET", "/metrics")[2].decode())
+        return float(found.group(1)) if found else 0.0
+
+    before = batches_run()
+    body = json.dumps(column([1.0, 2.0])).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v2/models/chunked/infer HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                 + str(len(body) + 100).encode() + b"\r\n\r\n" + body)  # 100 bytes short
+    sock.shutdown(socket.SHUT_WR)
+    sock.settimeout(10)
+    try:
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass
+    sock.close()
+    time.sleep(0.3)
+    assert batches_run() == before, "a request whose body never fully arrived did not run"
+    server.assert_healthy()
+
+
+def test_the_server_may_open_as_many_files_as_the_system_allows(server):
+    limits = Path(f"/proc/{server.process.pid}/limits")
+    if not limits.exists():
+        pytest.skip("no /proc here")
+    soft, hard = re.search(r"Max open files\s+(\S+)\s+(\S+)", limits.read_text()).groups()
+    assert soft == hard, "the soft limit on open files was raised to the hard one"
+
+
 def test_client_text_cannot_forge_log_lines(server):
     status, _, _ = server.request("POST", "/v2/models/forged%0AERROR%20fake%20line/infer",
                                   json.dumps(mlp_input()).encode())  # the model name holds a newline

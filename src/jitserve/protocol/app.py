@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import signal
 import socket
 from collections.abc import Callable, Mapping
@@ -59,6 +60,15 @@ def check_ports_free(host: str, ports: list[int | None]) -> None:
                                   f"choose another with --port / --grpc-port") from None
 
 
+def raise_file_limit() -> None:
+    """Let the process hold as many connections as the system allows it: the soft limit on open files up to
+    the hard one (often 1,024 against 1,048,576), so stalled connections do not exhaust it at 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("open files limit raised from %d to %d", soft, hard)
+
+
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
         grpc_port: int | None = 8001, request_timeout: float | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_exit: Callable[[], None] | None = None,
@@ -67,6 +77,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at exit each is stopped
     (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
     check_ports_free(host, [port, grpc_port])
+    raise_file_limit()
     signal.signal(signal.SIGTERM, _interrupt)
     servers: dict[str, Server] = {}
     grpc_server = None

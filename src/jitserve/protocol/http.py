@@ -140,6 +140,9 @@ class HttpFront:
         chunks, size = [], 0
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":  # a half-close before the whole body: nothing runs
+                raise ProtocolError(f"the client closed the connection after {size} bytes of the body"
+                                    f"{'' if declared is None else f' of {int(declared)}'}; nothing ran")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
