@@ -670,3 +670,39 @@ def test_a_second_server_on_a_taken_port_refuses_to_start_and_the_first_keeps_it
         tensor.set_data_from_numpy(x)
         np.testing.assert_allclose(client.infer("mlp", [tensor]).as_numpy("output"), reference_mlp(x), rtol=1e-5,
                                    atol=1e-6)
+
+
+def test_sigterm_stops_both_fronts_at_once_and_answers_everything_accepted():
+    running = start()
+    results: dict[str, object] = {}
+    rows = [float(v) for v in range(8)]  # 4 batches of 0.1 s
+
+    def http_call():
+        results["http"] = running.infer_json("chunked", column(rows), timeout=30)
+
+    def grpc_call():
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+        tensor = grpcclient.InferInput("input", [len(rows), 1], "FP32")
+        tensor.set_data_from_numpy(np.array(rows, np.float32)[:, None])
+        results["grpc"] = client.infer("chunked", [tensor]).as_numpy("output").ravel().tolist()
+
+    callers = [threading.Thread(target=http_call), threading.Thread(target=grpc_call)]
+    for caller in callers:
+        caller.start()
+    time.sleep(0.1)
+    running.process.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+    tensor = grpcclient.InferInput("input", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.array([[1.0]], np.float32))
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("chunked", [tensor])
+    assert "UNAVAILABLE" in str(refused.value.status()), "gRPC stops accepting when HTTP does"
+    running.process.send_signal(signal.SIGTERM)  # a second one changes nothing
+    for caller in callers:
+        caller.join(30)
+    output, _ = running.process.communicate(timeout=60)
+    assert running.process.returncode == 0, output
+    assert results["http"][0] == 200 and results["http"][1]["outputs"][0]["data"] == [2 * v for v in rows]
+    assert results["grpc"] == [2 * v for v in rows], "every accepted request was answered"
+    assert "SIGTERM while draining: ignored" in output and "Traceback" not in output

@@ -30,8 +30,36 @@ from .service import InferenceService
 log = logging.getLogger("jitserve.serve")
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+class _Shutdown:
+    """Raises KeyboardInterrupt on the first SIGTERM that reaches it; later ones are logged and ignored, so
+    that a second signal during the drain cannot break it off (SIGKILL stops at once)."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.signalled:
+            log.warning("%s while shutting down: ignored; the drain goes on (SIGKILL stops at once)",
+                        signal.Signals(signum).name)
+            return
+        self.signalled = True
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn's server, telling ``on_signal`` at the first signal, so that gRPC stops accepting and both
+    fronts report not ready at the same moment HTTP stops accepting."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            self._on_signal()
+        elif sig == signal.SIGTERM:
+            log.warning("SIGTERM while draining: ignored; the drain goes on (SIGKILL stops at once)")
+        super().handle_exit(sig, frame)
 
 
 def start_locally(servings: Mapping[str, Serving]) -> Callable[[dict[str, Server]], None]:
@@ -78,7 +106,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
     check_ports_free(host, [port, grpc_port])
     raise_file_limit()
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, _Shutdown())
     servers: dict[str, Server] = {}
     grpc_server = None
     try:
@@ -91,14 +119,21 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         config = uvicorn.Config(HttpFront(service, max_body_bytes), host=host, port=port, lifespan="off",
                                 access_log=False, log_level="warning",
                                 timeout_graceful_shutdown=30 if drain_timeout is None else drain_timeout)
-        http_server = uvicorn.Server(config)
+        grace = 30.0 if drain_timeout is None else drain_timeout
+
+        def stop_accepting() -> None:
+            service.draining = True
+            if grpc_server is not None:
+                grpc_server.begin_stop(grace)
+
+        http_server = _HttpServer(config, stop_accepting)
         log.info("HTTP: http://%s:%d/v2 (models: %s; metrics at /metrics)", host, port, ", ".join(servers))
         asyncio.run(http_server.serve())
     except KeyboardInterrupt as reason:
         log.info("%s: shutting down", str(reason) or "SIGINT")
     finally:
         if grpc_server is not None:
-            grpc_server.stop()
+            grpc_server.stop(30.0 if drain_timeout is None else drain_timeout)
         for name, server in servers.items():
             server.stop(timeout=drain_timeout)
             log.info("model '%s' drained and stopped: %s", name, server.stats())

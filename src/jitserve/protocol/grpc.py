@@ -204,6 +204,7 @@ class GrpcServer:
         self._address = f"{host}:{port}"
         self._build: Callable[[], Any] = lambda: grpc.aio.server(options=options)
         self._front = GrpcFront(service)
+        self._stopping: Any = None  # the future of the server's stop, once begun
         self.port = port
 
     def start(self) -> None:
@@ -217,8 +218,16 @@ class GrpcServer:
         await self._server.start()
         return port
 
-    def stop(self, grace: float = 5.0) -> None:
-        if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+    def begin_stop(self, grace: float) -> None:
+        """Stop accepting calls now (new ones are refused UNAVAILABLE); calls in flight have ``grace``
+        seconds to finish. Returns at once; a second call changes nothing."""
+        if self._server is not None and self._stopping is None:
+            self._stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+
+    def stop(self, grace: float = 30.0) -> None:
+        """``begin_stop`` if it has not begun, wait for the calls in flight, and end the thread."""
+        self.begin_stop(grace)
+        if self._stopping is not None:
+            self._stopping.result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()

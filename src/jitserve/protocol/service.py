@@ -63,6 +63,7 @@ class InferenceService:
         self.models = {name: ModelSpec(name, server) for name, server in servers.items()}
         self.request_timeout = request_timeout
         self.metrics = Metrics(servers)
+        self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
 
     def model(self, name: str) -> ModelSpec:
         spec = self.models.get(name)
@@ -74,7 +75,7 @@ class InferenceService:
         return {"name": "jitserve", "version": __version__, "extensions": EXTENSIONS}
 
     def ready(self) -> bool:
-        return all(not spec.server.stopping for spec in self.models.values())
+        return not self.draining and all(not spec.server.stopping for spec in self.models.values())
 
     async def infer(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
                     priority: int | None = None) -> list[tuple[str, np.ndarray]]:
