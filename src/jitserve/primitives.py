@@ -295,14 +295,16 @@ def _clamp(low: np.ndarray, x: np.ndarray, high: np.ndarray) -> np.ndarray:
     return np.minimum(np.maximum(x, low), high)
 
 
-def _fill_value(dtype: np.dtype, fill_value: Any) -> Any:
+def gather_fill(dtype: np.dtype, fill_value: Any) -> Any:
+    """What JAX's ``fill`` gather mode puts in out-of-range windows when no ``fill_value`` is given:
+    NaN for inexact types, True for bool, the minimum of signed and the maximum of unsigned integers."""
     if fill_value is not None:
         return fill_value
-    if dtype.kind in "fc":
+    if jax.dtypes.issubdtype(dtype, np.inexact):
         return np.nan
-    if dtype.kind == "b":
+    if dtype == np.bool_:
         return True
-    return np.iinfo(dtype).min if dtype.kind == "i" else np.iinfo(dtype).max
+    return np.iinfo(dtype).min if jax.dtypes.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
 
 
 def _window_starts(operand_shape: tuple[int, ...], indices: np.ndarray, index_map: tuple[int, ...],
@@ -353,7 +355,7 @@ def _gather(operand: np.ndarray, indices: np.ndarray, *, dimension_numbers: Any,
     gathered = operand[_window_index(starts, window_axes, window_shape, batch_rank)]
     if fill:
         mask = in_bounds.reshape(in_bounds.shape + (1,) * len(window_axes))
-        gathered = np.where(mask, gathered, np.asarray(_fill_value(operand.dtype, fill_value), operand.dtype))
+        gathered = np.where(mask, gathered, np.asarray(gather_fill(operand.dtype, fill_value), operand.dtype))
     # (batch..., window...) -> window axes at offset_dims, batch axes in the remaining positions
     out_rank = batch_rank + len(window_axes)
     batch_positions = [p for p in range(out_rank) if p not in dn.offset_dims]

@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from .. import primitives
 from ..errors import CompileError
 
 LINEAR_ALGEBRA = "linear algebra needs compiler='xla' or compiler='evaluator'"
@@ -150,18 +151,7 @@ def _gather(operand: Any, indices: Any, *, dimension_numbers: Any, slice_sizes: 
         return [out]
     batch_axes = tuple(axis for axis in range(out.ndim) if axis not in dn.offset_dims)
     keep = lax.broadcast_in_dim(in_range, out.shape, batch_axes)
-    return [lax.select(keep, out, lax.full_like(out, _fill(operand.dtype, fill_value)))]
-
-
-def _fill(dtype: np.dtype, fill_value: Any) -> Any:
-    """What JAX's ``fill`` mode puts in out-of-range windows when no ``fill_value`` is given."""
-    if fill_value is not None:
-        return fill_value
-    if jax.dtypes.issubdtype(dtype, np.inexact):
-        return np.nan
-    if dtype == np.bool_:
-        return True
-    return np.iinfo(dtype).min if jax.dtypes.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
+    return [lax.select(keep, out, lax.full_like(out, primitives.gather_fill(operand.dtype, fill_value)))]
 
 
 def _scatter(primitive: Any) -> Callable[..., list[Any]]:

@@ -143,6 +143,11 @@ class BatchPolicy:
         down = self.batch_sizes[position - 1] if up != queued and position > 0 else queued
         return down if up - queued > queued - down else queued
 
+    def join(self, pieces: Sequence[Piece]) -> Batch:
+        """The pieces' rows as one batch, padded to its compiled size."""
+        rows = sum([piece.batch.size for piece in pieces])
+        return Batch.join([piece.batch for piece in pieces]).pad_to(self.padded_size(rows))
+
     def urgency(self, piece: Piece, now: float) -> tuple[int, float]:
         """Which piece runs first: its level, moved up one per ``priority_aging`` seconds waited (never
         above 1), then arrival."""
@@ -180,10 +185,11 @@ class _SignatureQueue:
 class Queues:
     """The queues of pieces per batch signature, and the rows queued in each, per level and in all."""
 
-    __slots__ = ("policy", "_queues", "depth", "level_depth", "_last_arrival", "_seconds_per_row")
+    __slots__ = ("policy", "level_limits", "_queues", "depth", "level_depth", "_last_arrival", "_seconds_per_row")
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
+        self.level_limits = dict(policy.level_max_queue)  # priority level -> its max_queue
         self._queues: dict[Signature, _SignatureQueue] = {}
         self.depth = 0
         self.level_depth: dict[int, int] = {}
@@ -268,9 +274,7 @@ class Queues:
             taken.append(piece)
             space -= piece.batch.size
         self._forget(signature, taken)
-        rows = sum([piece.batch.size for piece in taken])
-        merged = Batch.join([piece.batch for piece in taken])
-        return taken, merged.pad_to(policy.padded_size(rows))
+        return taken, policy.join(taken)
 
     def withdraw(self, request: Request) -> None:
         """Take every queued piece of ``request`` off the queues."""
@@ -279,13 +283,15 @@ class Queues:
     def withdraw_unstarted(self) -> list[Request]:
         """Take every request none of whose rows started off the queues (a stop without drain); the
         pieces of started requests stay, so that no request runs only in part."""
-        removed = self._remove(lambda piece: not piece.request.started)
-        return list({id(piece.request): piece.request for piece in removed}.values())
+        return self._requests_of(self._remove(lambda piece: not piece.request.started))
 
     def withdraw_all(self) -> list[Request]:
         """Take every queued piece off the queues (a drain deadline passed); the requests they belong to."""
-        removed = self._remove(lambda piece: True)
-        return list({id(piece.request): piece.request for piece in removed}.values())
+        return self._requests_of(self._remove(lambda piece: True))
+
+    @staticmethod
+    def _requests_of(pieces: list[Piece]) -> list[Request]:
+        return list({id(piece.request): piece.request for piece in pieces}.values())
 
     def _remove(self, chosen: Callable[[Piece], bool]) -> list[Piece]:
         """Take the ``chosen`` pieces off every queue; returns them."""

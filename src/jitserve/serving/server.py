@@ -146,7 +146,8 @@ class Server:
         with self._cond:
             first = not self._stopping
             self._stopping = True
-            finished = self._withdraw_unstarted("stopped before this request started") if first and not drain else []
+            finished = (self._fail_withdrawn(self._queues.withdraw_unstarted(), "stopped before this request started")
+                        if first and not drain else [])
             self._cond.notify_all()
         self._wake(finished)
         if not first:
@@ -157,13 +158,8 @@ class Server:
             for partition in self._partitions:
                 partition.thread.join(max(deadline - time.monotonic(), 0))
             with self._cond:
-                finished = []
-                for request in self._queues.withdraw_all():
-                    ran = "some of its rows had run, the rest never will" if request.started else "nothing of it ran"
-                    if request.fail(ServerStoppedError(f"server {self.name!r} stopped (its drain timeout of "
-                                                       f"{timeout}s ran out) before all of this request ran; {ran}")):
-                        finished.append(request)
-                self._stats["stopped"] += len(finished)
+                finished = self._fail_withdrawn(self._queues.withdraw_all(), f"stopped (its drain timeout of {timeout}s "
+                                                f"ran out) before all of this request ran")
             self._wake(finished)
         for partition in self._partitions:
             partition.thread.join()
@@ -174,10 +170,14 @@ class Server:
             callback(self)
         self._stopped.set()
 
-    def _withdraw_unstarted(self, what: str) -> list[Request]:
-        """Under the lock: fail every queued request none of whose rows started; returns them, to wake."""
-        error = ServerStoppedError(f"server {self.name!r} {what}; nothing of it ran")
-        finished = [request for request in self._queues.withdraw_unstarted() if request.fail(error)]
+    def _fail_withdrawn(self, requests: list[Request], reason: str) -> list[Request]:
+        """Under the lock: answer requests taken off the queues at a stop with ServerStoppedError (the
+        reason, and whether any of their rows had run); returns them, to wake."""
+        finished = []
+        for request in requests:
+            ran = "some of its rows had run, the rest never will" if request.started else "nothing of it ran"
+            if request.fail(ServerStoppedError(f"server {self.name!r} {reason}; {ran}")):
+                finished.append(request)
         self._stats["stopped"] += len(finished)
         return finished
 
@@ -242,7 +242,7 @@ class Server:
         request = Request(size, loop, level, stream)
         queues = self._queues
         policy = queues.policy
-        level_limit = dict(policy.level_max_queue).get(level)
+        level_limit = queues.level_limits.get(level)
         with self._cond:
             for limit, which in [(policy.max_queue, "max_queue"), (level_limit, f"priority level {level}'s max_queue")]:
                 if limit is not None and size > limit:  # it could never be queued: not a retryable "full"
@@ -353,6 +353,7 @@ class Server:
         """A streaming request's timeout passed: withdrawn with TimeoutError unless its rows started."""
         if self._withdraw(request, timed_out=True):
             raise self._timeout_error(timeout) from None
+
     def _abandon(self, request: Request) -> None:
         """A streaming caller stopped reading: its queued rows leave the queues (a running batch finishes,
         unread). Counted as cancelled."""
@@ -486,9 +487,7 @@ class Server:
         return outcomes, reruns
 
     def _run_pieces(self, partition: _Partition, pieces: list[Piece]) -> Any:
-        rows = sum(piece.batch.size for piece in pieces)
-        batch = Batch.join([piece.batch for piece in pieces]).pad_to(self._queues.policy.padded_size(rows))
-        return partition.executor.execute(batch)
+        return partition.executor.execute(self._queues.policy.join(pieces))
 
     @staticmethod
     def _pieces_of(pieces: list[Piece], outputs: Any) -> Iterator[tuple[Piece, Any]]:

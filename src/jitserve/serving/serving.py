@@ -221,7 +221,7 @@ class Serving:
             arguments["batch_sizes"] = None
         return Serving(**arguments)
 
-    @property
+    @functools.cached_property
     def policy(self) -> BatchPolicy:
         """How a server of this serving forms batches (see ``queue.py``)."""
         limits = tuple((level, policy["max_queue"]) for level, policy in self.priority_queues.items()
