@@ -1,11 +1,20 @@
-"""What tests that start servers share: a free loopback port, and waiting for a server to be ready."""
+"""What tests that start servers share: a free loopback port, waiting for a server to be ready, and a
+``jitserve serve`` process to drive and stop."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -26,3 +35,67 @@ def wait_ready(port: int, process: subprocess.Popen, seconds: float) -> None:
         except OSError:
             time.sleep(0.2)
     raise AssertionError(f"the server on port {port} did not become ready in {seconds} s")
+
+
+class Running:
+    """A ``jitserve serve`` process on loopback ports, with plain-HTTP helpers."""
+
+    def __init__(self, process: subprocess.Popen, port: int, grpc_port: int) -> None:
+        self.process, self.port, self.grpc_port = process, port, grpc_port
+        self.lines: list[str] = []  # its output so far: read as it comes, so a full pipe never blocks its logging
+        self._reader = threading.Thread(target=lambda: self.lines.extend(process.stdout), daemon=True)
+        self._reader.start()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                timeout: float = 30) -> tuple[int, dict, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        finally:
+            connection.close()
+
+    def infer_json(self, model: str, payload, timeout: float = 30) -> tuple[int, dict]:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        status, _, data = self.request("POST", f"/v2/models/{model}/infer", body, timeout=timeout)
+        return status, json.loads(data)
+
+    def assert_healthy(self) -> None:
+        status, _, _ = self.request("GET", "/v2/health/live")
+        assert status == 200
+        assert self.process.poll() is None
+
+
+def start_server(target: str, *extra: str) -> Running:
+    """``jitserve serve target`` on two free ports with ``extra`` flags, once it reports ready."""
+    port, grpc_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jitserve", "serve", target, "--port", str(port), "--grpc-port", str(grpc_port),
+         *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    running = Running(process, port, grpc_port)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            running._reader.join(10)
+            raise AssertionError(f"jitserve serve exited early:\n{running.output()}")
+        try:
+            if running.request("GET", "/v2/health/ready", timeout=2)[0] == 200:
+                return running
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError("jitserve serve did not become ready in 120 s")
+
+
+def stop(running: Running) -> str:
+    """SIGTERM, and the output once it exited 0."""
+    running.process.send_signal(signal.SIGTERM)
+    running.process.wait(timeout=60)
+    running._reader.join(10)
+    output = running.output()
+    assert running.process.returncode == 0, output
+    return output

@@ -153,10 +153,22 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     return servings
 
 
+LIMIT_FLAGS = {  # Limits field -> (type, help); each is the flag --field-with-dashes
+    "max_body_bytes": (int, "largest request body or gRPC message, bytes; larger is 413 / RESOURCE_EXHAUSTED"),
+    "max_header_bytes": (int, "largest request line and headers, bytes; larger is 431"),
+    "read_timeout": (float, "seconds a client has to send its headers, and may pause within its body; then 408"),
+    "write_timeout": (float, "seconds a client may stop reading its response before the connection is aborted"),
+    "max_connections": (int, "open HTTP connections; one more is answered 503 and closed"),
+    "max_grpc_calls": (int, "gRPC calls in flight; one more is refused RESOURCE_EXHAUSTED"),
+}
+
+
 def _network_options(args: argparse.Namespace) -> dict[str, Any]:
-    limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    from .protocol.limits import Limits
+
+    limits = Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name) is not None})
     return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
-            "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, **limits}
+            "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, "limits": limits}
 
 
 def _logging() -> None:
@@ -254,7 +266,11 @@ def _add_network(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
     parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
-    parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 64 MiB)")
+    from .protocol.limits import Limits
+
+    for name, (kind, text) in LIMIT_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind,
+                            help=f"{text} (default {getattr(Limits, name):,})")
     parser.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds to finish queued requests before "
                         "answering the rest with an error (default: until all are done)")
 

@@ -25,63 +25,16 @@ httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from netutil import free_port  # noqa: E402
+from netutil import Running, free_port, start_server, stop  # noqa: E402
 from network_models import example  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_BODY = 200_000
-
-
-class Running:
-    def __init__(self, process: subprocess.Popen, port: int, grpc_port: int) -> None:
-        self.process, self.port, self.grpc_port = process, port, grpc_port
-
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-                timeout: float = 30) -> tuple[int, dict, bytes]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            connection.request(method, path, body=body, headers=headers or {})
-            response = connection.getresponse()
-            return response.status, dict(response.getheaders()), response.read()
-        finally:
-            connection.close()
-
-    def infer_json(self, model: str, payload, timeout: float = 30) -> tuple[int, dict]:
-        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        status, _, data = self.request("POST", f"/v2/models/{model}/infer", body, timeout=timeout)
-        return status, json.loads(data)
-
-    def assert_healthy(self) -> None:
-        status, _, _ = self.request("GET", "/v2/health/live")
-        assert status == 200
-        assert self.process.poll() is None
+MODELS = str(ROOT / "tests/protocol/network_models.py") + ":models"
 
 
 def start(*extra: str) -> Running:
-    port, grpc_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "jitserve", "serve", str(ROOT / "tests/protocol/network_models.py") + ":models",
-         "--port", str(port), "--grpc-port", str(grpc_port), "--max-body-bytes", str(MAX_BODY), *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    running = Running(process, port, grpc_port)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"jitserve serve exited early:\n{process.stdout.read()}")
-        try:
-            if running.request("GET", "/v2/health/ready", timeout=2)[0] == 200:
-                return running
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    raise AssertionError("jitserve serve did not become ready in 120 s")
-
-
-def stop(running: Running) -> str:
-    running.process.send_signal(signal.SIGTERM)
-    output, _ = running.process.communicate(timeout=60)
-    assert running.process.returncode == 0, output
-    return output
+    return start_server(MODELS, "--max-body-bytes", str(MAX_BODY), *extra)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +138,7 @@ BAD_REQUESTS = [
     ({**mlp_input(), "outputs": [{"name": "logits"}]}, 400, "unknown output 'logits' for model 'mlp'; it has: output"),
     ({**mlp_input(), "outputs": 5}, 400, "'outputs' must be a list of objects with a string 'name'"),
     (mlp_input(shape=[0] * 70, data=[]), 400, "input 'input': shape has 70 dimensions; at most 32 are supported"),
-    (b"[" * 100_000 + b"]" * 100_000, 400, "the request body nests JSON too deeply"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "the request body is not valid JSON: depth limit exceeded"),
     (mlp_input(shape=[0, 2**63 - 1], data=[]), 400, "input 'input': shape [0, 9223372036854775807] has a dimension over"),
     (mlp_input(shape=[2**63, 0], data=[]), 400, "has a dimension over 2147483647"),
     (mlp_input(data=[1, True, 2.5, False] * 4), 400, "input 'input': data must be FP32 values (true/false only for BOOL)"),
@@ -618,6 +571,66 @@ def test_fuzz_infer_never_5xx_never_hangs(server, body, model):
         assert "error" in json.loads(data)
 
 
+binary_inputs = st.lists(st.fixed_dictionaries(
+    {"name": st.sampled_from(["input", "x", "scale"]), "datatype": st.sampled_from(["FP32", "INT32", "BOOL", "FP64"]),
+     "shape": st.lists(st.integers(-1, 17), max_size=3) | st.lists(st.sampled_from([0, 2**62, 2**63 - 1]), max_size=3),
+     "blob": st.binary(max_size=80), "declared": st.none() | st.integers(-3, 100)}), min_size=1, max_size=3)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(inputs=binary_inputs, trailing=st.binary(max_size=8), header_length=st.none() | st.integers(-5, 400),
+       model=st.sampled_from(["mlp", "affine", "ints"]))
+def test_fuzz_binary_bodies_never_5xx_never_hang(server, inputs, trailing, header_length, model):
+    header = json.dumps({"inputs": [
+        {"name": i["name"], "datatype": i["datatype"], "shape": i["shape"],
+         "parameters": {"binary_data_size": len(i["blob"]) if i["declared"] is None else i["declared"]}}
+        for i in inputs]}).encode()
+    body = header + b"".join(i["blob"] for i in inputs) + trailing
+    status, _, data = server.request("POST", f"/v2/models/{model}/infer", body, timeout=10, headers={
+        "Inference-Header-Content-Length": str(len(header) if header_length is None else header_length)})
+    assert status < 500, data
+    assert status == 200 or "error" in json.loads(data)
+
+
+GRPC_ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+grpc_tensors = st.lists(st.fixed_dictionaries(
+    {"name": st.sampled_from(["input", "x", ""]), "datatype": st.sampled_from(["FP32", "INT32", "BOOL", "INT64", "??"]),
+     "shape": st.lists(st.integers(-2, 17) | st.sampled_from([2**62, 2**63 - 1]), max_size=3),
+     "fp32": st.lists(st.floats(width=32), max_size=20), "ints": st.lists(st.integers(-2**31, 2**31 - 1), max_size=20),
+     "raw": st.none() | st.binary(max_size=80)}), max_size=3)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tensors=grpc_tensors, model=st.sampled_from(["mlp", "ints", "missing", ""]), garbage=st.none() | st.binary(
+    min_size=1, max_size=40), priority=st.none() | st.integers(0, 2**64 - 1))
+def test_fuzz_grpc_messages_never_internal_never_hang(server, tensors, model, garbage, priority):
+    from jitserve.protocol.grpc import MESSAGES
+
+    request = MESSAGES["ModelInferRequest"](model_name=model)
+    for tensor in tensors:
+        entry = request.inputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
+        if tensor["raw"] is not None:
+            request.raw_input_contents.append(tensor["raw"])
+        else:
+            entry.contents.fp32_contents.extend(tensor["fp32"])
+            entry.contents.int_contents.extend(tensor["ints"])
+    if priority is not None:
+        request.parameters["priority"].uint64_param = priority
+    data = garbage if garbage is not None else request.SerializeToString()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    try:
+        infer(data, timeout=10)
+    except grpc.RpcError as error:
+        assert error.code() in GRPC_ANSWERS, (error.code(), error.details())
+        assert error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or model == "mlp"
+    finally:
+        channel.close()
+
+
 def test_sigterm_drains_in_flight_requests():
     running = start()
     results = []
@@ -701,8 +714,63 @@ def test_sigterm_stops_both_fronts_at_once_and_answers_everything_accepted():
     running.process.send_signal(signal.SIGTERM)  # a second one changes nothing
     for caller in callers:
         caller.join(30)
-    output, _ = running.process.communicate(timeout=60)
-    assert running.process.returncode == 0, output
+    output = stop(running)
     assert results["http"][0] == 200 and results["http"][1]["outputs"][0]["data"] == [2 * v for v in rows]
     assert results["grpc"] == [2 * v for v in rows], "every accepted request was answered"
     assert "SIGTERM while draining: ignored" in output and "Traceback" not in output
+
+
+def test_sigterm_under_mixed_http_and_grpc_load_answers_every_accepted_request():
+    running = start()
+    outcomes: list[str] = []
+    stopping = threading.Event()
+
+    def http_caller(seed: int) -> None:
+        while True:
+            value = float(seed)
+            try:
+                status, body = running.infer_json("chunked", column([value]), timeout=30)
+            except ConnectionRefusedError:
+                outcomes.append("refused")
+                return
+            if status == 200:
+                assert body["outputs"][0]["data"] == [2 * value]
+                outcomes.append("ok")
+            else:
+                assert status == 503, body
+                outcomes.append("503")
+            if stopping.is_set() and status != 200:
+                return
+
+    def grpc_caller(seed: int) -> None:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+        while True:
+            tensor = grpcclient.InferInput("input", [1, 1], "FP32")
+            tensor.set_data_from_numpy(np.array([[seed]], np.float32))
+            try:
+                output = client.infer("chunked", [tensor]).as_numpy("output")
+            except InferenceServerException as error:
+                assert "UNAVAILABLE" in str(error.status()), error
+                outcomes.append("unavailable")
+                return
+            assert output.tolist() == [[2.0 * seed]]
+            outcomes.append("ok")
+
+    def recorded(caller, seed: int) -> None:
+        try:
+            caller(seed)
+        except BaseException as error:  # noqa: BLE001 - a broken connection or a wrong answer fails the test
+            outcomes.append(f"{type(error).__name__}: {error}")
+
+    callers = [threading.Thread(target=recorded, args=(kind, seed)) for seed in range(6)
+               for kind in (http_caller, grpc_caller)]
+    for caller in callers:
+        caller.start()
+    time.sleep(1.0)
+    stopping.set()
+    output = stop(running)  # exits 0 (checked) once every accepted request was answered
+    for caller in callers:
+        caller.join(60)
+    assert not any(caller.is_alive() for caller in callers)
+    assert outcomes.count("ok") >= 12 and set(outcomes) <= {"ok", "503", "refused", "unavailable"}, outcomes
+    assert "Traceback" not in output

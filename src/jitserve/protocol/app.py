@@ -10,6 +10,7 @@ has not started by then is answered with ``ServerStoppedError`` instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import resource
 import signal
@@ -24,10 +25,14 @@ from ..serving.registry import serve
 from ..serving.server import Server
 from ..serving.serving import Serving
 from .grpc import GrpcServer
-from .http import DEFAULT_MAX_BODY_BYTES, HttpFront
+from .connection import GuardedHttpProtocol
+from .http import HttpFront
+from .limits import Limits
 from .service import InferenceService
 
 log = logging.getLogger("jitserve.serve")
+
+FILES_KEPT_FREE = 256  # open files kept for gRPC's connections, compilers and logs beside the HTTP connections
 
 
 class _Shutdown:
@@ -88,24 +93,35 @@ def check_ports_free(host: str, ports: list[int | None]) -> None:
                                   f"choose another with --port / --grpc-port") from None
 
 
-def raise_file_limit() -> None:
+def raise_file_limit() -> int:
     """Let the process hold as many connections as the system allows it: the soft limit on open files up to
-    the hard one (often 1,024 against 1,048,576), so stalled connections do not exhaust it at 1,024."""
+    the hard one (often 1,024 against 1,048,576), so stalled connections do not exhaust it at 1,024. Returns
+    the limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         log.info("open files limit raised from %d to %d", soft, hard)
+    return hard
+
+
+def fit_connections(limits: Limits, open_files: int) -> Limits:
+    """``limits`` with at most as many HTTP connections as leave files for gRPC, models and logs."""
+    fitting = max(open_files - FILES_KEPT_FREE, 1)
+    if limits.max_connections <= fitting:
+        return limits
+    log.warning("--max-connections lowered from %d to %d: the process may open %d files",
+                limits.max_connections, fitting, open_files)
+    return dataclasses.replace(limits, max_connections=fitting)
 
 
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
-        grpc_port: int | None = 8001, request_timeout: float | None = None,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_exit: Callable[[], None] | None = None,
-        drain_timeout: float | None = None) -> None:
-    """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal. ``start(servers)`` fills
-    ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at exit each is stopped
-    (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
+        grpc_port: int | None = 8001, request_timeout: float | None = None, limits: Limits = Limits(),
+        on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None) -> None:
+    """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal, holding clients to ``limits``.
+    ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at
+    exit each is stopped (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
     check_ports_free(host, [port, grpc_port])
-    raise_file_limit()
+    limits = fit_connections(limits, raise_file_limit())
     signal.signal(signal.SIGTERM, _Shutdown())
     servers: dict[str, Server] = {}
     grpc_server = None
@@ -113,10 +129,11 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         start(servers)
         service = InferenceService(servers, request_timeout)
         if grpc_port is not None:
-            grpc_server = GrpcServer(service, host, grpc_port, max_body_bytes)
+            grpc_server = GrpcServer(service, host, grpc_port, limits)
             grpc_server.start()
             log.info("gRPC: %s:%d (inference.GRPCInferenceService)", host, grpc_server.port)
-        config = uvicorn.Config(HttpFront(service, max_body_bytes), host=host, port=port, lifespan="off",
+        config = uvicorn.Config(HttpFront(service, limits), host=host, port=port, lifespan="off",
+                                http=GuardedHttpProtocol.factory(limits),
                                 access_log=False, log_level="warning",
                                 timeout_graceful_shutdown=30 if drain_timeout is None else drain_timeout)
         grace = 30.0 if drain_timeout is None else drain_timeout

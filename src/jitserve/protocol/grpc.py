@@ -18,12 +18,15 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 
 from ..errors import ProtocolError
 from .codec import datatype_of, decode_raw, decode_values, dtype_of
+from .limits import Limits
 from .service import InferenceService, status_of
 
 SERVICE = "inference.GRPCInferenceService"
+PENDING_CALLS = 1_000_000
 _DESCRIPTORS = Path(__file__).with_name("inference.binpb")
 
 
@@ -94,9 +97,11 @@ class GrpcFront:
         responses: asyncio.Queue[Any] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
-        async def answer(request: Any) -> None:
-            model = request.model_name
+        async def answer(data: bytes) -> None:
+            model = ""
             try:
+                request = parse(MESSAGES["ModelInferRequest"], data)
+                model = request.model_name
                 tensors = _decode_inputs(request)
                 names = [o.name for o in request.outputs] or None
                 async for outputs in self.service.infer_stream(model, tensors, names, _priority(request)):
@@ -113,8 +118,8 @@ class GrpcFront:
                 await responses.put(MESSAGES["ModelStreamInferResponse"](infer_response=final))
 
         async def read() -> None:
-            async for request in requests:
-                task = asyncio.ensure_future(answer(request))
+            async for data in requests:
+                task = asyncio.ensure_future(answer(data))
                 running.add(task)
                 task.add_done_callback(running.discard)
             while running:
@@ -177,32 +182,55 @@ def _decode_inputs(request: Any) -> dict[str, np.ndarray]:
     return tensors
 
 
+def parse(request_class: Any, data: bytes) -> Any:
+    """A request message from its bytes; bytes that are not one are the client's error (INVALID_ARGUMENT), not
+    the INTERNAL that gRPC answers when its own deserializer fails."""
+    try:
+        return request_class.FromString(data)
+    except DecodeError:
+        raise ProtocolError(f"the request is not a valid {request_class.DESCRIPTOR.full_name} message") from None
+
+
+def _parsing(handler: Callable[[Any, Any], Any], request_class: Any) -> Callable[[bytes, Any], Any]:
+    async def parsed(data: bytes, context: Any) -> Any:
+        try:
+            request = parse(request_class, data)
+        except ProtocolError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return await handler(request, context)
+
+    return parsed
+
+
 def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:
     pool = {}
     for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"):
-        request_class = MESSAGES[f"{method}Request"]
-        response_class = MESSAGES[f"{method}Response"]
         pool[method] = grpc.unary_unary_rpc_method_handler(
-            getattr(front, method), request_deserializer=request_class.FromString,
-            response_serializer=response_class.SerializeToString)
+            _parsing(getattr(front, method), MESSAGES[f"{method}Request"]),
+            response_serializer=MESSAGES[f"{method}Response"].SerializeToString)
     pool["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-        front.ModelStreamInfer, request_deserializer=MESSAGES["ModelInferRequest"].FromString,
-        response_serializer=MESSAGES["ModelStreamInferResponse"].SerializeToString)
+        front.ModelStreamInfer, response_serializer=MESSAGES["ModelStreamInferResponse"].SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE, pool)
 
 
 class GrpcServer:
     """``grpc.aio`` on its own thread and event loop; ``start`` binds, ``stop`` drains and ends it."""
 
-    def __init__(self, service: InferenceService, host: str, port: int, max_message_bytes: int) -> None:
+    def __init__(self, service: InferenceService, host: str, port: int, limits: Limits) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jitserve-grpc", daemon=True)
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.so_reuseport", 0)]  # a second server on this port fails instead of sharing it
+        options = [("grpc.max_receive_message_length", limits.max_body_bytes),
+                   ("grpc.max_send_message_length", limits.max_body_bytes),
+                   ("grpc.so_reuseport", 0),  # a second server on this port fails instead of sharing it
+                   # gRPC core cancels calls its application has not yet taken beyond 1,000 pending (randomly up
+                   # to 3,000): a burst gets CANCELLED. Let every call through to maximum_concurrent_rpcs, which
+                   # refuses the excess with RESOURCE_EXHAUSTED, a status clients know to back off on.
+                   ("grpc.server.max_pending_requests", PENDING_CALLS),
+                   ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
         self._server: Any = None
         self._address = f"{host}:{port}"
-        self._build: Callable[[], Any] = lambda: grpc.aio.server(options=options)
+        self._build: Callable[[], Any] = lambda: grpc.aio.server(
+            options=options, maximum_concurrent_rpcs=limits.max_grpc_calls)
         self._front = GrpcFront(service)
         self._stopping: Any = None  # the future of the server's stop, once begun
         self.port = port

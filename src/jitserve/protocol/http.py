@@ -8,7 +8,7 @@ tensor extension that tritonclient uses by default),
 outputs come as server-sent events, one ``data:`` JSON response per batch that
 ran some of the rows or per step of a streaming serving, an ``event: error``
 on failure) and ``GET /metrics``.
-Errors are ``{"error": "..."}`` with 400, 404, 413, 503, 504 (500 only when the
+Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server.
 
 Why this stack: uvicorn with uvloop and httptools is the fastest mainstream
@@ -19,30 +19,36 @@ validation layers to the hot path.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+import orjson
 
 from ..errors import BodyTooLargeError, ProtocolError
 from .codec import datatype_of, decode_raw, decode_values, json_values
+from .limits import Limits
 from .metrics import CONTENT_TYPE
 from .service import InferenceService, status_of
 
 log = logging.getLogger("jitserve.http")
 
 HEADER_LENGTH = b"inference-header-content-length"
-DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 JSON_HEADERS = [(b"content-type", b"application/json")]
+SEND_CHUNK_BYTES = 256 * 1024  # a large body goes out in pieces, so a slow reader holds one piece in the transport
 
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
+_T = TypeVar("_T")
+
+# dtypes that orjson writes straight from the array's memory (no Python objects per value)
+ORJSON_DTYPES = frozenset(np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                                                      "uint32", "uint64", "float16", "float32", "float64"))
 
 
 def _json(status: int, payload: Any) -> Response:
-    return status, JSON_HEADERS, json.dumps(payload).encode()
+    return status, JSON_HEADERS, orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _error(status: int, message: str) -> Response:
@@ -59,9 +65,11 @@ class _Events:
 class HttpFront:
     """The ASGI application."""
 
-    def __init__(self, service: InferenceService, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, service: InferenceService, limits: Limits = Limits()) -> None:
         self.service = service
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = limits.max_body_bytes
+        self.offload_bytes = limits.offload_bytes
+        self._offloaded = asyncio.Semaphore(1)  # large bodies are decoded/encoded one at a time: bounded memory
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response]]]] = [
             ("POST", re.compile(model + "/infer"), self.infer),
@@ -88,7 +96,13 @@ class HttpFront:
         status, headers, body = response
         await send({"type": "http.response.start", "status": status,
                     "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        if len(body) <= SEND_CHUNK_BYTES:
+            await send({"type": "http.response.body", "body": body})
+            return
+        view = memoryview(body)
+        for start in range(0, len(body), SEND_CHUNK_BYTES):
+            end = start + SEND_CHUNK_BYTES
+            await send({"type": "http.response.body", "body": view[start:end], "more_body": end < len(body)})
 
     async def route(self, scope: dict[str, Any], receive: Callable[..., Any]) -> Response | _Events:
         method, path = scope["method"], scope["path"]
@@ -158,15 +172,25 @@ class HttpFront:
     async def infer(self, scope: dict[str, Any], receive: Callable[..., Any], model: str, version: str | None) -> Response:
         try:
             body, header_length = await self._read_body(scope, receive)
-            request, binary = _split_body(body, header_length)
-            tensors, requested, binary_outputs = _decode_request(request, binary)
+            request, tensors, requested, binary_outputs = await self._off_loop(
+                len(body), lambda: _parse_request(body, header_length))
             outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None,
                                                _priority(request))
-            response = _encode_response(model, request.get("id"), outputs, dict(requested), binary_outputs)
+            response = await self._off_loop(sum(array.nbytes for _, array in outputs), lambda: _encode_response(
+                model, request.get("id"), outputs, dict(requested), binary_outputs))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
             return self._failed(model, error)
         self.service.count(model, "http", 200)
         return response
+
+    async def _off_loop(self, size: int, work: Callable[[], _T]) -> _T:
+        """``work()`` (decoding or encoding a body of about ``size`` bytes): here when small; when large, on a
+        thread, one at a time, so that the event loop keeps answering other requests and at most one large
+        body's Python objects exist at once."""
+        if size < self.offload_bytes:
+            return work()
+        async with self._offloaded:
+            return await asyncio.to_thread(work)
 
     def _failed(self, model: str, error: BaseException) -> Response:
         status, _, message = self.service.failed("http", model, error)
@@ -179,8 +203,7 @@ class HttpFront:
         the outputs go out as events while the rows run."""
         try:
             body, header_length = await self._read_body(scope, receive)
-            request, binary = _split_body(body, header_length)
-            tensors, requested, _ = _decode_request(request, binary)
+            request, tensors, requested, _ = await self._off_loop(len(body), lambda: _parse_request(body, header_length))
             stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
                                                _priority(request))
         except Exception as error:  # noqa: BLE001 - statuses by error class
@@ -194,7 +217,7 @@ class HttpFront:
                 yield b"data: " + _encode_response(model, request_id, outputs, {}, False)[2] + b"\n\n"
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
             status, _, message = self.service.failed("http", model, error)
-            yield b"event: error\ndata: " + json.dumps({"error": message, "status": status}).encode() + b"\n\n"
+            yield b"event: error\ndata: " + orjson.dumps({"error": message, "status": status}) + b"\n\n"
             return
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
@@ -234,17 +257,23 @@ def _too_large(size: int, limit: int) -> BodyTooLargeError:
     return BodyTooLargeError(f"request body of {size} bytes exceeds the limit of {limit} bytes")
 
 
+def _parse_request(body: bytes, header_length: int | None
+                   ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[tuple[str, bool | None]], bool]:
+    """The request object, its input tensors, the outputs it asks for (and how), and whether binary output is
+    its default."""
+    request, binary = _split_body(body, header_length)
+    return (request, *_decode_request(request, binary))
+
+
 def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], memoryview]:
     if header_length is not None and header_length > len(body):
         raise ProtocolError(f"Inference-Header-Content-Length is {header_length}, but the body has {len(body)} bytes")
     view = memoryview(body)
     header = view[:header_length] if header_length is not None else view
     try:
-        request = json.loads(bytes(header))
-    except (ValueError, UnicodeDecodeError) as error:
+        request = orjson.loads(header)
+    except orjson.JSONDecodeError as error:
         raise ProtocolError(f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise ProtocolError("the request body nests JSON too deeply") from None
     if not isinstance(request, dict):
         raise ProtocolError("the request must be a JSON object with an 'inputs' list")
     return request, view[header_length:] if header_length is not None else view[:0]
@@ -316,6 +345,15 @@ def _priority(request: dict[str, Any]) -> int | None:
     return value
 
 
+def _json_data(array: np.ndarray) -> Any:
+    """A tensor's ``data`` for orjson: the flat array itself where orjson writes it exactly (finite values of a
+    native dtype), else the values as JSON-safe Python objects (non-finite floats as strings)."""
+    flat = np.ascontiguousarray(array.reshape(-1))
+    if flat.dtype in ORJSON_DTYPES and (flat.dtype.kind != "f" or np.isfinite(flat).all()):
+        return flat
+    return json_values(flat)
+
+
 def _encode_response(model: str, request_id: Any, outputs: list[tuple[str, np.ndarray]],
                      binary_requested: dict[str, bool | None], binary_all: bool) -> Response:
     described, blobs = [], []
@@ -327,12 +365,12 @@ def _encode_response(model: str, request_id: Any, outputs: list[tuple[str, np.nd
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = json_values(array)
+            entry["data"] = _json_data(array)
         described.append(entry)
     payload: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described}
     if request_id is not None:
         payload["id"] = request_id
-    header = json.dumps(payload, allow_nan=False).encode()
+    header = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return 200, JSON_HEADERS, header
     headers = [(b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(len(header)).encode())]

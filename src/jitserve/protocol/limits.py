@@ -1,0 +1,34 @@
+"""The limits one network server enforces on its clients, with their defaults.
+
+Each limit turns a way to exhaust the server (memory, file descriptors,
+event-loop time) into a clear refusal of the client that hits it; the
+defaults admit any ordinary client, including tritonclient with large tensors.
+``jitserve serve`` sets each with the flag named in its field's comment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import OptionError
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one client may take of the server, per connection or per call."""
+
+    max_body_bytes: int = 64 * MiB  # --max-body-bytes: a larger request body is 413 / RESOURCE_EXHAUSTED
+    max_header_bytes: int = 32 * 1024  # --max-header-bytes: request line and headers; larger is 431
+    read_timeout: float = 30.0  # --read-timeout: seconds for the headers, and for each pause in the body; 408
+    write_timeout: float = 30.0  # --write-timeout: seconds a client may stop reading its response; then closed
+    max_connections: int = 4096  # --max-connections: open HTTP connections; one more is answered 503 and closed
+    max_grpc_calls: int = 4096  # --max-grpc-calls: gRPC calls in flight; one more is RESOURCE_EXHAUSTED
+    offload_bytes: int = 1 * MiB  # bodies from this size are decoded and encoded off the event loop, one at a time
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise OptionError(f"limit {field.name} must be a positive number, got {value!r}")
