@@ -663,7 +663,8 @@ def test_drain_timeout_bounds_the_drain_and_answers_what_did_not_start():
     stats = re.search(r"model 'chunked' drained and stopped: (\{.*\})", output).group(1)
     rows_run = int(re.search(r"'rows': (\d+)", stats).group(1))
     assert rows_run < 20, f"the drain stopped at its deadline: {stats}"
-    assert results and results[0][0] != 200, "the request did not complete, and was not reported complete"
+    assert results and results[0][0] == 503, "the request did not complete, and was not reported complete"
+    assert "shut down before this request was answered" in results[0][1]["error"]
 
 
 def test_a_second_server_on_a_taken_port_refuses_to_start_and_the_first_keeps_its_traffic(server):

@@ -87,6 +87,11 @@ class HttpFront:
             return
         try:
             response = await self.route(scope, receive)
+        except asyncio.CancelledError:
+            if not self.service.draining:
+                raise
+            response = _error(503, "the server shut down before this request was answered (its drain timeout "
+                                   "passed); retry it on another server")
         except Exception as error:  # noqa: BLE001 - every failure becomes a response, never a dead server
             log.exception("unexpected error serving %s %s", scope.get("method"), scope.get("path"))
             response = _error(500, f"{type(error).__name__}: {error}")
