@@ -143,7 +143,7 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     from .serving import Serving
 
     found = load_target(args.target)
-    servings = found if isinstance(found, dict) else {args.name or args.target.rpartition(":")[2]: found}
+    servings = _by_version(found) if isinstance(found, dict) else {args.name or args.target.rpartition(":")[2]: found}
     changes = {k: v for k, v in [("batch_size", args.batch_size), ("batch_timeout", args.batch_timeout),
                                  ("compiler", args.compiler)] if v is not None}
     for name, serving in servings.items():
@@ -161,6 +161,21 @@ LIMIT_FLAGS = {  # Limits field -> (type, help); each is the flag --field-with-d
     "max_connections": (int, "open HTTP connections; one more is answered 503 and closed"),
     "max_grpc_calls": (int, "gRPC calls in flight; one more is refused RESOURCE_EXHAUSTED"),
 }
+
+
+def _by_version(found: dict[str, Any]) -> dict[str, Any]:
+    """A dict of servings with a dict of versions in place of a serving (``{"m": {"1": a, "2": b}}``) as the
+    keys the network service reads: ``m/1``, ``m/2``."""
+    servings: dict[str, Any] = {}
+    for name, value in found.items():
+        if not isinstance(value, dict):
+            servings[name] = value
+            continue
+        for version, serving in value.items():
+            if not isinstance(version, str) or not version or "/" in version:
+                raise OptionError(f"model '{name}': version {version!r} must be a non-empty string without '/'")
+            servings[f"{name}/{version}"] = serving
+    return servings
 
 
 def _network_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -101,6 +101,8 @@ models = {
     "steps": js.Serving(steps, batch_size=2, batch_timeout=0.001, streaming=True,
                         input_template=js.template((1,), "float32")),
     "wide": js.Serving(lambda x: x + 1, batch_size=2, batch_timeout=0.001, input_template=js.template((3,), "int64")),
+    "versioned": {version: js.Serving(lambda x, step=float(version): x + step, batch_size=2, batch_timeout=0.001,
+                                      input_template=js.template((1,), "float32")) for version in ("1", "2")},
     "reciprocal": js.Serving(lambda x: 1.0 / x, batch_size=2, batch_timeout=0.001,
                              input_template=js.template((2,), "float32")),
 }

@@ -98,6 +98,81 @@ def test_tritonclient_dict_inputs_and_outputs(server, client_module):
     np.testing.assert_allclose(result.as_numpy("norm"), np.linalg.norm(x, axis=-1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("client_module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_tritonclient_model_config_statistics_and_repository_index(server, client_module):
+    grpc_side = client_module is grpcclient
+    client = client_module.InferenceServerClient(f"127.0.0.1:{server.grpc_port if grpc_side else server.port}")
+    as_json = {"as_json": True} if grpc_side else {}
+    config = client.get_model_config("mlp", **as_json)
+    config = config["config"] if grpc_side else config
+    number = str if grpc_side else int  # protobuf's JSON mapping writes 64-bit integers as strings
+    assert config["max_batch_size"] == 32
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [number(16)]}]
+    assert config["output"] == [{"name": "output", "data_type": "TYPE_FP32", "dims": [number(4)]}]
+    assert config["dynamic_batching"] == {"preferred_batch_size": [1, 2, 4, 8, 16, 32],
+                                          "max_queue_delay_microseconds": number(2000)}
+
+    before = client.get_inference_statistics("affine", **as_json)["model_stats"][0]
+    x = np.ones((3, 4), np.float32)
+    inputs = [client_module.InferInput("x", [3, 4], "FP32"), client_module.InferInput("scale", [3], "FP32")]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(np.ones(3, np.float32))
+    client.infer("affine", inputs)
+    after = client.get_inference_statistics("affine", **as_json)["model_stats"][0]
+    assert (after["name"], after["version"]) == ("affine", "1")
+    success = after["inference_stats"]["success"]
+    assert int(success["count"]) == int(before["inference_stats"]["success"].get("count", 0)) + 1
+    assert int(success["ns"]) > 0 and int(after["inference_count"]) >= 3
+    assert any(int(entry["batch_size"]) == 4 for entry in after["batch_stats"]), "3 rows run padded to 4"
+    every = client.get_inference_statistics(**as_json)["model_stats"]
+    assert {entry["name"] for entry in every} >= {"mlp", "affine", "versioned"}
+
+    index = client.get_model_repository_index(**as_json)
+    index = index["models"] if grpc_side else index
+    assert {(entry["name"], entry["version"], entry["state"]) for entry in index} >= {
+        ("mlp", "1", "READY"), ("versioned", "1", "READY"), ("versioned", "2", "READY")}
+
+
+@pytest.mark.parametrize("client_module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_model_versions_are_served_and_unknown_ones_are_404(server, client_module):
+    grpc_side = client_module is grpcclient
+    client = client_module.InferenceServerClient(f"127.0.0.1:{server.grpc_port if grpc_side else server.port}")
+    tensor = client_module.InferInput("input", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.array([[10.0]], np.float32))
+    assert client.infer("versioned", [tensor], model_version="1").as_numpy("output").tolist() == [[11.0]]
+    assert client.infer("versioned", [tensor], model_version="2").as_numpy("output").tolist() == [[12.0]]
+    assert client.infer("versioned", [tensor]).as_numpy("output").tolist() == [[12.0]], "no version: the highest"
+    metadata = client.get_model_metadata("versioned", **({"as_json": True} if grpc_side else {}))
+    assert metadata["versions"] == ["1", "2"]
+    assert client.is_model_ready("versioned", "1") and client.is_model_ready("mlp", "1")
+    for call in (lambda: client.infer("mlp", [tensor], model_version="999"),
+                 lambda: client.get_model_metadata("mlp", "999"), lambda: client.get_model_config("mlp", "999")):
+        with pytest.raises(InferenceServerException) as unknown:
+            call()
+        assert "model 'mlp' has no version '999'; it has: 1" in unknown.value.message()
+        assert unknown.value.status() in ("404", "StatusCode.NOT_FOUND")
+    assert server.request("GET", "/v2/models/mlp/versions/999/ready")[0] == 404
+
+
+def test_grpc_health_and_reflection(server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "inference.GRPCInferenceService"):  # what grpc_health_probe asks
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = list(reflection.ServerReflectionInfo(iter([
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="inference.GRPCInferenceService")])))
+    assert {s.name for s in replies[0].list_services_response.service} == {
+        "inference.GRPCInferenceService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    assert replies[1].file_descriptor_response.file_descriptor_proto, "reflection describes the service"
+    channel.close()
+
+
 def test_grpc_errors_carry_status_and_message(server):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     tensor = grpcclient.InferInput("input", [1, 3], "FP32")
@@ -266,7 +341,7 @@ def test_client_text_cannot_forge_log_lines(server):
 
 def test_unknown_model_and_endpoint(server):
     status, body = server.infer_json("nope", mlp_input())
-    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide, reciprocal"
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide, versioned, reciprocal"
     status, _, data = server.request("GET", "/v2/models/nope")
     assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     status, _, data = server.request("GET", "/v3/anything")

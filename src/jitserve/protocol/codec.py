@@ -175,12 +175,17 @@ class TensorSpec:
     def metadata(self) -> dict[str, Any]:
         return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.row_shape]}
 
+    def config(self) -> dict[str, Any]:
+        """The tensor in Triton's model configuration: ``dims`` without the batch axis."""
+        return {"name": self.name, "data_type": "TYPE_" + self.datatype, "dims": list(self.row_shape)}
+
 
 class ModelSpec:
     """A served model as the network sees it."""
 
-    def __init__(self, name: str, server: Server) -> None:
+    def __init__(self, name: str, server: Server, version: str = "1") -> None:
         self.name = name
+        self.version = version
         self.server = server
         serving = server.serving
         self._input_tree = None
@@ -211,8 +216,20 @@ class ModelSpec:
                 for n, leaf in zip(_tensor_names(shapes, "output"), leaves)]
 
     def metadata(self) -> dict[str, Any]:
-        return {"name": self.name, "versions": ["1"], "platform": "jitserve",
+        return {"name": self.name, "versions": [self.version], "platform": "jitserve",
                 "inputs": [t.metadata() for t in self.inputs], "outputs": [t.metadata() for t in self.outputs]}
+
+    def config(self) -> dict[str, Any]:
+        """Triton's model configuration (its JSON form; the gRPC ``ModelConfig`` has the same fields):
+        ``max_batch_size``, the inputs and outputs with per-row ``dims``, and the dynamic batching settings."""
+        serving = self.server.serving
+        batching: dict[str, Any] = {"preferred_batch_size": list(serving.batch_sizes),
+                                    "max_queue_delay_microseconds": int(serving.batch_timeout * 1e6)}
+        if serving.priority_levels > 1:
+            batching.update(priority_levels=serving.priority_levels, default_priority_level=serving.default_priority)
+        return {"name": self.name, "platform": "jitserve", "backend": f"jitserve-{serving.compiler_name}",
+                "max_batch_size": serving.batch_size, "input": [t.config() for t in self.inputs],
+                "output": [t.config() for t in self.outputs], "dynamic_batching": batching}
 
     def to_batch(self, tensors: Mapping[str, np.ndarray]) -> Batch:
         """The request's tensors (by name, batch on axis 0) as one batch, checked against the inputs."""

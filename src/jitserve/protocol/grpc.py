@@ -17,8 +17,11 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from ..errors import ProtocolError
 from .codec import datatype_of, decode_raw, decode_values, dtype_of
@@ -26,21 +29,31 @@ from .limits import Limits
 from .service import InferenceService, status_of
 
 SERVICE = "inference.GRPCInferenceService"
+HEALTH_SERVICE = "grpc.health.v1.Health"
 PENDING_CALLS = 1_000_000
 _DESCRIPTORS = Path(__file__).with_name("inference.binpb")
 
 
-def _message_classes() -> dict[str, Any]:
+def _descriptor_pool() -> descriptor_pool.DescriptorPool:
+    """The protocol's messages, and those of the health and reflection services (for reflection to describe
+    every service this server has), in a pool of their own."""
     pool = descriptor_pool.DescriptorPool()
     for file in descriptor_pb2.FileDescriptorSet.FromString(_DESCRIPTORS.read_bytes()).file:
         pool.Add(file)
+    for module in (health_pb2, reflection_pb2):
+        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+    return pool
+
+
+def _message_classes(pool: descriptor_pool.DescriptorPool) -> dict[str, Any]:
     service = pool.FindServiceByName(SERVICE)
     names = {m.input_type.full_name for m in service.methods} | {m.output_type.full_name for m in service.methods}
     return {name.split(".", 1)[1]: message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
             for name in names}
 
 
-MESSAGES = _message_classes()
+POOL = _descriptor_pool()
+MESSAGES = _message_classes(POOL)
 
 # datatype -> the typed contents field that carries it
 CONTENTS_FIELDS: dict[str, str] = {
@@ -63,26 +76,37 @@ class GrpcFront:
         return MESSAGES["ServerReadyResponse"](ready=self.service.ready())
 
     async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if request.name not in self.service.models:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model '{request.name}'")
-        return MESSAGES["ModelReadyResponse"](ready=self.service.ready())
+        def ready() -> dict[str, Any]:
+            self.service.model(request.name, request.version)  # an unknown model or version is NOT_FOUND
+            return {"ready": self.service.ready()}
+
+        return await _answer(context, "ModelReadyResponse", ready)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
         return MESSAGES["ServerMetadataResponse"](**self.service.server_metadata())
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        try:
-            metadata = self.service.model(request.name).metadata()
-        except Exception as error:  # noqa: BLE001
-            await context.abort(getattr(grpc.StatusCode, status_of(error)[1]), str(error))
-        return MESSAGES["ModelMetadataResponse"](**metadata)
+        return await _answer(context, "ModelMetadataResponse",
+                             lambda: self.service.model_metadata(request.name, request.version))
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return await _answer(context, "ModelConfigResponse",
+                             lambda: {"config": self.service.model(request.name, request.version).config()})
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return await _answer(context, "ModelStatisticsResponse",
+                             lambda: self.service.statistics(request.name, request.version))
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return await _answer(context, "RepositoryIndexResponse", lambda: {"models": [
+            entry for entry in self.service.repository_index() if not request.ready or entry["state"] == "READY"]})
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         model = request.model_name
         try:
             tensors = _decode_inputs(request)
             outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
-                                               _priority(request))
+                                               _priority(request), request.model_version)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error)
             await context.abort(getattr(grpc.StatusCode, status), message)
@@ -104,7 +128,8 @@ class GrpcFront:
                 model = request.model_name
                 tensors = _decode_inputs(request)
                 names = [o.name for o in request.outputs] or None
-                async for outputs in self.service.infer_stream(model, tensors, names, _priority(request)):
+                async for outputs in self.service.infer_stream(model, tensors, names, _priority(request),
+                                                               request.model_version):
                     await responses.put(MESSAGES["ModelStreamInferResponse"](
                         infer_response=_infer_response(model, request.id, outputs)))
             except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
@@ -134,6 +159,16 @@ class GrpcFront:
             reader.cancel()
             for task in list(running):
                 task.cancel()
+
+
+async def _answer(context: Any, response: str, make: Callable[[], dict[str, Any]]) -> Any:
+    """The response message ``response`` with the fields of ``make()``, or the call aborted with its error's
+    status and message."""
+    try:
+        fields = make()
+    except Exception as error:  # noqa: BLE001 - statuses by error class
+        await context.abort(getattr(grpc.StatusCode, status_of(error)[1]), str(error))
+    return json_format.ParseDict(fields, MESSAGES[response]())
 
 
 def _infer_response(model: str, request_id: str, outputs: list[tuple[str, np.ndarray]]) -> Any:
@@ -204,7 +239,8 @@ def _parsing(handler: Callable[[Any, Any], Any], request_class: Any) -> Callable
 
 def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:
     pool = {}
-    for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"):
+    for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+                   "ModelConfig", "ModelStatistics", "RepositoryIndex"):
         pool[method] = grpc.unary_unary_rpc_method_handler(
             _parsing(getattr(front, method), MESSAGES[f"{method}Request"]),
             response_serializer=MESSAGES[f"{method}Response"].SerializeToString)
@@ -232,6 +268,7 @@ class GrpcServer:
         self._build: Callable[[], Any] = lambda: grpc.aio.server(
             options=options, maximum_concurrent_rpcs=limits.max_grpc_calls)
         self._front = GrpcFront(service)
+        self._health: Any = None
         self._stopping: Any = None  # the future of the server's stop, once begun
         self.port = port
 
@@ -242,15 +279,25 @@ class GrpcServer:
     async def _start(self) -> int:
         self._server = self._build()
         self._server.add_generic_rpc_handlers((_handlers(self._front),))
+        self._health = health_aio.HealthServicer()
+        for name in ("", SERVICE):  # "" is the whole server, as grpc_health_probe asks by default
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection([SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], self._server,
+                                            pool=POOL)
         port = self._server.add_insecure_port(self._address)
         await self._server.start()
         return port
 
     def begin_stop(self, grace: float) -> None:
-        """Stop accepting calls now (new ones are refused UNAVAILABLE); calls in flight have ``grace``
-        seconds to finish. Returns at once; a second call changes nothing."""
+        """Stop accepting calls now (new ones are refused UNAVAILABLE; health says NOT_SERVING); calls in
+        flight have ``grace`` seconds to finish. Returns at once; a second call changes nothing."""
         if self._server is not None and self._stopping is None:
-            self._stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+            self._stopping = asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop)
+
+    async def _stop(self, grace: float) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
 
     def stop(self, grace: float = 30.0) -> None:
         """``begin_stop`` if it has not begun, wait for the calls in flight, and end the thread."""

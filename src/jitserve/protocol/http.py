@@ -2,6 +2,8 @@
 
 Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2``,
 ``/v2/models/{m}[/versions/{v}]``, ``/v2/models/{m}[/versions/{v}]/ready``,
+Triton's ``/v2/models/{m}[/versions/{v}]/config``, ``/v2/models[/{m}[/versions/{v}]]/stats``,
+``POST /v2/repository/index`` (and ``GET /v2/models``, the same list),
 ``POST /v2/models/{m}[/versions/{v}]/infer`` (JSON tensors and the binary
 tensor extension that tritonclient uses by default),
 ``POST /v2/models/{m}[/versions/{v}]/infer_stream`` (the same request; the
@@ -77,7 +79,12 @@ class HttpFront:
             ("GET", re.compile(r"/v2/health/live"), self.live),
             ("GET", re.compile(r"/v2/health/ready"), self.ready),
             ("GET", re.compile(r"/v2"), self.server_metadata),
+            ("GET", re.compile(r"/v2/models/stats"), self.statistics),
+            ("GET", re.compile(r"/v2/models"), self.model_list),
+            ("POST", re.compile(r"/v2/repository/index"), self.repository_index),
             ("GET", re.compile(model + "/ready"), self.model_ready),
+            ("GET", re.compile(model + "/config"), self.model_config),
+            ("GET", re.compile(model + "/stats"), self.statistics),
             ("GET", re.compile(model), self.model_metadata),
             ("GET", re.compile(r"/metrics"), self.metrics),
         ]
@@ -137,14 +144,34 @@ class HttpFront:
         return _json(200, self.service.server_metadata())
 
     async def model_metadata(self, model: str, version: str | None) -> Response:
+        return _answer(lambda: self.service.model_metadata(model, version))
+
+    async def model_config(self, model: str, version: str | None) -> Response:
+        return _answer(lambda: self.service.model(model, version).config())
+
+    async def statistics(self, model: str | None = None, version: str | None = None) -> Response:
+        return _answer(lambda: self.service.statistics(model, version))
+
+    async def model_list(self) -> Response:
+        return _json(200, self.service.repository_index())
+
+    async def repository_index(self, scope: dict[str, Any], receive: Callable[..., Any]) -> Response:
+        """Triton's repository index; a body ``{"ready": true}`` lists only ready models."""
         try:
-            return _json(200, self.service.model(model).metadata())
-        except Exception as error:  # noqa: BLE001
-            return _error(status_of(error)[0], str(error))
+            body, _ = await self._read_body(scope, receive)
+            options = orjson.loads(body) if body.strip() else {}
+        except (ProtocolError, orjson.JSONDecodeError) as error:
+            return _error(400, f"the repository index request must be a JSON object: {error}")
+        index = self.service.repository_index()
+        if isinstance(options, dict) and options.get("ready") is True:
+            index = [entry for entry in index if entry["state"] == "READY"]
+        return _json(200, index)
 
     async def model_ready(self, model: str, version: str | None) -> Response:
-        if model not in self.service.models:
-            return _error(404, f"unknown model '{model}'; this server has: {', '.join(self.service.models)}")
+        try:
+            self.service.model(model, version)
+        except Exception as error:  # noqa: BLE001
+            return _error(status_of(error)[0], str(error))
         ready = self.service.ready()
         return _json(200 if ready else 503, {"name": model, "ready": ready})
 
@@ -180,7 +207,7 @@ class HttpFront:
             request, tensors, requested, binary_outputs = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
             outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None,
-                                               _priority(request))
+                                               _priority(request), version)
             response = await self._off_loop(sum(array.nbytes for _, array in outputs), lambda: _encode_response(
                 model, request.get("id"), outputs, dict(requested), binary_outputs))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
@@ -210,7 +237,7 @@ class HttpFront:
             body, header_length = await self._read_body(scope, receive)
             request, tensors, requested, _ = await self._off_loop(len(body), lambda: _parse_request(body, header_length))
             stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
-                                               _priority(request))
+                                               _priority(request), version)
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error)
         return _Events(self._events(model, request.get("id"), stream))
@@ -256,6 +283,14 @@ async def _send_events(events: AsyncIterator[bytes], receive: Callable[..., Any]
     finally:
         watcher.cancel()
         await events.aclose()  # type: ignore[attr-defined]
+
+
+def _answer(make: Callable[[], Any]) -> Response:
+    """``make()`` as a 200 JSON response, or its error's status and message."""
+    try:
+        return _json(200, make())
+    except Exception as error:  # noqa: BLE001 - statuses by error class
+        return _error(status_of(error)[0], str(error))
 
 
 def _too_large(size: int, limit: int) -> BodyTooLargeError:

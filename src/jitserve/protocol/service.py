@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,20 +58,101 @@ def status_of(error: BaseException) -> tuple[int, str]:
     return 500, "INTERNAL"
 
 
+def split_version(key: str) -> tuple[str, str]:
+    """A served key's model name and version: ``"name/2"`` is version 2 of ``name``; a bare name is version 1."""
+    name, _, version = key.partition("/")
+    return name, version or "1"
+
+
+@dataclass
+class Tally:
+    """One model version's request outcomes, as Triton's statistics report them."""
+
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    last_inference_ms: int = 0
+
+    def add(self, started_ns: int, ok: bool) -> None:
+        elapsed = time.perf_counter_ns() - started_ns
+        if ok:
+            self.success_count += 1
+            self.success_ns += elapsed
+        else:
+            self.fail_count += 1
+            self.fail_ns += elapsed
+        self.last_inference_ms = int(time.time() * 1000)
+
+
 class InferenceService:
-    """The served models by name, and inference on them."""
+    """The served models by name and version, and inference on them.
+
+    ``servers`` is keyed by model name, or ``name/version`` for a model served in several versions; a
+    request that names no version gets the highest one (Triton's default version policy)."""
 
     def __init__(self, servers: Mapping[str, Server], request_timeout: float | None = None) -> None:
-        self.models = {name: ModelSpec(name, server) for name, server in servers.items()}
+        self.versions: dict[str, dict[str, ModelSpec]] = {}
+        for key, server in servers.items():
+            name, version = split_version(key)
+            self.versions.setdefault(name, {})[version] = ModelSpec(name, server, version)
+        for name, specs in self.versions.items():
+            self.versions[name] = dict(sorted(specs.items(), key=lambda item: _version_order(item[0])))
+        self.models = {name: list(specs.values())[-1] for name, specs in self.versions.items()}
+        self.tallies = {(spec.name, spec.version): Tally() for specs in self.versions.values()
+                        for spec in specs.values()}
         self.request_timeout = request_timeout
         self.metrics = Metrics(servers)
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
 
-    def model(self, name: str) -> ModelSpec:
-        spec = self.models.get(name)
-        if spec is None:
+    def model(self, name: str, version: str | None = None) -> ModelSpec:
+        """The model ``name`` at ``version`` (None or empty: the highest); unknown ones are 404 / NOT_FOUND."""
+        specs = self.versions.get(name)
+        if specs is None:
             raise UnknownServerError(f"unknown model '{name}'; this server has: {', '.join(self.models) or 'none'}")
+        if not version:
+            return self.models[name]
+        spec = specs.get(version)
+        if spec is None:
+            raise UnknownServerError(f"model '{name}' has no version '{version}'; it has: {', '.join(specs)}")
         return spec
+
+    def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
+        return {**self.model(name, version).metadata(), "versions": list(self.versions[name])}
+
+    def repository_index(self) -> list[dict[str, str]]:
+        """Every model version and its state (Triton's repository index)."""
+        state = "READY" if self.ready() else "UNAVAILABLE"
+        return [{"name": name, "version": version, "state": state, "reason": ""}
+                for name, specs in self.versions.items() for version in specs]
+
+    def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Triton's model statistics for one model (every version unless one is named) or for all models."""
+        if name:
+            self.model(name, version)
+        chosen = [spec for model, specs in self.versions.items() if not name or model == name
+                  for spec in specs.values() if not version or spec.version == version]
+        return {"model_stats": [self._statistics(spec) for spec in chosen]}
+
+    def _statistics(self, spec: ModelSpec) -> dict[str, Any]:
+        tally = self.tallies[(spec.name, spec.version)]
+        stats = spec.server.stats()
+        batches = stats["batches"]
+        return {
+            "name": spec.name, "version": spec.version, "last_inference": tally.last_inference_ms,
+            "inference_count": stats["rows"], "execution_count": batches,
+            "inference_stats": {
+                "success": _duration(tally.success_count, tally.success_ns),
+                "fail": _duration(tally.fail_count, tally.fail_ns),
+                "queue": _duration(batches, stats["queue_wait_s"] * 1e9),
+                "compute_input": _duration(0, 0), "compute_output": _duration(0, 0),
+                "compute_infer": _duration(batches, stats["execution_s"] * 1e9),
+            },
+            "batch_stats": [{"batch_size": size, "compute_input": _duration(0, 0),
+                             "compute_output": _duration(0, 0),
+                             "compute_infer": _duration(count, stats.get("batch_execution_s", {}).get(size, 0) * 1e9)}
+                            for size, count in sorted(stats["batch_sizes"].items())],
+        }
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "jitserve", "version": __version__, "extensions": EXTENSIONS}
@@ -78,26 +161,34 @@ class InferenceService:
         return not self.draining and all(not spec.server.stopping for spec in self.models.values())
 
     async def infer(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
-                    priority: int | None = None) -> list[tuple[str, np.ndarray]]:
-        """Run one request's tensors on ``model`` at ``priority`` (the request's ``priority`` parameter, as
-        tritonclient sends it); the named outputs it asked for."""
-        spec = self.model(model)
+                    priority: int | None = None, version: str | None = None) -> list[tuple[str, np.ndarray]]:
+        """Run one request's tensors on ``model`` (at ``version``) at ``priority`` (the request's ``priority``
+        parameter, as tritonclient sends it); the named outputs it asked for."""
+        spec = self.model(model, version)
         batch = spec.to_batch(tensors)
         server = spec.server
         serving = server.serving
         if serving.streaming:
             raise ProtocolError(f"model '{model}' streams its results: call it with ModelStreamInfer (gRPC) or "
                                 f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
-        request = server.submit(batch, asyncio.get_running_loop(), priority)
-        outputs = serving.finish(await server.result_async(request, self._timeout(serving, priority)))
+        started = time.perf_counter_ns()
+        tally = self.tallies[(spec.name, spec.version)]
+        try:
+            request = server.submit(batch, asyncio.get_running_loop(), priority)
+            outputs = serving.finish(await server.result_async(request, self._timeout(serving, priority)))
+        except Exception:
+            tally.add(started, ok=False)
+            raise
+        tally.add(started, ok=True)
         return select_outputs(spec.named_outputs(outputs), requested, model)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
-                     priority: int | None = None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+                     priority: int | None = None, version: str | None = None
+                     ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """``infer`` whose outputs come as they are ready: one item per batch that ran some of the rows (in
         row order), or per step of a streaming serving. The request is checked and queued now (its errors
         raise here, before anything is sent); a consumer that stops early frees its queued rows."""
-        spec = self.model(model)
+        spec = self.model(model, version)
         batch = spec.to_batch(tensors)
         server = spec.server
         request = server.submit(batch, asyncio.get_running_loop(), priority, stream=True)
@@ -132,6 +223,15 @@ class InferenceService:
             message = str(error)
         self.count(model, protocol, status)
         return http_status, grpc_status, message
+
+
+def _duration(count: int, ns: float) -> dict[str, int]:
+    return {"count": int(count), "ns": int(ns)}
+
+
+def _version_order(version: str) -> tuple[int, int | str]:
+    """Numeric versions in number order, after any others in text order."""
+    return (1, int(version)) if version.isdigit() else (0, version)
 
 
 LOGGED_CHARACTERS = 300

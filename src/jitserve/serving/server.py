@@ -96,7 +96,7 @@ class Server:
         self._stats: dict[str, Any] = {
             "requests": 0, "batches": 0, "rows": 0, "padded_rows": 0, "compiles": 0, "errors": 0,
             "rejected": 0, "timeouts": 0, "cancelled": 0, "stopped": 0, "bisect_runs": 0, "batch_sizes": {},
-            "queue_wait_s": 0.0,
+            "batch_execution_s": {}, "queue_wait_s": 0.0,
             "execution_s": 0.0,
         }
         self._compiles_own = executors is None
@@ -214,6 +214,7 @@ class Server:
         with self._cond:
             stats = dict(self._stats)
             stats["batch_sizes"] = dict(stats["batch_sizes"])
+            stats["batch_execution_s"] = dict(stats["batch_execution_s"])
             stats["queue_depth"] = self._queues.depth
             stats["in_flight"] = self._in_flight
         return stats
@@ -432,6 +433,7 @@ class Server:
             stats["rows"] += batch.size
             stats["padded_rows"] += batch.padding
             stats["batch_sizes"][padded] = stats["batch_sizes"].get(padded, 0) + 1
+            stats["batch_execution_s"][padded] = stats["batch_execution_s"].get(padded, 0.0) + elapsed
             stats["queue_wait_s"] += wait
             stats["execution_s"] += elapsed
             stats["errors"] += error is not None
