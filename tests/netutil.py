@@ -7,6 +7,7 @@ import http.client
 import json
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -40,8 +41,9 @@ def wait_ready(port: int, process: subprocess.Popen, seconds: float) -> None:
 class Running:
     """A ``jitserve serve`` process on loopback ports, with plain-HTTP helpers."""
 
-    def __init__(self, process: subprocess.Popen, port: int, grpc_port: int) -> None:
+    def __init__(self, process: subprocess.Popen, port: int, grpc_port: int, tls_ca: str | None = None) -> None:
         self.process, self.port, self.grpc_port = process, port, grpc_port
+        self.tls = None if tls_ca is None else ssl.create_default_context(cafile=tls_ca)
         self.lines: list[str] = []  # its output so far: read as it comes, so a full pipe never blocks its logging
         self._reader = threading.Thread(target=lambda: self.lines.extend(process.stdout), daemon=True)
         self._reader.start()
@@ -51,7 +53,8 @@ class Running:
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
                 timeout: float = 30) -> tuple[int, dict, bytes]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout) if self.tls is None else \
+            http.client.HTTPSConnection("127.0.0.1", self.port, timeout=timeout, context=self.tls)
         try:
             connection.request(method, path, body=body, headers=headers or {})
             response = connection.getresponse()
@@ -70,13 +73,14 @@ class Running:
         assert self.process.poll() is None
 
 
-def start_server(target: str, *extra: str) -> Running:
-    """``jitserve serve target`` on two free ports with ``extra`` flags, once it reports ready."""
+def start_server(target: str, *extra: str, tls_ca: str | None = None) -> Running:
+    """``jitserve serve target`` on two free ports with ``extra`` flags, once it reports ready (over HTTPS,
+    trusting ``tls_ca``, when given)."""
     port, grpc_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "jitserve", "serve", target, "--port", str(port), "--grpc-port", str(grpc_port),
          *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    running = Running(process, port, grpc_port)
+    running = Running(process, port, grpc_port, tls_ca)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -15,6 +15,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import os
 import statistics
 import sys
 import time
@@ -153,6 +154,7 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     return servings
 
 
+API_KEY_ENV = "JITSERVE_API_KEY"
 LIMIT_FLAGS = {  # Limits field -> (type, help); each is the flag --field-with-dashes
     "max_body_bytes": (int, "largest request body or gRPC message, bytes; larger is 413 / RESOURCE_EXHAUSTED"),
     "max_header_bytes": (int, "largest request line and headers, bytes; larger is 431"),
@@ -179,11 +181,17 @@ def _by_version(found: dict[str, Any]) -> dict[str, Any]:
 
 
 def _network_options(args: argparse.Namespace) -> dict[str, Any]:
-    from .protocol.limits import Limits
+    from .protocol.access import Access
+    from .protocol.limits import Limits, Tls
 
     limits = Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name) is not None})
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise OptionError("--tls-cert and --tls-key go together: give both, or neither")
+    tls = None if args.tls_cert is None else Tls(args.tls_cert, args.tls_key)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
-            "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, "limits": limits}
+            "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, "limits": limits,
+            "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls}
 
 
 def _logging() -> None:
@@ -290,6 +298,16 @@ def _add_network(parser: argparse.ArgumentParser) -> None:
                         "answering the rest with an error (default: until all are done)")
 
 
+def _add_security(parser: argparse.ArgumentParser) -> None:
+    """Who may call the server, and over what."""
+    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on every call but health checks "
+                        f"(HTTP 401 / gRPC UNAUTHENTICATED without it; default: ${API_KEY_ENV}, else open)")
+    parser.add_argument("--tls-cert", metavar="PEM", help="certificate chain: serve HTTPS and gRPC over TLS")
+    parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    parser.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                        help="a browser origin allowed to call the server (repeat; '*' for any; default none)")
+
+
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
     """The options that change a loaded Serving (see :func:`load_servings`)."""
     parser.add_argument("--batch-size", type=int, help="override the serving's batch_size")
@@ -305,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")
     serve_parser.add_argument("--name", help="the model name (default: the attribute's name)")
     _add_network(serve_parser)
+    _add_security(serve_parser)
     _add_overrides(serve_parser)
     serve_parser.add_argument("--ray", metavar="ADDRESS", help="start the replicas on the Ray cluster at ADDRESS "
                               "(host:port of its head) and route to them")
@@ -315,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     front_parser.add_argument("--ray", metavar="ADDRESS", required=True, help="host:port of the Ray cluster's head")
     front_parser.add_argument("--models", nargs="*", help="which servings (default: every one in the cluster)")
     _add_network(front_parser)
+    _add_security(front_parser)
     front_parser.set_defaults(run=front_command)
     bench_parser = commands.add_parser("bench", help="drive a Serving in process with closed-loop callers")
     bench_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")

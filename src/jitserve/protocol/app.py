@@ -25,9 +25,10 @@ from ..serving.registry import serve
 from ..serving.server import Server
 from ..serving.serving import Serving
 from .grpc import GrpcServer
+from .access import Access
 from .connection import GuardedHttpProtocol
 from .http import HttpFront
-from .limits import Limits
+from .limits import Limits, Tls
 from .service import InferenceService
 
 log = logging.getLogger("jitserve.serve")
@@ -116,8 +117,10 @@ def fit_connections(limits: Limits, open_files: int) -> Limits:
 
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
         grpc_port: int | None = 8001, request_timeout: float | None = None, limits: Limits = Limits(),
-        on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None) -> None:
-    """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal, holding clients to ``limits``.
+        on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None, access: Access = Access(),
+        tls: Tls | None = None) -> None:
+    """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal, holding clients to ``limits``
+    and ``access`` (API key, CORS), over TLS when ``tls`` is given.
     ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at
     exit each is stopped (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
     check_ports_free(host, [port, grpc_port])
@@ -129,11 +132,13 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         start(servers)
         service = InferenceService(servers, request_timeout)
         if grpc_port is not None:
-            grpc_server = GrpcServer(service, host, grpc_port, limits)
+            grpc_server = GrpcServer(service, host, grpc_port, limits, access, tls)
             grpc_server.start()
-            log.info("gRPC: %s:%d (inference.GRPCInferenceService)", host, grpc_server.port)
-        config = uvicorn.Config(HttpFront(service, limits), host=host, port=port, lifespan="off",
-                                http=GuardedHttpProtocol.factory(limits),
+            log.info("gRPC%s: %s:%d (inference.GRPCInferenceService)", " over TLS" if tls else "", host,
+                     grpc_server.port)
+        config = uvicorn.Config(HttpFront(service, limits, access), host=host, port=port, lifespan="off",
+                                http=GuardedHttpProtocol.factory(limits), server_header=False,
+                                ssl_certfile=tls and tls.cert, ssl_keyfile=tls and tls.key,
                                 access_log=False, log_level="warning",
                                 timeout_graceful_shutdown=30 if drain_timeout is None else drain_timeout)
         grace = 30.0 if drain_timeout is None else drain_timeout
@@ -144,7 +149,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
                 grpc_server.begin_stop(grace)
 
         http_server = _HttpServer(config, stop_accepting)
-        log.info("HTTP: http://%s:%d/v2 (models: %s; metrics at /metrics)", host, port, ", ".join(servers))
+        log.info("HTTP: %s://%s:%d/v2 (models: %s; metrics at /metrics)%s", "https" if tls else "http", host, port,
+                 ", ".join(servers), "; API key required" if access.api_key is not None else "")
         asyncio.run(http_server.serve())
     except KeyboardInterrupt as reason:
         log.info("%s: shutting down", str(reason) or "SIGINT")

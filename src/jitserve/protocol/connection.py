@@ -11,6 +11,7 @@ memory. This protocol enforces the :class:`~.limits.Limits`:
   and the body may pause at most that long between reads: else 408 and closed
   (nothing of the request runs);
 - request line and headers larger than ``max_header_bytes``: 431 and closed;
+- at shutdown, idle connections are dropped at once (not after a TLS close);
 - a response whose client stops reading for ``write_timeout`` seconds is
   dropped and the connection aborted (the transport's buffer is freed).
 """
@@ -133,6 +134,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._write_timer.cancel()
             self._write_timer = None
         super().resume_writing()
+
+    def shutdown(self) -> None:
+        """At server shutdown: an idle connection whose output is flushed is dropped at once (closing it
+        would wait up to 30 s for a TLS peer's close_notify); one with a request in flight closes after it."""
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.get_write_buffer_size():
+            self.transport.abort()
+        else:
+            super().shutdown()
 
     def _headers_too_large(self) -> str:
         return (f"the request line and headers exceed the limit of {self.limits.max_header_bytes} bytes "

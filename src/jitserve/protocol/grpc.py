@@ -24,8 +24,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from ..errors import ProtocolError
+from .access import Access, ApiKeyInterceptor
 from .codec import datatype_of, decode_raw, decode_values, dtype_of
-from .limits import Limits
+from .limits import Limits, Tls
 from .service import InferenceService, status_of
 
 SERVICE = "inference.GRPCInferenceService"
@@ -252,7 +253,8 @@ def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:
 class GrpcServer:
     """``grpc.aio`` on its own thread and event loop; ``start`` binds, ``stop`` drains and ends it."""
 
-    def __init__(self, service: InferenceService, host: str, port: int, limits: Limits) -> None:
+    def __init__(self, service: InferenceService, host: str, port: int, limits: Limits, access: Access = Access(),
+                 tls: Tls | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jitserve-grpc", daemon=True)
         options = [("grpc.max_receive_message_length", limits.max_body_bytes),
@@ -265,8 +267,10 @@ class GrpcServer:
                    ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
         self._server: Any = None
         self._address = f"{host}:{port}"
+        interceptors = [ApiKeyInterceptor(access)] if access.api_key is not None else []
         self._build: Callable[[], Any] = lambda: grpc.aio.server(
-            options=options, maximum_concurrent_rpcs=limits.max_grpc_calls)
+            options=options, maximum_concurrent_rpcs=limits.max_grpc_calls, interceptors=interceptors)
+        self._tls = tls
         self._front = GrpcFront(service)
         self._health: Any = None
         self._stopping: Any = None  # the future of the server's stop, once begun
@@ -285,7 +289,11 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection([SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], self._server,
                                             pool=POOL)
-        port = self._server.add_insecure_port(self._address)
+        if self._tls is None:
+            port = self._server.add_insecure_port(self._address)
+        else:
+            credentials = grpc.ssl_server_credentials([(self._tls.key_bytes(), self._tls.cert_bytes())])
+            port = self._server.add_secure_port(self._address, credentials)
         await self._server.start()
         return port
 

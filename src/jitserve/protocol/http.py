@@ -21,8 +21,10 @@ validation layers to the hot path.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import re
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -30,15 +32,17 @@ import numpy as np
 import orjson
 
 from ..errors import BodyTooLargeError, ProtocolError
+from .access import CORS_METHODS, UNAUTHORIZED, Access
 from .codec import datatype_of, decode_raw, decode_values, json_values
 from .limits import Limits
 from .metrics import CONTENT_TYPE
-from .service import InferenceService, status_of
+from .service import InferenceService, loggable, status_of
 
 log = logging.getLogger("jitserve.http")
 
 HEADER_LENGTH = b"inference-header-content-length"
 JSON_HEADERS = [(b"content-type", b"application/json")]
+COMPRESS_BYTES = 1024  # responses from this size are gzipped for a client that accepts it
 SEND_CHUNK_BYTES = 256 * 1024  # a large body goes out in pieces, so a slow reader holds one piece in the transport
 
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
@@ -67,8 +71,9 @@ class _Events:
 class HttpFront:
     """The ASGI application."""
 
-    def __init__(self, service: InferenceService, limits: Limits = Limits()) -> None:
+    def __init__(self, service: InferenceService, limits: Limits = Limits(), access: Access = Access()) -> None:
         self.service = service
+        self.access = access
         self.max_body_bytes = limits.max_body_bytes
         self.offload_bytes = limits.offload_bytes
         self._offloaded = asyncio.Semaphore(1)  # large bodies are decoded/encoded one at a time: bounded memory
@@ -92,32 +97,38 @@ class HttpFront:
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] != "http":
             return
-        try:
-            response = await self.route(scope, receive)
-        except asyncio.CancelledError:
-            if not self.service.draining:
-                raise
-            response = _error(503, "the server shut down before this request was answered (its drain timeout "
-                                   "passed); retry it on another server")
-        except Exception as error:  # noqa: BLE001 - every failure becomes a response, never a dead server
-            log.exception("unexpected error serving %s %s", scope.get("method"), scope.get("path"))
-            response = _error(500, f"{type(error).__name__}: {error}")
+        headers = dict(scope["headers"])
+        method = scope["method"]
+        if method == "OPTIONS":  # a browser's CORS preflight, or a client asking what is allowed
+            await _send(send, 204, [(b"allow", CORS_METHODS), *self.access.preflight_headers(headers)], b"", False)
+            return
+        if not self.access.http_allows(scope["path"], headers):
+            response: Response | _Events = (401, [*JSON_HEADERS, (b"www-authenticate", b"Bearer")],
+                                            orjson.dumps({"error": UNAUTHORIZED}))
+        else:
+            try:
+                response = await self.route(scope, receive)
+            except asyncio.CancelledError:
+                if not self.service.draining:
+                    raise
+                response = _error(503, "the server shut down before this request was answered (its drain "
+                                       "timeout passed); retry it on another server")
+            except Exception as error:  # noqa: BLE001 - every failure becomes a response, never a dead server
+                log.exception("unexpected error serving %s %s", method, loggable(scope.get("path", "")))
+                response = _error(500, "internal error; the server log has the details")
         if isinstance(response, _Events):
             await _send_events(response.events, receive, send)
             return
-        status, headers, body = response
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-        if len(body) <= SEND_CHUNK_BYTES:
-            await send({"type": "http.response.body", "body": body})
-            return
-        view = memoryview(body)
-        for start in range(0, len(body), SEND_CHUNK_BYTES):
-            end = start + SEND_CHUNK_BYTES
-            await send({"type": "http.response.body", "body": view[start:end], "more_body": end < len(body)})
+        status, response_headers, body = response
+        response_headers = [*response_headers, *self.access.cors_headers(headers)]
+        if len(body) >= COMPRESS_BYTES and b"gzip" in headers.get(b"accept-encoding", b""):
+            body = await self._off_loop(len(body), lambda: gzip.compress(body, compresslevel=1))
+            response_headers += [(b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")]
+        await _send(send, status, response_headers, body, method != "HEAD")
 
     async def route(self, scope: dict[str, Any], receive: Callable[..., Any]) -> Response | _Events:
         method, path = scope["method"], scope["path"]
+        method = "GET" if method == "HEAD" else method  # HEAD: GET's status and headers, no body
         allowed = []
         for route_method, pattern, handler in self.routes:
             match = pattern.fullmatch(path)
@@ -199,7 +210,11 @@ class HttpFront:
         header_length = headers.get(HEADER_LENGTH)
         if header_length is not None and not header_length.isdigit():
             raise ProtocolError(f"Inference-Header-Content-Length must be a number of bytes, got {header_length!r}")
-        return b"".join(chunks), None if header_length is None else int(header_length)
+        body = b"".join(chunks)
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding != b"identity":
+            body = await self._off_loop(len(body), lambda: _decompress(body, encoding, self.max_body_bytes))
+        return body, None if header_length is None else int(header_length)
 
     async def infer(self, scope: dict[str, Any], receive: Callable[..., Any], model: str, version: str | None) -> Response:
         try:
@@ -283,6 +298,39 @@ async def _send_events(events: AsyncIterator[bytes], receive: Callable[..., Any]
     finally:
         watcher.cancel()
         await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _send(send: Callable[..., Any], status: int, headers: list[tuple[bytes, bytes]], body: bytes,
+                with_body: bool) -> None:
+    """One response; a large body in pieces, so that a slow reader holds one piece in the transport."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    if not with_body or len(body) <= SEND_CHUNK_BYTES:
+        await send({"type": "http.response.body", "body": body if with_body else b""})
+        return
+    view = memoryview(body)
+    for start in range(0, len(body), SEND_CHUNK_BYTES):
+        end = start + SEND_CHUNK_BYTES
+        await send({"type": "http.response.body", "body": view[start:end], "more_body": end < len(body)})
+
+
+def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+    """A request body sent with ``Content-Encoding`` gzip or deflate, refused once it inflates past ``limit``
+    (a small bomb cannot take the memory)."""
+    wbits = {b"gzip": 31, b"x-gzip": 31, b"deflate": 15}.get(encoding)
+    if wbits is None:
+        raise ProtocolError(f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; send gzip, "
+                            f"deflate or identity")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as error:
+        raise ProtocolError(f"the body is not valid {encoding.decode()} data: {error}") from None
+    if len(data) > limit:
+        raise _too_large(len(data), limit)
+    if not inflater.eof:
+        raise ProtocolError(f"the {encoding.decode()} body ends before its compressed stream does")
+    return data
 
 
 def _answer(make: Callable[[], Any]) -> Response:

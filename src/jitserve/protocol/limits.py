@@ -1,4 +1,4 @@
-"""The limits one network server enforces on its clients, with their defaults.
+"""The limits one network server enforces on its clients, with their defaults, and its TLS files.
 
 Each limit turns a way to exhaust the server (memory, file descriptors,
 event-loop time) into a clear refusal of the client that hits it; the
@@ -9,6 +9,7 @@ defaults admit any ordinary client, including tritonclient with large tensors.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from ..errors import OptionError
 
@@ -32,3 +33,22 @@ class Limits:
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise OptionError(f"limit {field.name} must be a positive number, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tls:
+    """A certificate chain and its private key (PEM files) for HTTPS and gRPC over TLS."""
+
+    cert: str  # --tls-cert
+    key: str  # --tls-key
+
+    def __post_init__(self) -> None:
+        for what, path in (("certificate", self.cert), ("key", self.key)):
+            if not Path(path).is_file():
+                raise OptionError(f"TLS {what} file {path!r} does not exist")
+
+    def cert_bytes(self) -> bytes:
+        return Path(self.cert).read_bytes()
+
+    def key_bytes(self) -> bytes:
+        return Path(self.key).read_bytes()

@@ -1,0 +1,96 @@
+"""Who may call the server: an optional API key (HTTP and gRPC) and the browser origins CORS admits.
+
+Both are off unless asked for. With a key, every call carries ``Authorization:
+Bearer KEY`` (HTTP header or gRPC metadata; ``X-API-Key: KEY`` is accepted
+over HTTP too), else it is answered 401 / UNAUTHENTICATED; health checks
+(``/v2/health/*``, ``grpc.health.v1``) stay open so that probes need no
+secret. Keys are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+OPEN_HTTP_PREFIX = "/v2/health/"
+OPEN_GRPC_PREFIX = "/grpc.health.v1."
+UNAUTHORIZED = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
+CORS_METHODS = b"GET, POST, HEAD, OPTIONS"
+
+
+@dataclass(frozen=True)
+class Access:
+    """The server's access rules: ``api_key`` (None: open) and ``cors_origins`` (``*`` admits any)."""
+
+    api_key: str | None = None
+    cors_origins: Sequence[str] = ()
+
+    def allows(self, credential: str | None) -> bool:
+        """Whether a call presenting ``credential`` (its ``Authorization`` value, or an API key) may run."""
+        if self.api_key is None:
+            return True
+        if credential is None:
+            return False
+        scheme, _, token = credential.partition(" ")
+        presented = token.strip() if scheme.lower() == "bearer" else credential.strip()
+        return hmac.compare_digest(presented.encode(), self.api_key.encode())
+
+    def http_allows(self, path: str, headers: dict[bytes, bytes]) -> bool:
+        if self.api_key is None or path.startswith(OPEN_HTTP_PREFIX):
+            return True
+        credential = headers.get(b"authorization") or headers.get(b"x-api-key")
+        return self.allows(None if credential is None else credential.decode("latin-1"))
+
+    def cors_headers(self, headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        """The CORS headers of a response to a request from the ``Origin`` in ``headers`` (none when CORS is
+        off or the origin is not admitted)."""
+        origin = headers.get(b"origin")
+        if origin is None or not self.cors_origins:
+            return []
+        if "*" not in self.cors_origins and origin.decode("latin-1") not in self.cors_origins:
+            return []
+        return [(b"access-control-allow-origin", origin), (b"vary", b"Origin"),
+                (b"access-control-expose-headers", b"inference-header-content-length, x-request-id")]
+
+    def preflight_headers(self, headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        """The answer to a browser's ``OPTIONS`` preflight: the methods, and the headers it asked to send."""
+        allowed = self.cors_headers(headers)
+        if not allowed:
+            return []
+        return [*allowed, (b"access-control-allow-methods", CORS_METHODS),
+                (b"access-control-allow-headers", headers.get(b"access-control-request-headers", b"content-type")),
+                (b"access-control-max-age", b"600")]
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses gRPC calls without the API key (UNAUTHENTICATED), except health checks."""
+
+    def __init__(self, access: Access) -> None:
+        self.access = access
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_GRPC_PREFIX):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        if self.access.allows(metadata.get("authorization")):
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler: Any) -> Any:
+    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
+    async def refuse(request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
