@@ -2,8 +2,10 @@
 """Set up the project's virtual environment and run one task in it.
 
 Needs nothing but ``python3`` (3.11 or newer). The environment lives in
-``.venv`` and is rebuilt only when ``pyproject.toml`` changes (a stamp file
-holds its hash), so a second run starts at once.
+``.venv``; each task installs the extras it needs (``serve``: ``http``, about
+700 MB; ``test``: everything, about 2 GB), again only when ``pyproject.toml``
+changes or a task needs more (a stamp file holds what is installed), so a
+second run starts at once.
 
     python3 dev.py serve [ARGS]    # the main job: serve the bundled example model (HTTP :8000, gRPC :8001)
     python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest)
@@ -27,31 +29,35 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".jitserve-stamp"
-EXTRAS = "dev,iree,http,ray"
+ALL_EXTRAS = ("dev", "iree", "http", "ray")
+TASK_EXTRAS = {"serve": ("http",), "demo": ("iree",)}  # every other task: ALL_EXTRAS
 
 
-def _wanted_stamp() -> str:
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
-    digest.update(EXTRAS.encode())
-    return digest.hexdigest()
+def _project_hash() -> str:
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
 
 
-def ensure_environment() -> None:
-    wanted = _wanted_stamp()
-    if STAMP.exists() and STAMP.read_text() == wanted and PYTHON.exists():
+def ensure_environment(extras: tuple[str, ...]) -> None:
+    """``.venv`` with jitserve and at least ``extras``, installed only when something is missing."""
+    installed: set[str] = set()
+    if STAMP.exists() and PYTHON.exists():
+        project, _, names = STAMP.read_text().partition(" ")
+        installed = set(names.split(",")) - {""} if project == _project_hash() else set()
+    if installed >= set(extras):
         return
     if sys.version_info < (3, 11):
         sys.exit(f"jitserve needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     if not PYTHON.exists():
         print(f"creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-    print(f"installing jitserve[{EXTRAS}] into {VENV}", flush=True)
+    wanted = sorted(installed | set(extras))
+    print(f"installing jitserve[{','.join(wanted)}] into {VENV} (a few minutes the first time)", flush=True)
     subprocess.run(
-        [str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         "-e", f"{ROOT}[{EXTRAS}]"],
+        [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "on",
+         "-e", f"{ROOT}[{','.join(wanted)}]"],
         check=True,
     )
-    STAMP.write_text(wanted)
+    STAMP.write_text(f"{_project_hash()} {','.join(wanted)}")
 
 
 def _exec(argv: list[str]) -> int:
@@ -62,8 +68,7 @@ def _exec(argv: list[str]) -> int:
 
 
 TASKS = {
-    "serve": lambda args: _exec([str(PYTHON), "-m", "jitserve", "serve", "examples/mlp.py:serving", "--name", "mlp",
-                                 *args]),
+    "serve": lambda args: _exec([str(PYTHON), "-m", "jitserve", "serve", "examples/mlp.py:serving", *args]),
     "demo": lambda args: _exec([str(PYTHON), "-m", "jitserve", "demo", *args]),
     "test": lambda args: _exec([str(PYTHON), "-m", "pytest", *args]),
     # -P: bench/ must not lead sys.path, where bench/http.py and bench/iree.py would shadow http and iree
@@ -81,7 +86,7 @@ def main(argv: list[str]) -> int:
         names = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
         print(f"bench needs a name, one of: {', '.join(names)}", file=sys.stderr)
         return 2
-    ensure_environment()
+    ensure_environment(TASK_EXTRAS.get(task, ALL_EXTRAS))
     return TASKS[task](args)
 
 

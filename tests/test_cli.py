@@ -101,3 +101,36 @@ def test_a_target_that_does_not_load_is_one_line_and_exit_2(tmp_path, source, ex
         debug = subprocess.run([sys.executable, "-m", "jitserve", "--debug", "serve", f"{path}:serving"],
                                capture_output=True, text=True, timeout=120)
         assert "Traceback (most recent call last)" in debug.stderr
+
+
+def test_version_and_help_show_defaults_and_examples():
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"jitserve {js.__version__}"
+    help_text = run_cli("serve", "--help").stdout
+    assert "``" not in help_text, "no raw RST markup"
+    assert "(default 8000)" in help_text and "(default 33,554,432)" not in help_text
+    assert "examples:\n  jitserve serve examples/mlp.py:serving" in help_text
+
+
+def test_targets_import_from_the_working_directory_and_beside_their_file(tmp_path):
+    """A package target found from the working directory, a file target that imports its sibling module, and
+    a single serving named after its file."""
+    (tmp_path / "shared_weights.py").write_text("SCALE = 3.0\n")
+    (tmp_path / "tripler.py").write_text(
+        "import jitserve as js\nfrom shared_weights import SCALE\n"
+        "serving = js.Serving(lambda x: x * SCALE, input_template=js.template((2,), 'float32'))\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "models.py").write_text("from tripler import serving as mlp\n")
+    script = ("import sys, argparse; from jitserve.cli import load_servings\n"
+              "for target in sys.argv[1:]:\n"
+              "    args = argparse.Namespace(target=target, name=None, batch_size=None, batch_timeout=None, "
+              "compiler=None)\n"
+              "    print(sorted(load_servings(args)))\n")
+    result = subprocess.run([sys.executable, "-c", script, "tripler.py:serving", "pkg.models:mlp"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["['tripler']", "['models']"]
+    elsewhere = subprocess.run([sys.executable, "-c", script, str(tmp_path / "tripler.py") + ":serving"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+    assert elsewhere.returncode == 0 and elsewhere.stdout.strip() == "['tripler']", elsewhere.stderr

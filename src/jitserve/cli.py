@@ -108,16 +108,23 @@ def mlir(args: argparse.Namespace) -> int:
     return 0
 
 
+def _importable(folder: str) -> None:
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
 def load_target(target: str) -> Any:
     """The object named by ``path/to/file.py:attr`` or ``package.module:attr``; what stops it loading
     (no such file or module, a syntax error, an exception while it runs) is one :class:`OptionError` line."""
     location, _, attribute = target.rpartition(":")
     if not location or not attribute:
         raise OptionError(f"TARGET must look like path/to/file.py:attr or package.module:attr, got {target!r}")
+    _importable(str(Path.cwd()))  # as python -m and uvicorn do: the working directory's packages import
     try:
         if location.endswith(".py"):
             if not Path(location).is_file():
                 raise OptionError(f"no such file: {location}")
+            _importable(str(Path(location).resolve().parent))  # its sibling modules import, as under python file.py
             spec = importlib.util.spec_from_file_location(f"jitserve_target_{abs(hash(location))}", location)
             if spec is None or spec.loader is None:
                 raise OptionError(f"cannot load {location} as a Python file")
@@ -139,12 +146,19 @@ def load_target(target: str) -> Any:
         raise OptionError(f"{location} has no attribute {attribute!r}") from None
 
 
+def _default_name(target: str) -> str:
+    """A single serving's model name: its file's stem (``examples/mlp.py:serving`` -> ``mlp``) or its
+    module's last part (``pkg.models:mlp`` -> ``models``)."""
+    location = target.rpartition(":")[0]
+    return Path(location).stem if location.endswith(".py") else location.rpartition(".")[2]
+
+
 def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     """The target's servings by name, with the command line's overrides applied."""
     from .serving import Serving
 
     found = load_target(args.target)
-    servings = _by_version(found) if isinstance(found, dict) else {args.name or args.target.rpartition(":")[2]: found}
+    servings = _by_version(found) if isinstance(found, dict) else {args.name or _default_name(args.target): found}
     changes = {k: v for k, v in [("batch_size", args.batch_size), ("batch_timeout", args.batch_timeout),
                                  ("compiler", args.compiler)] if v is not None}
     for name, serving in servings.items():
@@ -285,10 +299,11 @@ def bench_command(args: argparse.Namespace) -> int:
 def _add_network(parser: argparse.ArgumentParser) -> None:
     """Where and how the network fronts listen."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
     parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
-    parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts")
+    parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts "
+                        "(default: the serving's own timeouts)")
     from .protocol.limits import Limits
 
     for name, (kind, text) in LIMIT_FLAGS.items():
@@ -315,13 +330,31 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compiler", help="override the serving's compiler (xla, iree, evaluator, eager)")
 
 
+SERVE_EXAMPLES = """examples:
+  jitserve serve examples/mlp.py:serving                 # model 'mlp' on 127.0.0.1:8000 (HTTP), :8001 (gRPC)
+  jitserve serve models.py:servings --host 0.0.0.0       # a dict of name -> Serving, on every interface
+  jitserve serve pkg.models:mlp --api-key "$KEY" --tls-cert cert.pem --tls-key key.pem
+  jitserve serve examples/mlp.py:serving --ray 127.0.0.1:6379 --replicas 2
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jitserve", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="jitserve", description="Compile jax.numpy functions with XLA, IREE or a numpy evaluator and serve "
+        "them with dynamic batching (Open Inference Protocol over HTTP and gRPC).")
+    parser.add_argument("--version", action="version", version=f"jitserve {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve_parser = commands.add_parser("serve", help="serve a Serving over HTTP and gRPC (Open Inference Protocol)")
-    serve_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")
-    serve_parser.add_argument("--name", help="the model name (default: the attribute's name)")
+    serve_parser = commands.add_parser(
+        "serve", help="serve a Serving over HTTP and gRPC (Open Inference Protocol)", epilog=SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a js.Serving, or a dict of name -> Serving, until SIGINT/SIGTERM.")
+    serve_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict); "
+                              "the working directory and the file's folder are importable")
+    serve_parser.add_argument("--name", help="the model name of a single Serving (default: the file's or module's "
+                              "name, e.g. 'mlp' for examples/mlp.py:serving)")
     _add_network(serve_parser)
     _add_security(serve_parser)
     _add_overrides(serve_parser)
