@@ -77,7 +77,7 @@ def through_ray(args) -> dict:
 def ray_serve(args) -> dict | None:
     try:
         from ray import serve
-    except Exception as error:  # noqa: BLE001 - not installed, or its dependencies clash with this environment's
+    except Exception as error:
         print(f"Ray Serve unavailable here: {type(error).__name__}: {str(error)[:200]}")
         return None
     jitted = jax.jit(mlp)

@@ -129,7 +129,7 @@ def ray_serve(seconds: float, batch_timeout: float) -> dict | None:
     try:
         import ray
         from ray import serve
-    except Exception as error:  # noqa: BLE001 - not installed, or its dependencies clash with this environment's
+    except Exception as error:
         print(f"Ray Serve unavailable here: {type(error).__name__}: {str(error)[:200]}")
         return None
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")

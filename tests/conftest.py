@@ -16,3 +16,10 @@ def _default_options():
     previous = js.set_default_options()
     yield
     js.set_default_options(**previous)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The size of src/ against its budget (tests/test_quality.py), at the end of every run."""
+    from test_quality import LINE_BUDGET, source_lines
+
+    terminalreporter.write_line(f"src/jitserve: {source_lines():,} lines (budget {LINE_BUDGET:,})")

@@ -50,9 +50,8 @@ def test_definition_reads_options_at_call_time():
         return x + 1
 
     f(np.ones(2))
-    with js.options(compiler="nope"):
-        with pytest.raises(js.UnknownCompilerError, match="unknown compiler 'nope'"):
-            f(np.ones(2))
+    with js.options(compiler="nope"), pytest.raises(js.UnknownCompilerError, match="unknown compiler 'nope'"):
+        f(np.ones(2))
 
 
 def test_options_meant_for_other_compilers_are_left_out():

@@ -13,10 +13,10 @@ import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from jax import lax
 from jax.extend import core as jcore
 
 import jitserve as js

@@ -1,8 +1,11 @@
 """jitserve: write a numerical function once, compile it with the compiler that
 suits the machine (XLA, IREE or a numpy interpreter), and serve it."""
 
+from . import cluster  # noqa: F401 - plugs the cluster back ends (Ray) into the serving registry
+from .batch import Batch
 from .compilers import Compiler, Device, Executable
 from .compilers import register as register_compiler
+from .defaults import default_options, options, set_default_options
 from .defn import Compiled, MLIRModule, compile, defn, devices, jit, to_mlir
 from .errors import (
     BatchError,
@@ -22,52 +25,56 @@ from .errors import (
     UnknownServerError,
     WorkerCrashedError,
 )
-from .batch import Batch
 from .graph import Graph, trace
 from .interpreter import Interpreter, Node
-from .defaults import default_options, options, set_default_options
-from .serving import (BatchReport, Server, Serving, batched_run, batched_run_async, batched_stream,
-                      batched_stream_async, serve)
+from .serving import (
+    BatchReport,
+    Server,
+    Serving,
+    batched_run,
+    batched_run_async,
+    batched_stream,
+    batched_stream_async,
+    serve,
+)
 from .template import Template, template
-from . import cluster  # noqa: F401,E402 - plugs the cluster back ends (Ray) into the serving registry
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
-    "BatchReport",
-    "Server",
-    "Serving",
-    "batched_run",
-    "batched_run_async",
-    "batched_stream",
-    "batched_stream_async",
-    "serve",
     "BatchError",
+    "BatchReport",
     "BatchSizeError",
     "CompileError",
     "Compiled",
     "Compiler",
-    "Device",
-    "Executable",
     "DefnError",
+    "Device",
     "EvaluationError",
+    "Executable",
     "Graph",
     "Interpreter",
-    "Node",
     "JitserveError",
     "MLIRModule",
+    "Node",
     "OptionError",
     "OutputShapeError",
     "QueueFullError",
     "RequestTooLargeError",
+    "Server",
     "ServerExistsError",
     "ServerStoppedError",
+    "Serving",
     "Template",
     "TemplateMismatchError",
     "UnknownCompilerError",
     "UnknownServerError",
     "WorkerCrashedError",
+    "batched_run",
+    "batched_run_async",
+    "batched_stream",
+    "batched_stream_async",
     "compile",
     "default_options",
     "defn",
@@ -75,6 +82,7 @@ __all__ = [
     "jit",
     "options",
     "register_compiler",
+    "serve",
     "set_default_options",
     "template",
     "to_mlir",

@@ -39,7 +39,7 @@ class _Chunk:
     def rows(self) -> int:
         return self.stop - self.start
 
-    def cut(self, start: int, stop: int) -> "_Chunk":
+    def cut(self, start: int, stop: int) -> _Chunk:
         return _Chunk(self.leaves, self.start + start, self.start + stop, self.stacked)
 
     def view(self, leaf: int) -> np.ndarray:
@@ -57,11 +57,11 @@ class _NewOrAdd:
     """A builder that makes a new batch on the class (``Batch.stack(entries)``) and adds to the batch on an
     instance (``batch.stack(entries)``), as ``Nx.Batch.stack(batch \\ new(), entries)`` does."""
 
-    def __init__(self, build: Callable[..., "Batch"]) -> None:
+    def __init__(self, build: Callable[..., Batch]) -> None:
         self.build = build
         functools.update_wrapper(self, build)  # type: ignore[arg-type]
 
-    def __get__(self, instance: "Batch | None", owner: type["Batch"]) -> Callable[..., "Batch"]:
+    def __get__(self, instance: Batch | None, owner: type[Batch]) -> Callable[..., Batch]:
         return functools.partial(self.build, owner, instance)
 
 
@@ -105,9 +105,10 @@ class Batch:
         return tuple(Template(shape, dtype) for shape, dtype in self.rows)
 
     @classmethod
-    def _build(cls, entries: Iterable[Any], stacked: bool) -> "Batch":
+    def _build(cls, entries: Iterable[Any], stacked: bool) -> Batch:
         chunks: list[_Chunk] = []
-        tree = templates = None
+        tree: Any = None
+        templates: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
         for position, entry in enumerate(entries):
             leaves, entry_tree, entry_templates, rows = _leaves_and_signature(entry, stacked)
             if tree is None:
@@ -126,7 +127,7 @@ class Batch:
         return cls(chunks, tree, templates)
 
     @classmethod
-    def _add(cls, batch: "Batch | None", entries: Sequence[Any], stacked: bool) -> "Batch":
+    def _add(cls, batch: Batch | None, entries: Sequence[Any], stacked: bool) -> Batch:
         added = cls._build(entries, stacked)
         if batch is None:
             return added
@@ -138,18 +139,18 @@ class Batch:
         return cls(batch._chunks + added._chunks, batch.tree, batch.rows, batch.user_key, batch.padding)
 
     @_NewOrAdd
-    def stack(cls, batch: "Batch | None", entries: Sequence[Any]) -> "Batch":
+    def stack(cls, batch: Batch | None, entries: Sequence[Any]) -> Batch:  # noqa: N805 - _NewOrAdd binds it
         """Each entry (an array, or a tuple/dict of arrays) becomes one row: of a new batch (``Batch.stack``),
         or added after the rows of this one (``batch.stack``)."""
         return cls._add(batch, entries, stacked=True)
 
     @_NewOrAdd
-    def concatenate(cls, batch: "Batch | None", entries: Sequence[Any]) -> "Batch":
+    def concatenate(cls, batch: Batch | None, entries: Sequence[Any]) -> Batch:  # noqa: N805 - _NewOrAdd binds it
         """Each entry brings the rows on its axis 0: to a new batch, or after the rows of this one."""
         return cls._add(batch, entries, stacked=False)
 
     @classmethod
-    def merge(cls, batches: Sequence["Batch"]) -> "Batch":
+    def merge(cls, batches: Sequence[Batch]) -> Batch:
         """One batch holding the rows of all of ``batches``, in order; their padding adds up (Nx.Batch.merge)."""
         if not batches:
             raise BatchError("Batch.merge needs at least one batch; got none")
@@ -166,16 +167,16 @@ class Batch:
         return merged
 
     @classmethod
-    def join(cls, batches: Sequence["Batch"]) -> "Batch":
+    def join(cls, batches: Sequence[Batch]) -> Batch:
         """``merge`` for batches already known to share one signature (a server queue's), unchecked, unpadded."""
         first = batches[0]
         return cls([c for b in batches for c in b._chunks], first.tree, first.rows, first.user_key)
 
-    def key(self, key: Any) -> "Batch":
+    def key(self, key: Any) -> Batch:
         """The same rows under batch key ``key``: batches with different keys never share an execution."""
         return Batch(self._chunks, self.tree, self.rows, key, self.padding)
 
-    def pad(self, rows: int) -> "Batch":
+    def pad(self, rows: int) -> Batch:
         """The same rows with ``rows`` zero rows added at the end when materialized (``Nx.Batch.pad``)."""
         if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
             raise BatchError(f"Batch.pad takes a number of rows >= 0, got {rows!r}")
@@ -186,7 +187,7 @@ class Batch:
         """What decides which rows may share an execution: key, structure, per-row shapes and dtypes."""
         return (self.user_key, self.tree, self.rows)
 
-    def split(self, rows: int) -> tuple["Batch", "Batch"]:
+    def split(self, rows: int) -> tuple[Batch, Batch]:
         """The first ``rows`` rows and the rest (either may be empty)."""
         if rows < 0:
             raise BatchError(f"cannot split at a negative row count ({rows})")
@@ -206,7 +207,7 @@ class Batch:
         make = lambda chunks: Batch(chunks, self.tree, self.rows, self.user_key)  # noqa: E731
         return make(head), make(tail)
 
-    def chunks(self, rows: int) -> list["Batch"]:
+    def chunks(self, rows: int) -> list[Batch]:
         """Consecutive batches of at most ``rows`` rows each."""
         parts = []
         rest = self
@@ -216,7 +217,7 @@ class Batch:
         parts.append(rest)
         return parts
 
-    def pad_to(self, rows: int) -> "Batch":
+    def pad_to(self, rows: int) -> Batch:
         """The same rows, to be zero-padded to ``rows`` rows in all when materialized."""
         if rows < self.size:
             raise BatchError(f"cannot pad a batch of {self.size} rows down to {rows}")

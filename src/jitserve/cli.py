@@ -3,8 +3,9 @@
 ``serve TARGET`` serves a ``Serving`` (or a dict of name -> Serving) named by
 ``path/to/file.py:attr`` or ``package.module:attr`` over HTTP and gRPC with
 the Open Inference Protocol (``--ray ADDRESS --replicas N``: on a Ray cluster).
-``front --ray ADDRESS`` serves the servings already running on a Ray cluster. ``bench TARGET`` serves it in process and drives
-it with closed-loop callers for a while. ``demo`` is seed 001/002's table for this
+``front --ray ADDRESS`` serves the servings already running on a Ray cluster.
+``bench TARGET`` serves it in process and drives it with closed-loop callers
+for a while. ``demo`` is seed 001/002's table for this
 machine: softmax on 1,000, 1,000,000 and 1000x1000x5 elements with every
 installed compiler, next to numpy eager.
 """
@@ -12,6 +13,7 @@ installed compiler, next to numpy eager.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import logging
@@ -19,8 +21,8 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -73,12 +75,12 @@ def demo(args: argparse.Namespace) -> int:
     rows = []
     for label, shape in DEMO_SHAPES.items():
         x = rng.uniform(size=shape).astype(np.float32)
-        base = time_call(lambda: softmax_numpy(x), args.budget)
+        base = time_call(functools.partial(softmax_numpy, x), args.budget)
         times = []
         for name in names:
             fn = jit(softmax, compiler=name)
             np.testing.assert_allclose(np.asarray(fn(x)), softmax_numpy(x), rtol=1e-5, atol=1e-7)
-            times.append(time_call(lambda: fn(x), args.budget))
+            times.append(time_call(functools.partial(fn, x), args.budget))
         rows.append([label, _format_ms(base), *map(_format_ms, times), *(f"{base / t:.1f}x" for t in times)])
         print(f"  measured softmax on {label} elements", file=sys.stderr, flush=True)
     _print_table(header, rows)
@@ -137,7 +139,7 @@ def load_target(target: str) -> Any:
     except SyntaxError as error:
         raise OptionError(f"{location}:{error.lineno}: syntax error: {error.msg} (--debug shows the traceback)") \
             from error
-    except Exception as error:  # noqa: BLE001 - whatever the user's module raised, in one line
+    except Exception as error:
         raise OptionError(f"cannot load {location}: {type(error).__name__}: {error} (--debug shows the traceback)") \
             from error
     try:
@@ -158,6 +160,8 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     from .serving import Serving
 
     found = load_target(args.target)
+    if not isinstance(found, (dict, Serving)):
+        raise OptionError(f"{args.target} is a {type(found).__name__}, not a jitserve.Serving or a dict of them")
     servings = _by_version(found) if isinstance(found, dict) else {args.name or _default_name(args.target): found}
     changes = {k: v for k, v in [("batch_size", args.batch_size), ("batch_timeout", args.batch_timeout),
                                  ("compiler", args.compiler)] if v is not None}
@@ -208,14 +212,16 @@ def _network_options(args: argparse.Namespace) -> dict[str, Any]:
             "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls}
 
 
-def _logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _logging(args: argparse.Namespace) -> None:
+    from .protocol import logs
+
+    logs.configure(args.log_format)
 
 
 def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
 
-    _logging()
+    _logging(args)
     servings = load_servings(args)
     if args.ray is None:
         app.run(app.start_locally(servings), **_network_options(args))
@@ -233,7 +239,11 @@ def serve_command(args: argparse.Namespace) -> int:
             handles.append(cluster.serve(serving, name, replicas=args.replicas))
             servers[name] = lookup(("ray", name))
 
-    app.run(start, on_exit=lambda: [handle.stop() for handle in handles], **_network_options(args))
+    def stop_replicas() -> None:
+        for handle in handles:
+            handle.stop()
+
+    app.run(start, on_exit=stop_replicas, **_network_options(args))
     return 0
 
 
@@ -242,7 +252,7 @@ def front_command(args: argparse.Namespace) -> int:
     from .protocol import app
     from .serving import lookup
 
-    _logging()
+    _logging(args)
     cluster.connect(args.ray)
     names = args.models or cluster.running_servings()
     if not names:
@@ -313,6 +323,11 @@ def _add_network(parser: argparse.ArgumentParser) -> None:
                         "answering the rest with an error (default: until all are done)")
 
 
+def _add_logging(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="log lines as text, or one JSON object per line (default text)")
+
+
 def _add_security(parser: argparse.ArgumentParser) -> None:
     """Who may call the server, and over what."""
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on every call but health checks "
@@ -357,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "name, e.g. 'mlp' for examples/mlp.py:serving)")
     _add_network(serve_parser)
     _add_security(serve_parser)
+    _add_logging(serve_parser)
     _add_overrides(serve_parser)
     serve_parser.add_argument("--ray", metavar="ADDRESS", help="start the replicas on the Ray cluster at ADDRESS "
                               "(host:port of its head) and route to them")
@@ -368,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     front_parser.add_argument("--models", nargs="*", help="which servings (default: every one in the cluster)")
     _add_network(front_parser)
     _add_security(front_parser)
+    _add_logging(front_parser)
     front_parser.set_defaults(run=front_command)
     bench_parser = commands.add_parser("bench", help="drive a Serving in process with closed-loop callers")
     bench_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")

@@ -60,7 +60,7 @@ class Options(Mapping[str, Any]):
     def __eq__(self, other: object) -> bool:
         return self is other
 
-    def merge(self, overlay: Mapping[str, Any]) -> "Options":
+    def merge(self, overlay: Mapping[str, Any]) -> Options:
         return intern({**self._items, **overlay}) if overlay else self
 
 
@@ -90,7 +90,7 @@ EMPTY = intern({})
 _defaults = intern(_base_defaults())
 _scoped: contextvars.ContextVar[Options] = contextvars.ContextVar("jitserve_options", default=EMPTY)
 _effective: dict[Options, Options] = {}  # scoped overlay -> defaults with it laid over
-_dependents: "weakref.WeakSet[Any]" = weakref.WeakSet()  # caches keyed by scoped overlays
+_dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # caches keyed by scoped overlays
 scoped = _scoped.get  # the scoped overlay here: a cache key that is one C call to read
 
 

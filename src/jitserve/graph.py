@@ -85,7 +85,7 @@ class Graph:
     def atom(self, atom: Any) -> str:
         """How one node input prints: ``%N`` for a variable, the value for a literal."""
         if isinstance(atom, jcore.Literal):
-            return f"{atom.val}:{atom.aval.dtype.name}"
+            return f"{atom.val}:{atom.aval.dtype.name}"  # type: ignore[attr-defined]  # a literal's aval is shaped
         return self.names()[atom]
 
     def node_line(self, eqn: jcore.JaxprEqn) -> str:

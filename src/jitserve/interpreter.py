@@ -24,10 +24,9 @@ semantics without the loop's per-node bookkeeping.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
-
-import os
 
 import jax
 import numpy as np
@@ -36,8 +35,7 @@ from jax.extend import core as jcore
 from .defaults import CHECKS_ENV
 from .errors import EvaluationError
 from .graph import Graph, graph_of_jaxpr, trace
-from .primitives import (MULTIPLE_RESULTS, PHYSICAL_RULES, PRIMITIVES, SUBGRAPH_PARAMS, bind_params,
-                         physical_shape_dtype)
+from .primitives import MULTIPLE_RESULTS, PHYSICAL_RULES, PRIMITIVES, SUBGRAPH_PARAMS, bind_params, physical_shape_dtype
 from .template import Template
 
 
@@ -114,7 +112,7 @@ class Interpreter:
 
         def operand_slot(atom: Any) -> int:
             if isinstance(atom, jcore.Literal):
-                slot = new_slot(np.asarray(atom.val, atom.aval.dtype))
+                slot = new_slot(np.asarray(atom.val, atom.aval.dtype))  # type: ignore[attr-defined]  # shaped
                 fixed.add(slot)
                 return slot
             return slots[atom]
@@ -159,8 +157,8 @@ class Interpreter:
                 namespace[f"p{k}"] = node.params
                 operands += f"{', ' if operands else ''}**p{k}"
             lines += [f"        k = {k}", f"        r = f{k}({operands})"]
-            for position, slot in enumerate(node.outputs):
-                if slot is None:
+            for position, output in enumerate(node.outputs):
+                if output is None:
                     continue
                 dtype = f"d{k}_{position}"
                 namespace[dtype] = node.out_dtypes[position]
@@ -168,14 +166,15 @@ class Interpreter:
                 lines.append(f"        v = {value}")
                 if self.checks:
                     lines.append(f"        nodes[{k}].check({position}, v)")
-                lines.append(f"        s{slot} = v if type(v) is ndarray and v.dtype == {dtype} else asarray(v, {dtype})")
+                lines.append(f"        s{output} = v if type(v) is ndarray and v.dtype == {dtype} "
+                             f"else asarray(v, {dtype})")
             if node.free:
                 lines.append(f"        del {', '.join(f's{slot}' for slot in node.free)}")
         lines += ["    except Exception as error:",
                   "        raise EvaluationError(f'While executing {nodes[k]}: {type(error).__name__}: {error}') "
                   "from error",
                   f"    return [{', '.join(f's{slot}' for slot in self._output_slots)}]"]
-        exec(compile("\n".join(lines), f"<jitserve graph {self.graph.name}>", "exec"), namespace)  # noqa: S102
+        exec(compile("\n".join(lines), f"<jitserve graph {self.graph.name}>", "exec"), namespace)
         return namespace["run"]
 
     def _prepare_params(self, eqn: Any) -> dict[str, Any]:
@@ -186,8 +185,9 @@ class Interpreter:
         for name in SUBGRAPH_PARAMS.get(primitive, ()):
             value = prepared[name]
             if isinstance(value, tuple):
-                prepared[name] = tuple(None if v is None else self._sub_interpreter(graph_of_jaxpr(v, f"{primitive}.{name}[{i}]"))
-                                       for i, v in enumerate(value))
+                prepared[name] = tuple(
+                    None if v is None else self._sub_interpreter(graph_of_jaxpr(v, f"{primitive}.{name}[{i}]"))
+                    for i, v in enumerate(value))
             elif value is not None:
                 prepared[name] = self._sub_interpreter(graph_of_jaxpr(value, f"{primitive}.{name}"))
         rule = PHYSICAL_RULES.get(primitive)
@@ -198,7 +198,7 @@ class Interpreter:
             prepared["physical"] = self._sub_interpreter(trace(physical, *templates))
         return prepared
 
-    def _sub_interpreter(self, graph: Graph) -> "Interpreter":
+    def _sub_interpreter(self, graph: Graph) -> Interpreter:
         return type(self)(graph, free_after_last_use=self.free_after_last_use, checks=self.checks)
 
     def _plan_frees(self, fixed: set[int]) -> None:
@@ -208,9 +208,9 @@ class Interpreter:
         for node in self.nodes:
             for slot in node.inputs:
                 last_use[slot] = node.index
-            for slot in node.outputs:
-                if slot is not None:
-                    last_use.setdefault(slot, node.index)  # a result nobody reads dies at once
+            for output in node.outputs:
+                if output is not None:
+                    last_use.setdefault(output, node.index)  # a result nobody reads dies at once
         for slot, index in last_use.items():
             if slot not in keep:
                 self.nodes[index].free.append(slot)
@@ -244,16 +244,16 @@ class Interpreter:
                 results = run_node(node, [env[slot] for slot in node.inputs])
             except Exception as error:
                 raise EvaluationError(f"While executing {node}: {type(error).__name__}: {error}") from error
-            for position, slot in enumerate(node.outputs):
-                if slot is not None:
+            for position, output in enumerate(node.outputs):
+                if output is not None:
                     value, dtype = results[position], node.out_dtypes[position]
                     if self.checks:
                         try:
                             node.check(position, value)
                         except ValueError as error:
                             raise EvaluationError(f"While executing {node}: ValueError: {error}") from None
-                    env[slot] = value if type(value) is ndarray and value.dtype == dtype else np.asarray(value, dtype)
-            value = results = None
+                    env[output] = value if type(value) is ndarray and value.dtype == dtype else np.asarray(value, dtype)
+            value = results = None  # type: ignore[assignment]  # let go of this node's results now
             for slot in node.free:
                 env[slot] = None
         return [env[slot] for slot in self._output_slots]

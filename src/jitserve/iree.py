@@ -71,13 +71,15 @@ ELEMENT_TYPES: dict[str, str] = {
 #   IREE 3.x fails at run time on some modules with "OUT_OF_RANGE; indirect buffer reference slot 0 is out of
 #   range of the declared binding capacity" (a jax.random key made inside the function from an input seed
 #   needs the first off, one made from a constant seed the second); bench/iree.py measures what this costs.
-CORRECTNESS_FLAGS: tuple[str, ...] = ("--iree-input-demote-f64-to-f32=false", "--iree-hal-indirect-command-buffers=false",
+CORRECTNESS_FLAGS: tuple[str, ...] = ("--iree-input-demote-f64-to-f32=false",
+                                      "--iree-hal-indirect-command-buffers=false",
                                       "--iree-opt-const-expr-hoisting=false")
 
 # Operations IREE's diagnostics say it cannot lower: what a user wrote to get them, and what to do instead.
 LOWERING_GAPS: dict[str, str] = {
     "stablehlo.custom_call": "a call into a host library (on CPU, LAPACK linear algebra: jnp.linalg.solve, inv, det, "
-                             "cholesky, svd, eigh, qr, ...); linear algebra needs compiler='xla' or compiler='evaluator'",
+                             "cholesky, svd, eigh, qr, ...); linear algebra needs compiler='xla' or "
+                             "compiler='evaluator'",
     "stablehlo.fft": "an FFT of a length IREE cannot lower (it lowers power-of-two lengths); pad to a power of two, "
                      "or use compiler='xla' or compiler='evaluator'",
     "stablehlo.triangular_solve": "a triangular solve (jax.scipy.linalg.solve_triangular); "
@@ -351,7 +353,8 @@ def check_inputs(inputs: Sequence[Any], expected: Sequence[Template | None], fun
     if len(inputs) != len(expected):
         raise TemplateMismatchError(f"function {function!r} takes {len(expected)} inputs, got {len(inputs)}")
     for value, want in zip(inputs, expected):
-        if type(value) is not np.ndarray or (want is not None and (value.shape != want.shape or value.dtype != want.dtype)):
+        mismatched = want is not None and (value.shape != want.shape or value.dtype != want.dtype)
+        if type(value) is not np.ndarray or mismatched:
             return _checked_slowly(inputs, expected)
     return inputs
 

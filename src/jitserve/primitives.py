@@ -52,7 +52,8 @@ SUBGRAPH_PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 MULTIPLE_RESULTS = frozenset({*SUBGRAPH_PARAMS, "sort", "split", "top_k", "optimization_barrier", "debug_callback",
-                              "debug_print", "threefry2x32", "iota_2x32_shape", "lu", "svd", "eigh", "qr"}) - {"scatter"}
+                              "debug_print", "threefry2x32", "iota_2x32_shape", "lu", "svd", "eigh",
+                              "qr"}) - {"scatter"}
 
 # Parameters that steer placement, precision hints or typing, never the values numpy computes (numpy
 # always computes at full precision, on one host device, with the dtype the interpreter casts to).
@@ -168,7 +169,8 @@ def _iota(*, dtype: Any, shape: tuple[int, ...], dimension: int) -> np.ndarray:
     return np.broadcast_to(np.arange(shape[dimension], dtype=dtype).reshape(axis_shape), shape).copy()
 
 
-def _broadcast_in_dim(x: np.ndarray, *dyn: Any, shape: tuple[int, ...], broadcast_dimensions: tuple[int, ...]) -> np.ndarray:
+def _broadcast_in_dim(x: np.ndarray, *dyn: Any, shape: tuple[int, ...],
+                      broadcast_dimensions: tuple[int, ...]) -> np.ndarray:
     expanded = [1] * len(shape)
     for source, target in enumerate(broadcast_dimensions):
         expanded[target] = x.shape[source]
@@ -242,7 +244,8 @@ def _cumulative(accumulate: Callable[..., Any]) -> Impl:
     return scan
 
 
-def _dot_general(lhs: np.ndarray, rhs: np.ndarray, *, dimension_numbers: Any, preferred_element_type: Any = None) -> np.ndarray:
+def _dot_general(lhs: np.ndarray, rhs: np.ndarray, *, dimension_numbers: Any,
+                 preferred_element_type: Any = None) -> np.ndarray:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     out_dtype = np.dtype(preferred_element_type) if preferred_element_type is not None else lhs.dtype
     lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract and d not in lhs_batch]
@@ -490,14 +493,16 @@ def _windows(x: np.ndarray, fill: Any, window_dimensions: tuple[int, ...], windo
     padded = _pad(x, np.asarray(fill, x.dtype), padding_config=config)
     extent = tuple((w - 1) * d + 1 for w, d in zip(window_dimensions, window_dilation))
     view = sliding_window_view(padded, extent)
-    return view[tuple(slice(None, None, s) for s in window_strides) + tuple(slice(None, None, d) for d in window_dilation)]
+    strided = tuple(slice(None, None, s) for s in window_strides)
+    return view[strided + tuple(slice(None, None, d) for d in window_dilation)]
 
 
 def _reduce_window(reduce: Callable[..., Any], identity: Callable[[np.dtype], Any]) -> Impl:
     def impl(x: np.ndarray, *, window_dimensions: tuple[int, ...], window_strides: tuple[int, ...],
              padding: tuple[tuple[int, int], ...], base_dilation: tuple[int, ...], window_dilation: tuple[int, ...]
              ) -> np.ndarray:
-        view = _windows(x, identity(x.dtype), window_dimensions, window_strides, padding, base_dilation, window_dilation)
+        view = _windows(x, identity(x.dtype), window_dimensions, window_strides, padding, base_dilation,
+                        window_dilation)
         return reduce(view, axis=tuple(range(x.ndim, 2 * x.ndim)))
     return impl
 
@@ -761,10 +766,10 @@ def _platform_index(*, platforms: tuple[Any, ...]) -> np.ndarray:
     """The branch for the platform numpy stands for, the CPU (else the default branch)."""
     for position, names in enumerate(platforms):
         if names is not None and "cpu" in names:
-            return np.int32(position)
+            return np.asarray(position, np.int32)
     for position, names in enumerate(platforms):
         if names is None:
-            return np.int32(position)
+            return np.asarray(position, np.int32)
     raise NotImplementedError(f"no branch for platform 'cpu' among {platforms}")
 
 

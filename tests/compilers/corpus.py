@@ -11,8 +11,9 @@ integer and bitwise ops, every dtype (64-bit ones under ``jax.enable_x64``),
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -363,7 +364,7 @@ def run(case: Case, compiler: str, **options: Any) -> tuple[str, str]:
             got = jax.tree_util.tree_map(np.asarray, got)
         except js.JitserveError as error:
             return "clear error", f"{type(error).__name__}: {str(error).splitlines()[0]}"
-        except Exception as error:  # noqa: BLE001 - anything else is a failure to report
+        except Exception as error:
             return "unclear error", f"{type(error).__name__}: {error}"
     problem = mismatch(case, got, want)
     return ("agree", "") if problem is None else ("wrong", problem)

@@ -10,7 +10,6 @@ counts per compiler (the README's table).
 from __future__ import annotations
 
 import pytest
-
 from corpus import CASES, run
 
 IDS = [case.name for case in CASES]

@@ -19,9 +19,8 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from netutil import Running, start_server, stop  # noqa: E402
-
-from jitserve.protocol.grpc import MESSAGES  # noqa: E402
+from jitserve.protocol.grpc import MESSAGES
+from netutil import Running, start_server, stop
 
 MODELS = str(Path(__file__).with_name("limit_models.py")) + ":models"
 MAX_HEADER = 2000

@@ -317,7 +317,7 @@ def _call_in_thread(name, value, outcomes):
     def call():
         try:
             outcomes[value] = js.batched_run(name, js.Batch.stack([np.array([value])])).tolist()
-        except Exception as error:  # noqa: BLE001 - the test looks at it
+        except Exception as error:
             outcomes[value] = error
 
     thread = threading.Thread(target=call)

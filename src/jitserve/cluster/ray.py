@@ -228,7 +228,7 @@ class RayServing:
         for actor_name in list(self._actors):
             self._stop_replica(actor_name)
 
-    def __enter__(self) -> "RayServing":
+    def __enter__(self) -> RayServing:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -43,7 +43,8 @@ LINEAR_ALGEBRA = "linear algebra needs compiler='xla' or compiler='evaluator'"
 UNSUPPORTED: dict[str, str] = {
     "lu": "an LU factorisation (jnp.linalg.solve, inv, det, slogdet, jax.scipy.linalg.lu / lu_factor)",
     "cholesky": "a Cholesky factorisation (jnp.linalg.cholesky, jax.scipy.linalg.cho_factor)",
-    "triangular_solve": "a triangular solve (jax.scipy.linalg.solve_triangular, cho_solve, jnp.linalg.solve's gradient)",
+    "triangular_solve": "a triangular solve (jax.scipy.linalg.solve_triangular, cho_solve, "
+                        "jnp.linalg.solve's gradient)",
     "svd": "a singular value decomposition (jnp.linalg.svd, pinv, matrix_rank, norm(ord=2), cond)",
     "eigh": "a symmetric eigendecomposition (jnp.linalg.eigh, eigvalsh)",
     "eig": "an eigendecomposition (jnp.linalg.eig, eigvals)",
@@ -125,7 +126,7 @@ def _rewrite_bodies(params: dict[str, Any]) -> dict[str, Any]:
 def _as_index(indices: Any, operand_shape: Sequence[int]) -> Any:
     """The indices as int32 (int64 where a dimension needs it), saturating: no large index wraps into range."""
     target = np.dtype(np.int64 if max(operand_shape, default=0) >= np.iinfo(np.int32).max else np.int32)
-    source, wanted = np.iinfo(indices.dtype), np.iinfo(target)
+    source, wanted = np.iinfo(indices.dtype.type), np.iinfo(target.type)
     low, high = max(source.min, wanted.min), min(source.max, wanted.max)
     if (low, high) != (source.min, source.max):
         indices = lax.clamp(np.array(low, indices.dtype), indices, np.array(high, indices.dtype))
@@ -210,7 +211,8 @@ def _convert(x: Any, *, new_dtype: Any, weak_type: bool, sharding: Any) -> list[
         high, low = np.asarray(info.max, x.dtype), np.asarray(info.min, x.dtype)
     too_big, too_small = x >= high, x <= low
     safe = bind(lax.select(too_big | too_small | lax.ne(x, x), lax.full_like(x, 0), x))
-    return [lax.select(too_big, lax.full_like(safe, info.max), lax.select(too_small, lax.full_like(safe, info.min), safe))]
+    clipped_low = lax.select(too_small, lax.full_like(safe, info.min), safe)
+    return [lax.select(too_big, lax.full_like(safe, info.max), clipped_low)]
 
 
 REWRITES: dict[str, Callable[..., list[Any]]] = {

@@ -55,12 +55,13 @@ class IreeCompiler(Compiler):
         used = lowered.used_inputs
         _check_signature(module.input_templates(), [lowered.input_templates[i] for i in used], module.flags)
         dtypes = [lowered.input_templates[i].dtype for i in used]
-        out_tree = jax.tree_util.tree_structure(lowered.output_container)
+        out_tree: Any = jax.tree_util.tree_structure(lowered.output_container)  # jaxlib's PyTreeDef
         flatten = jax.tree_util.tree_flatten
 
         def run(*args: Any) -> Any:
             leaves = flatten(args)[0]
-            inputs = [x if hasattr(x, "shape") else np.asarray(x, dt) for x, dt in zip([leaves[i] for i in used], dtypes)]
+            inputs = [x if hasattr(x, "shape") else np.asarray(x, dt)
+                      for x, dt in zip([leaves[i] for i in used], dtypes)]
             out = iree.invoke_checked(invoke, inputs, "main")
             return out_tree.unflatten(out if isinstance(out, tuple) else (out,))
 

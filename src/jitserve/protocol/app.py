@@ -24,9 +24,9 @@ from ..errors import OptionError
 from ..serving.registry import serve
 from ..serving.server import Server
 from ..serving.serving import Serving
-from .grpc import GrpcServer
 from .access import Access
 from .connection import GuardedHttpProtocol
+from .grpc import GrpcServer
 from .http import HttpFront
 from .limits import Limits, Tls
 from .service import InferenceService
@@ -138,9 +138,11 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
                      grpc_server.port)
         config = uvicorn.Config(HttpFront(service, limits, access), host=host, port=port, lifespan="off",
                                 http=GuardedHttpProtocol.factory(limits), server_header=False,
-                                ssl_certfile=tls and tls.cert, ssl_keyfile=tls and tls.key,
-                                access_log=False, log_level="warning",
-                                timeout_graceful_shutdown=30 if drain_timeout is None else drain_timeout)
+                                ssl_certfile=None if tls is None else tls.cert,
+                                ssl_keyfile=None if tls is None else tls.key,
+                                access_log=False, log_level="warning", log_config=None,
+                                # seconds as a float work (uvicorn waits with asyncio); its annotation says int
+                                timeout_graceful_shutdown=30 if drain_timeout is None else drain_timeout)  # type: ignore[arg-type]
         grace = 30.0 if drain_timeout is None else drain_timeout
 
         def stop_accepting() -> None:

@@ -258,9 +258,9 @@ class ModelSpec:
                     raise ProtocolError(f"input '{spec.name}' has shape {list(array.shape)}, but model "
                                         f"'{self.name}' expects {[-1, *spec.row_shape]}")
             entry = jax.tree_util.tree_unflatten(self._input_tree, [tensors[t.name] for t in self.inputs])
-        rows = {a.shape[0] if a.ndim else None for a in tensors.values()}
-        if None in rows:
+        if any(a.ndim == 0 for a in tensors.values()):
             raise ProtocolError("inputs need a batch axis (axis 0 holds the rows); got a scalar")
+        rows = {a.shape[0] for a in tensors.values()}
         if len(rows) != 1:
             raise ProtocolError(f"all inputs must have the same batch size (axis 0); got {sorted(rows)}")
         if 0 in rows:

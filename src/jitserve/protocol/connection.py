@@ -36,7 +36,7 @@ REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header F
            503: b"Service Unavailable"}
 
 
-class _Refusal(Exception):
+class _RefusalError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
@@ -85,7 +85,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as error:
-            if isinstance(error.__context__, _Refusal):
+            if isinstance(error.__context__, _RefusalError):
                 self._refuse(error.__context__.status, str(error.__context__))
                 return
             self._invalid()
@@ -110,7 +110,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         if size > self.limits.max_header_bytes:
-            raise _Refusal(431, self._headers_too_large())
+            raise _RefusalError(431, self._headers_too_large())
         self._reading_headers = False
         self._arm_read(self._body_stalled)
         super().on_headers_complete()

@@ -27,6 +27,7 @@ from ..errors import ProtocolError
 from .access import Access, ApiKeyInterceptor
 from .codec import datatype_of, decode_raw, decode_values, dtype_of
 from .limits import Limits, Tls
+from .logs import REQUEST_ID, request_id
 from .service import InferenceService, status_of
 
 SERVICE = "inference.GRPCInferenceService"
@@ -119,6 +120,7 @@ class GrpcFront:
         request is answered with one response per batch that ran some of its rows (per step of a
         streaming serving), as they are ready; errors come as ``error_message``. A request that asks for
         ``triton_enable_empty_final_response`` gets a last, empty response marked ``triton_final_response``."""
+        _tag_request(context)
         responses: asyncio.Queue[Any] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
@@ -229,6 +231,7 @@ def parse(request_class: Any, data: bytes) -> Any:
 
 def _parsing(handler: Callable[[Any, Any], Any], request_class: Any) -> Callable[[bytes, Any], Any]:
     async def parsed(data: bytes, context: Any) -> Any:
+        _tag_request(context)
         try:
             request = parse(request_class, data)
         except ProtocolError as error:
@@ -236,6 +239,11 @@ def _parsing(handler: Callable[[Any, Any], Any], request_class: Any) -> Callable
         return await handler(request, context)
 
     return parsed
+
+
+def _tag_request(context: Any) -> None:
+    """This call's request id (the client's ``x-request-id`` metadata, else a new one) on its log lines."""
+    REQUEST_ID.set(request_id(dict(context.invocation_metadata() or ()).get("x-request-id")))
 
 
 def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:

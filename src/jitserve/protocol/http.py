@@ -35,6 +35,7 @@ from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access
 from .codec import datatype_of, decode_raw, decode_values, json_values
 from .limits import Limits
+from .logs import REQUEST_ID, request_id
 from .metrics import CONTENT_TYPE
 from .service import InferenceService, loggable, status_of
 
@@ -78,7 +79,7 @@ class HttpFront:
         self.offload_bytes = limits.offload_bytes
         self._offloaded = asyncio.Semaphore(1)  # large bodies are decoded/encoded one at a time: bounded memory
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
-        self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response]]]] = [
+        self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response | _Events]]]] = [
             ("POST", re.compile(model + "/infer"), self.infer),
             ("POST", re.compile(model + "/infer_stream"), self.infer_stream),
             ("GET", re.compile(r"/v2/health/live"), self.live),
@@ -99,6 +100,8 @@ class HttpFront:
             return
         headers = dict(scope["headers"])
         method = scope["method"]
+        rid = request_id(headers.get(b"x-request-id"))
+        REQUEST_ID.set(rid)  # this request's task only: every line it logs carries the id
         if method == "OPTIONS":  # a browser's CORS preflight, or a client asking what is allowed
             await _send(send, 204, [(b"allow", CORS_METHODS), *self.access.preflight_headers(headers)], b"", False)
             return
@@ -113,14 +116,14 @@ class HttpFront:
                     raise
                 response = _error(503, "the server shut down before this request was answered (its drain "
                                        "timeout passed); retry it on another server")
-            except Exception as error:  # noqa: BLE001 - every failure becomes a response, never a dead server
+            except Exception:
                 log.exception("unexpected error serving %s %s", method, loggable(scope.get("path", "")))
                 response = _error(500, "internal error; the server log has the details")
         if isinstance(response, _Events):
             await _send_events(response.events, receive, send)
             return
         status, response_headers, body = response
-        response_headers = [*response_headers, *self.access.cors_headers(headers)]
+        response_headers = [*response_headers, (b"x-request-id", rid.encode()), *self.access.cors_headers(headers)]
         if len(body) >= COMPRESS_BYTES and b"gzip" in headers.get(b"accept-encoding", b""):
             body = await self._off_loop(len(body), lambda: gzip.compress(body, compresslevel=1))
             response_headers += [(b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")]
@@ -216,7 +219,8 @@ class HttpFront:
             body = await self._off_loop(len(body), lambda: _decompress(body, encoding, self.max_body_bytes))
         return body, None if header_length is None else int(header_length)
 
-    async def infer(self, scope: dict[str, Any], receive: Callable[..., Any], model: str, version: str | None) -> Response:
+    async def infer(self, scope: dict[str, Any], receive: Callable[..., Any], model: str,
+                    version: str | None) -> Response:
         try:
             body, header_length = await self._read_body(scope, receive)
             request, tensors, requested, binary_outputs = await self._off_loop(
@@ -250,7 +254,8 @@ class HttpFront:
         the outputs go out as events while the rows run."""
         try:
             body, header_length = await self._read_body(scope, receive)
-            request, tensors, requested, _ = await self._off_loop(len(body), lambda: _parse_request(body, header_length))
+            request, tensors, requested, _ = await self._off_loop(
+                len(body), lambda: _parse_request(body, header_length))
             stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
                                                _priority(request), version)
         except Exception as error:  # noqa: BLE001 - statuses by error class

@@ -20,8 +20,8 @@ import numpy as np
 from .. import __version__
 from ..errors import (
     BatchError,
-    BodyTooLargeError,
     BatchSizeError,
+    BodyTooLargeError,
     ProtocolError,
     QueueFullError,
     ServerStoppedError,
@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..serving.server import Server
 from .codec import ModelSpec, select_outputs
+from .logs import REQUEST_ID
 from .metrics import Metrics
 
 log = logging.getLogger("jitserve.serve")
@@ -215,7 +216,7 @@ class InferenceService:
         http_status, grpc_status = status_of(error)
         status: int | str = http_status if protocol == "http" else grpc_status
         if http_status == 500:
-            request_id = uuid.uuid4().hex[:12]
+            request_id = REQUEST_ID.get() or uuid.uuid4().hex[:16]
             log.error("%s: model '%s' failed (request id %s)", protocol, loggable(model), request_id, exc_info=error)
             message = f"internal error in model '{model}'; the server log has the details under request id {request_id}"
         else:

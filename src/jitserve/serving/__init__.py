@@ -1,8 +1,16 @@
 """Serving with dynamic batching: ``Serving``, the in-process ``Server``, its queues and the registry of names."""
 
 from .queue import BatchPolicy, Request
-from .registry import (batched_run, batched_run_async, batched_stream, batched_stream_async, lookup,
-                       register_cluster, serve, servers)
+from .registry import (
+                       batched_run,
+                       batched_run_async,
+                       batched_stream,
+                       batched_stream_async,
+                       lookup,
+                       register_cluster,
+                       serve,
+                       servers,
+)
 from .server import BatchReport, Server
 from .serving import Serving
 

@@ -25,9 +25,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import jax
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..batch import Batch
 from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, ServerStoppedError
@@ -69,7 +71,7 @@ def _resolve_futures(requests: list[Request]) -> None:
 class _Partition:
     """A worker thread with its own executables."""
 
-    def __init__(self, server: "Server", index: int, executor: BatchExecutor) -> None:
+    def __init__(self, server: Server, index: int, executor: BatchExecutor) -> None:
         self.index = index
         self.executor = executor
         self.thread = threading.Thread(target=server._work, args=(self,), name=f"jitserve-{server.name}-p{index}",
@@ -109,7 +111,7 @@ class Server:
 
     # lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> "Server":
+    def start(self) -> Self:
         self.warm_up()
         for partition in self._partitions:
             partition.thread.start()
@@ -124,15 +126,17 @@ class Server:
         sizes = self.serving.batch_sizes
         keys = self.serving.batch_keys or (None,)
         work = [(p, size, key) for p in self._partitions for key in keys for size in sizes]
-        progress = _Progress(f"{self.name}: compiling {len(sizes)} batch sizes"
-                             f"{'' if keys == (None,) else f' x {len(keys)} batch keys'}", len(work))
-        for done, (partition, size, key) in enumerate(work, start=1):
-            started = time.perf_counter()
-            partition.executor.compiled(size, tree, row_signature, key)  # type: ignore[attr-defined]
-            log.info("server %s: partition %d compiled batch size %d%s in %.3fs", self.name, partition.index,
-                     size, "" if key is None else f" for batch key {key!r}", time.perf_counter() - started)
-            progress.update(done)
-        progress.close()
+        label = f"{self.name}: compiling {len(sizes)} batch sizes" \
+                f"{'' if keys == (None,) else f' x {len(keys)} batch keys'}"
+        # tqdm on a terminal only; log lines go through it meanwhile, so the bar and the log never interleave
+        with logging_redirect_tqdm(), tqdm(total=len(work), desc=label, disable=not sys.stderr.isatty(),
+                                           leave=False) as progress:
+            for partition, size, key in work:
+                started = time.perf_counter()
+                partition.executor.compiled(size, tree, row_signature, key)  # type: ignore[attr-defined]
+                log.info("server %s: partition %d compiled batch size %d%s in %.3fs", self.name, partition.index,
+                         size, "" if key is None else f" for batch key {key!r}", time.perf_counter() - started)
+                progress.update(1)
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests and end the threads once the work left is done; returns when it is.
@@ -158,8 +162,9 @@ class Server:
             for partition in self._partitions:
                 partition.thread.join(max(deadline - time.monotonic(), 0))
             with self._cond:
-                finished = self._fail_withdrawn(self._queues.withdraw_all(), f"stopped (its drain timeout of {timeout}s "
-                                                f"ran out) before all of this request ran")
+                finished = self._fail_withdrawn(self._queues.withdraw_all(),
+                                                f"stopped (its drain timeout of {timeout}s ran out) before all of "
+                                                f"this request ran")
             self._wake(finished)
         for partition in self._partitions:
             partition.thread.join()
@@ -181,11 +186,11 @@ class Server:
         self._stats["stopped"] += len(finished)
         return finished
 
-    def on_stop(self, callback: Callable[["Server"], None]) -> None:
+    def on_stop(self, callback: Callable[[Server], None]) -> None:
         """Call ``callback(server)`` once the server has stopped (the registry forgets its name)."""
         self._on_stop.append(callback)
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -443,7 +448,7 @@ class Server:
             for listener in self._listeners:
                 try:
                     listener(report)
-                except Exception:  # noqa: BLE001 - a broken listener must not stop the server
+                except Exception:
                     log.exception("server %s: batch listener %r failed", self.name, listener)
 
     def _bisect(self, partition: _Partition, pieces: list[Piece], error: BaseException
@@ -469,7 +474,7 @@ class Server:
                 outcomes.append((flat(part), None, failure))
                 return
             middle = len(part) // 2
-            halves = []
+            halves: list[tuple[list[list[Piece]], Any, BaseException | None]] = []
             for half in (part[:middle], part[middle:]):
                 reruns += 1
                 try:
@@ -494,7 +499,8 @@ class Server:
     @staticmethod
     def _pieces_of(pieces: list[Piece], outputs: Any) -> Iterator[tuple[Piece, Any]]:
         """Each piece with its rows of the outputs."""
-        leaves, tree = jax.tree_util.tree_flatten(outputs)
+        leaves, structure = jax.tree_util.tree_flatten(outputs)
+        tree: Any = structure  # jaxlib's PyTreeDef, which its stubs do not export
         single = leaves[0] if len(leaves) == 1 and tree.num_nodes == 1 else None  # one array: no unflattening
         at = 0
         for piece in pieces:
@@ -581,22 +587,3 @@ class _StreamOrder:
             self.next_offset += len(jax.tree_util.tree_leaves(outputs)[0])
             ready.append(outputs)
         return ready
-
-
-class _Progress:
-    """A one-line progress bar on a terminal; silent otherwise."""
-
-    def __init__(self, label: str, total: int) -> None:
-        self.label = label
-        self.total = total
-        self.shown = sys.stderr.isatty() and total > 0
-
-    def update(self, done: int) -> None:
-        if self.shown:
-            filled = int(30 * done / self.total)
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")

@@ -63,14 +63,15 @@ def _check_batch_sizes(batch_size: int, batch_sizes: Sequence[int] | None) -> li
 class Executor:
     """One partition's executables: one per (padded batch size, row signature, batch key), compiled on first use."""
 
-    def __init__(self, serving: "Serving", options: Mapping[str, Any], on_compile: Callable[[], None]) -> None:
+    def __init__(self, serving: Serving, options: Mapping[str, Any], on_compile: Callable[[], None]) -> None:
         self.serving = serving
         self.options = dict(options)
         self._on_compile = on_compile
         self._compiled: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
         self._lock = threading.Lock()
 
-    def compiled(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any = None) -> Callable[[Any], Any]:
+    def compiled(self, rows: int, tree: Any, row_signature: RowSignature,
+                 batch_key: Any = None) -> Callable[[Any], Any]:
         key = (rows, tree, row_signature, batch_key)
         run = self._compiled.get(key)
         if run is None:
@@ -82,7 +83,8 @@ class Executor:
 
     def _compile(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any) -> Callable[[Any], Any]:
         serving = self.serving
-        templates = jax.tree_util.tree_unflatten(tree, [Template((rows, *shape), dtype) for shape, dtype in row_signature])
+        templates = jax.tree_util.tree_unflatten(tree, [Template((rows, *shape), dtype)
+                                                        for shape, dtype in row_signature])
         compiler = compilers.get(serving.compiler_name)
         fn = serving.fn if serving.batch_keys is None else functools.partial(serving.fn, batch_key)
         with defn_errors():
@@ -147,7 +149,7 @@ class Serving:
         max_queue: int | None = None,
         input_template: Any = None,
         preprocess: Callable[[Any], Batch] | None = None,
-        postprocess: Callable[[Any], Any] | None = None,
+        postprocess: Callable[..., Any] | None = None,
         compiler: str | None = None,
         isolation: str | None = None,
         batch_keys: Sequence[Any] | None = None,
@@ -214,7 +216,7 @@ class Serving:
         self._inline: Executor | None = None
         self._inline_lock = threading.Lock()
 
-    def replace(self, **changes: Any) -> "Serving":
+    def replace(self, **changes: Any) -> Serving:
         """A new Serving with some arguments changed (a new ``batch_size`` drops explicit ``batch_sizes``)."""
         arguments = {**self._arguments, **changes}
         if "batch_size" in changes and "batch_sizes" not in changes:

@@ -1,0 +1,43 @@
+"""`jitserve serve --log-format json`: every line of the log (jitserve's and uvicorn's) is one JSON object, and
+the lines a request causes carry its request id, the client's own when it sends one."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("uvicorn")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from netutil import ROOT, start_server, stop  # noqa: E402
+
+BAD_INPUT = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]})
+
+
+def test_json_logs_parse_line_by_line_and_carry_request_ids():
+    running = start_server(str(ROOT / "examples/mlp.py") + ":serving", "--log-format", "json")
+    try:
+        status, headers, _ = running.request("POST", "/v2/models/mlp/infer", BAD_INPUT.encode(),
+                                             {"X-Request-ID": "client-42"})
+        assert status == 400 and headers["x-request-id"] == "client-42"
+        _, headers, _ = running.request("GET", "/v2/health/ready")
+        assert re.fullmatch(r"[0-9a-f]{16}", headers["x-request-id"]), "a request without an id gets one"
+        _, headers, _ = running.request("GET", "/v2/health/ready", headers={"X-Request-ID": "bad id, with spaces"})
+        assert re.fullmatch(r"[0-9a-f]{16}", headers["x-request-id"]), "an id that is no plain token is replaced"
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+        tensor = grpcclient.InferInput("input", [1, 3], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 3), np.float32))
+        with pytest.raises(InferenceServerException):
+            client.infer("mlp", [tensor], headers={"x-request-id": "grpc-7"})
+    finally:
+        output = stop(running)
+    lines = [json.loads(line) for line in output.splitlines()]  # every line is JSON
+    assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    by_id = {line.get("request_id"): line for line in lines if line["level"] == "WARNING"}
+    assert "expects [-1, 16]" in by_id["client-42"]["message"] and by_id["client-42"]["logger"] == "jitserve.serve"
+    assert by_id["grpc-7"]["message"].startswith("grpc: model 'mlp': INVALID_ARGUMENT")
+    assert any(line["message"].startswith("HTTP: http://127.0.0.1") for line in lines)
