@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,18 @@ def test_mypy_is_clean():
 
 def test_src_stays_within_its_line_budget():
     assert source_lines() <= LINE_BUDGET, f"src/jitserve has {source_lines():,} lines, over {LINE_BUDGET:,}"
+
+
+def test_the_sdist_carries_the_tests_examples_and_benches(tmp_path):
+    """Everything tracked under tests/, examples/ and bench/ is in the source distribution, with the license."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("run from a git checkout: the sdist is checked against the tracked files")
+    subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp_path), str(ROOT)], check=True,
+                   capture_output=True, timeout=600)
+    (archive,) = tmp_path.glob("jitserve-*.tar.gz")
+    with tarfile.open(archive) as sdist:
+        names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    tracked = subprocess.run(["git", "ls-files", "tests", "examples", "bench"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert not sorted(set(tracked) - names), "files missing from the sdist"
+    assert {"LICENSE", "README.md", "pyproject.toml", "dev.py", "src/jitserve/protocol/inference.binpb"} <= names

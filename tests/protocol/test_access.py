@@ -1,8 +1,8 @@
 """Opt-in access control on the real `jitserve serve`: an API key on HTTP and gRPC, TLS on both (a self-signed
 certificate made by the test with openssl), CORS, HEAD and OPTIONS, and gzip bodies both ways.
 
-The CORS preflight is sent as raw requests, the way a browser sends it: no headless browser installs on this
-machine."""
+The CORS preflight is sent here as raw requests, the way a browser sends it; test_browser.py has a real
+headless Chromium do it."""
 
 from __future__ import annotations
 
