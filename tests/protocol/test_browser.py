@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from netutil import ROOT, free_port, start_server, stop  # noqa: E402
+from netutil import ROOT, free_port, start_server, stop
 
 KEY = "browser-key"
 PAGE = """<!doctype html><html><body>waiting<script>
