@@ -68,6 +68,16 @@ class _HttpServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (uvicorn[standard] brings it), else asyncio's. uvicorn picks
+    it only when it runs the loop itself; jitserve runs uvicorn's server on a loop of its own making."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def start_locally(servings: Mapping[str, Serving]) -> Callable[[dict[str, Server]], None]:
     """A ``start`` for :func:`run`: every serving served in this process."""
     def start(servers: dict[str, Server]) -> None:
@@ -153,7 +163,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         http_server = _HttpServer(config, stop_accepting)
         log.info("HTTP: %s://%s:%d/v2 (models: %s; metrics at /metrics)%s", "https" if tls else "http", host, port,
                  ", ".join(servers), "; API key required" if access.api_key is not None else "")
-        asyncio.run(http_server.serve())
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(http_server.serve())
     except KeyboardInterrupt as reason:
         log.info("%s: shutting down", str(reason) or "SIGINT")
     finally:

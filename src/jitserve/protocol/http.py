@@ -13,9 +13,9 @@ on failure) and ``GET /metrics``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server.
 
-Why this stack: uvicorn with uvloop and httptools is the fastest mainstream
-Python HTTP server, and a bare ASGI callable adds no framework routing or
-validation layers to the hot path.
+Why this stack: uvicorn with uvloop (``app.event_loop_factory``) and
+httptools is the fastest mainstream Python HTTP server, and a bare ASGI
+callable adds no framework routing or validation layers to the hot path.
 """
 
 from __future__ import annotations
