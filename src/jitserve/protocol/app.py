@@ -135,6 +135,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     exit each is stopped (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
     check_ports_free(host, [port, grpc_port])
     limits = fit_connections(limits, raise_file_limit())
+    grace = 30.0 if drain_timeout is None else drain_timeout  # seconds the drain may take at shutdown
     signal.signal(signal.SIGTERM, _Shutdown())
     servers: dict[str, Server] = {}
     grpc_server = None
@@ -152,8 +153,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
                                 ssl_keyfile=None if tls is None else tls.key,
                                 access_log=False, log_level="warning", log_config=None,
                                 # seconds as a float work (uvicorn waits with asyncio); its annotation says int
-                                timeout_graceful_shutdown=30 if drain_timeout is None else drain_timeout)  # type: ignore[arg-type]
-        grace = 30.0 if drain_timeout is None else drain_timeout
+                                timeout_graceful_shutdown=grace)  # type: ignore[arg-type]
 
         def stop_accepting() -> None:
             service.draining = True
@@ -169,7 +169,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         log.info("%s: shutting down", str(reason) or "SIGINT")
     finally:
         if grpc_server is not None:
-            grpc_server.stop(30.0 if drain_timeout is None else drain_timeout)
+            grpc_server.stop(grace)
         for name, server in servers.items():
             server.stop(timeout=drain_timeout)
             log.info("model '%s' drained and stopped: %s", name, server.stats())

@@ -103,7 +103,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse(431, self._headers_too_large())
 
     def on_message_begin(self) -> None:
-        self._reading_headers = True
         super().on_message_begin()
         self._arm_read(self._headers_overdue)
 

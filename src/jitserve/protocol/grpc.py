@@ -100,8 +100,8 @@ class GrpcFront:
                              lambda: self.service.statistics(request.name, request.version))
 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return await _answer(context, "RepositoryIndexResponse", lambda: {"models": [
-            entry for entry in self.service.repository_index() if not request.ready or entry["state"] == "READY"]})
+        return await _answer(context, "RepositoryIndexResponse",
+                             lambda: {"models": self.service.repository_index(request.ready)})
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         model = request.model_name

@@ -110,7 +110,7 @@ class HttpFront:
                                             orjson.dumps({"error": UNAUTHORIZED}))
         else:
             try:
-                response = await self.route(scope, receive)
+                response = await self.route(scope, headers, receive)
             except asyncio.CancelledError:
                 if not self.service.draining:
                     raise
@@ -129,7 +129,8 @@ class HttpFront:
             response_headers += [(b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")]
         await _send(send, status, response_headers, body, method != "HEAD")
 
-    async def route(self, scope: dict[str, Any], receive: Callable[..., Any]) -> Response | _Events:
+    async def route(self, scope: dict[str, Any], headers: dict[bytes, bytes], receive: Callable[..., Any]
+                    ) -> Response | _Events:
         method, path = scope["method"], scope["path"]
         method = "GET" if method == "HEAD" else method  # HEAD: GET's status and headers, no body
         allowed = []
@@ -141,7 +142,7 @@ class HttpFront:
                 allowed.append(route_method)
                 continue
             if method == "POST":
-                return await handler(scope, receive, **match.groupdict())
+                return await handler(headers, receive, **match.groupdict())
             return await handler(**match.groupdict())
         if allowed:
             return _error(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
@@ -169,17 +170,14 @@ class HttpFront:
     async def model_list(self) -> Response:
         return _json(200, self.service.repository_index())
 
-    async def repository_index(self, scope: dict[str, Any], receive: Callable[..., Any]) -> Response:
+    async def repository_index(self, headers: dict[bytes, bytes], receive: Callable[..., Any]) -> Response:
         """Triton's repository index; a body ``{"ready": true}`` lists only ready models."""
         try:
-            body, _ = await self._read_body(scope, receive)
+            body, _ = await self._read_body(headers, receive)
             options = orjson.loads(body) if body.strip() else {}
         except (ProtocolError, orjson.JSONDecodeError) as error:
             return _error(400, f"the repository index request must be a JSON object: {error}")
-        index = self.service.repository_index()
-        if isinstance(options, dict) and options.get("ready") is True:
-            index = [entry for entry in index if entry["state"] == "READY"]
-        return _json(200, index)
+        return _json(200, self.service.repository_index(isinstance(options, dict) and options.get("ready") is True))
 
     async def model_ready(self, model: str, version: str | None) -> Response:
         try:
@@ -192,8 +190,8 @@ class HttpFront:
     async def metrics(self) -> Response:
         return 200, [(b"content-type", CONTENT_TYPE.encode())], self.service.metrics.render()
 
-    async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> tuple[bytes, int | None]:
-        headers = dict(scope["headers"])
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Callable[..., Any]
+                         ) -> tuple[bytes, int | None]:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise _too_large(int(declared), self.max_body_bytes)
@@ -219,10 +217,10 @@ class HttpFront:
             body = await self._off_loop(len(body), lambda: _decompress(body, encoding, self.max_body_bytes))
         return body, None if header_length is None else int(header_length)
 
-    async def infer(self, scope: dict[str, Any], receive: Callable[..., Any], model: str,
+    async def infer(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str,
                     version: str | None) -> Response:
         try:
-            body, header_length = await self._read_body(scope, receive)
+            body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, binary_outputs = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
             outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None,
@@ -248,12 +246,12 @@ class HttpFront:
         return _error(status, message)
 
 
-    async def infer_stream(self, scope: dict[str, Any], receive: Callable[..., Any], model: str,
+    async def infer_stream(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str,
                            version: str | None) -> Response | _Events:
         """The request is read, checked and queued first (its errors are ordinary 4xx/5xx responses); then
         the outputs go out as events while the rows run."""
         try:
-            body, header_length = await self._read_body(scope, receive)
+            body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, _ = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
             stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,

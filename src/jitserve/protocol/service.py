@@ -121,9 +121,13 @@ class InferenceService:
     def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         return {**self.model(name, version).metadata(), "versions": list(self.versions[name])}
 
-    def repository_index(self) -> list[dict[str, str]]:
-        """Every model version and its state (Triton's repository index)."""
-        state = "READY" if self.ready() else "UNAVAILABLE"
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """Every model version and its state (Triton's repository index); none when ``ready_only`` and the
+        server is not ready."""
+        ready = self.ready()
+        if ready_only and not ready:
+            return []
+        state = "READY" if ready else "UNAVAILABLE"
         return [{"name": name, "version": version, "state": state, "reason": ""}
                 for name, specs in self.versions.items() for version in specs]
 
