@@ -141,7 +141,12 @@ def test_model_versions_are_served_and_unknown_ones_are_404(server, client_modul
     tensor.set_data_from_numpy(np.array([[10.0]], np.float32))
     assert client.infer("versioned", [tensor], model_version="1").as_numpy("output").tolist() == [[11.0]]
     assert client.infer("versioned", [tensor], model_version="2").as_numpy("output").tolist() == [[12.0]]
-    assert client.infer("versioned", [tensor]).as_numpy("output").tolist() == [[12.0]], "no version: the highest"
+    latest = client.infer("versioned", [tensor])
+    assert latest.as_numpy("output").tolist() == [[12.0]], "no version: the highest"
+    for result, version in ((client.infer("versioned", [tensor], model_version="1"), "1"), (latest, "2")):
+        response = result.get_response()
+        assert (response.model_version if grpc_side else response["model_version"]) == version, \
+            "the response names the version that ran"
     metadata = client.get_model_metadata("versioned", **({"as_json": True} if grpc_side else {}))
     assert metadata["versions"] == ["1", "2"]
     assert client.is_model_ready("versioned", "1") and client.is_model_ready("mlp", "1")

@@ -107,13 +107,13 @@ class GrpcFront:
         model = request.model_name
         try:
             tensors = _decode_inputs(request)
-            outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
-                                               _priority(request), request.model_version)
+            served, outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
+                                                       _priority(request), request.model_version)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error)
             await context.abort(getattr(grpc.StatusCode, status), message)
         self.service.count(model, "grpc", "OK")
-        return _infer_response(model, request.id, outputs)
+        return _infer_response(model, served, request.id, outputs)
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         """Triton's bidirectional stream (tritonclient's ``start_stream`` / ``async_stream_infer``): each
@@ -131,17 +131,18 @@ class GrpcFront:
                 model = request.model_name
                 tensors = _decode_inputs(request)
                 names = [o.name for o in request.outputs] or None
-                async for outputs in self.service.infer_stream(model, tensors, names, _priority(request),
-                                                               request.model_version):
+                served, stream = self.service.infer_stream(model, tensors, names, _priority(request),
+                                                           request.model_version)
+                async for outputs in stream:
                     await responses.put(MESSAGES["ModelStreamInferResponse"](
-                        infer_response=_infer_response(model, request.id, outputs)))
+                        infer_response=_infer_response(model, served, request.id, outputs)))
             except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
                 message = self.service.failed("grpc", model, error)[2]
                 await responses.put(MESSAGES["ModelStreamInferResponse"](error_message=message))
                 return
             self.service.count(model, "grpc", "OK")
             if _flag(request, "triton_enable_empty_final_response"):
-                final = MESSAGES["ModelInferResponse"](model_name=model, model_version="1", id=request.id)
+                final = MESSAGES["ModelInferResponse"](model_name=model, model_version=served, id=request.id)
                 final.parameters["triton_final_response"].bool_param = True
                 await responses.put(MESSAGES["ModelStreamInferResponse"](infer_response=final))
 
@@ -174,8 +175,8 @@ async def _answer(context: Any, response: str, make: Callable[[], dict[str, Any]
     return json_format.ParseDict(fields, MESSAGES[response]())
 
 
-def _infer_response(model: str, request_id: str, outputs: list[tuple[str, np.ndarray]]) -> Any:
-    response = MESSAGES["ModelInferResponse"](model_name=model, model_version="1", id=request_id)
+def _infer_response(model: str, version: str, request_id: str, outputs: list[tuple[str, np.ndarray]]) -> Any:
+    response = MESSAGES["ModelInferResponse"](model_name=model, model_version=version, id=request_id)
     for name, array in outputs:
         response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
         response.raw_output_contents.append(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())

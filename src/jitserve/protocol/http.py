@@ -223,10 +223,10 @@ class HttpFront:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, binary_outputs = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
-            outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None,
-                                               _priority(request), version)
+            served, outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None,
+                                                       _priority(request), version)
             response = await self._off_loop(sum(array.nbytes for _, array in outputs), lambda: _encode_response(
-                model, request.get("id"), outputs, dict(requested), binary_outputs))
+                model, served, request.get("id"), outputs, dict(requested), binary_outputs))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
             return self._failed(model, error)
         self.service.count(model, "http", 200)
@@ -254,17 +254,17 @@ class HttpFront:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, _ = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
-            stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
-                                               _priority(request), version)
+            served, stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
+                                                       _priority(request), version)
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error)
-        return _Events(self._events(model, request.get("id"), stream))
+        return _Events(self._events(model, served, request.get("id"), stream))
 
-    async def _events(self, model: str, request_id: Any, stream: AsyncIterator[list[tuple[str, np.ndarray]]]
-                      ) -> AsyncIterator[bytes]:
+    async def _events(self, model: str, served: str, request_id: Any,
+                      stream: AsyncIterator[list[tuple[str, np.ndarray]]]) -> AsyncIterator[bytes]:
         try:
             async for outputs in stream:
-                yield b"data: " + _encode_response(model, request_id, outputs, {}, False)[2] + b"\n\n"
+                yield b"data: " + _encode_response(model, served, request_id, outputs, {}, False)[2] + b"\n\n"
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
             status, _, message = self.service.failed("http", model, error)
             yield b"event: error\ndata: " + orjson.dumps({"error": message, "status": status}) + b"\n\n"
@@ -445,7 +445,7 @@ def _json_data(array: np.ndarray) -> Any:
     return json_values(flat)
 
 
-def _encode_response(model: str, request_id: Any, outputs: list[tuple[str, np.ndarray]],
+def _encode_response(model: str, version: str, request_id: Any, outputs: list[tuple[str, np.ndarray]],
                      binary_requested: dict[str, bool | None], binary_all: bool) -> Response:
     described, blobs = [], []
     for name, array in outputs:
@@ -458,7 +458,7 @@ def _encode_response(model: str, request_id: Any, outputs: list[tuple[str, np.nd
         else:
             entry["data"] = _json_data(array)
         described.append(entry)
-    payload: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described}
+    payload: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": described}
     if request_id is not None:
         payload["id"] = request_id
     header = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -166,9 +166,10 @@ class InferenceService:
         return not self.draining and all(not spec.server.stopping for spec in self.models.values())
 
     async def infer(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
-                    priority: int | None = None, version: str | None = None) -> list[tuple[str, np.ndarray]]:
+                    priority: int | None = None, version: str | None = None
+                    ) -> tuple[str, list[tuple[str, np.ndarray]]]:
         """Run one request's tensors on ``model`` (at ``version``) at ``priority`` (the request's ``priority``
-        parameter, as tritonclient sends it); the named outputs it asked for."""
+        parameter, as tritonclient sends it); the version that ran it and the named outputs it asked for."""
         spec = self.model(model, version)
         batch = spec.to_batch(tensors)
         server = spec.server
@@ -185,19 +186,20 @@ class InferenceService:
             tally.add(started, ok=False)
             raise
         tally.add(started, ok=True)
-        return select_outputs(spec.named_outputs(outputs), requested, model)
+        return spec.version, select_outputs(spec.named_outputs(outputs), requested, model)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
                      priority: int | None = None, version: str | None = None
-                     ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+                     ) -> tuple[str, AsyncIterator[list[tuple[str, np.ndarray]]]]:
         """``infer`` whose outputs come as they are ready: one item per batch that ran some of the rows (in
         row order), or per step of a streaming serving. The request is checked and queued now (its errors
-        raise here, before anything is sent); a consumer that stops early frees its queued rows."""
+        raise here, before anything is sent); a consumer that stops early frees its queued rows. Returns the
+        version that runs it with the outputs to come."""
         spec = self.model(model, version)
         batch = spec.to_batch(tensors)
         server = spec.server
         request = server.submit(batch, asyncio.get_running_loop(), priority, stream=True)
-        return self._stream(spec, request, requested, self._timeout(server.serving, priority))
+        return spec.version, self._stream(spec, request, requested, self._timeout(server.serving, priority))
 
     @staticmethod
     async def _stream(spec: ModelSpec, request: Any, requested: Sequence[str] | None,
