@@ -10,8 +10,9 @@ loop of its own thread; inference goes through the same servers as HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from .service import InferenceService, status_of
 SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 PENDING_CALLS = 1_000_000
+QUIET_SECONDS = 0.1  # at shutdown, gRPC core stops once no inference call has come for this long
+DRAINING = "the server is shutting down and takes no new requests; retry on another server"
 _DESCRIPTORS = Path(__file__).with_name("inference.binpb")
 
 
@@ -70,6 +73,24 @@ class GrpcFront:
 
     def __init__(self, service: InferenceService) -> None:
         self.service = service
+        self.calls = 0  # inference calls in flight
+        self.last_call = 0.0  # loop time an inference call last began or ended
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        self.calls += 1
+        self.last_call = asyncio.get_running_loop().time()
+        try:
+            yield
+        finally:
+            self.calls -= 1
+            self.last_call = asyncio.get_running_loop().time()
+
+    async def quiet(self, seconds: float, deadline: float) -> None:
+        """Return once no inference call has been in flight for ``seconds`` (or at loop time ``deadline``)."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline and (self.calls or loop.time() - self.last_call < seconds):
+            await asyncio.sleep(seconds / 10)
 
     async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - protocol names
         return MESSAGES["ServerLiveResponse"](live=True)
@@ -105,10 +126,13 @@ class GrpcFront:
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         model = request.model_name
+        if self.service.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         try:
-            tensors = _decode_inputs(request)
-            served, outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
-                                                       _priority(request), request.model_version)
+            with self._counted():
+                tensors = _decode_inputs(request)
+                served, outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
+                                                           _priority(request), request.model_version)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error)
             await context.abort(getattr(grpc.StatusCode, status), message)
@@ -313,8 +337,14 @@ class GrpcServer:
             self._stopping = asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop)
 
     async def _stop(self, grace: float) -> None:
+        """Refuse new inference calls in the handler (UNAVAILABLE) until the calls in flight are answered and
+        none has come for a moment, then stop gRPC core. Core answers calls it holds but has not yet handed to
+        the application CANCELLED when it stops (grpc/grpc#41785), so it is stopped only once callers have
+        been told UNAVAILABLE and gone quiet; a client that keeps calling meets that race only at ``grace``."""
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        deadline = self._loop.time() + grace
+        await self._front.quiet(QUIET_SECONDS, deadline)
+        await self._server.stop(max(0.0, deadline - self._loop.time()))
 
     def stop(self, grace: float = 30.0) -> None:
         """``begin_stop`` if it has not begun, wait for the calls in flight, and end the thread."""
