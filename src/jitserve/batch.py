@@ -69,7 +69,12 @@ def _describe(rows: RowSignature) -> str:
     return ", ".join(str(Template(shape, dtype)) for shape, dtype in rows)
 
 
+_ONE_LEAF = jax.tree_util.tree_structure(0)  # the structure of an entry that is a single array
+
+
 def _leaves_and_signature(entry: Any, stacked: bool) -> tuple[list[np.ndarray], Any, RowSignature, int]:
+    if type(entry) is np.ndarray and entry.ndim and not stacked:  # the common case, without pytree work
+        return [entry], _ONE_LEAF, ((entry.shape[1:], entry.dtype),), entry.shape[0]
     leaves, tree = jax.tree_util.tree_flatten(entry)
     if not leaves:
         raise BatchError("an entry must hold at least one array; got an empty structure")

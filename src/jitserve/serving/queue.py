@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import math
 import queue as thread_queue
 import threading
 from collections import deque
@@ -79,9 +80,9 @@ class Request:
         self.loop = loop
         self.level = level
         self.stream = Stream(loop) if stream else None
-        self.done = threading.Lock()
         self.future: asyncio.Future[None] | None = None
         if loop is None:
+            self.done = threading.Lock()
             self.done.acquire()
         else:
             self.future = loop.create_future()
@@ -185,7 +186,8 @@ class _SignatureQueue:
 class Queues:
     """The queues of pieces per batch signature, and the rows queued in each, per level and in all."""
 
-    __slots__ = ("policy", "level_limits", "_queues", "depth", "level_depth", "_last_arrival", "_seconds_per_row")
+    __slots__ = ("policy", "level_limits", "_queues", "depth", "level_depth", "_last_arrival", "_seconds_per_row",
+                 "wake_at")
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
@@ -195,6 +197,7 @@ class Queues:
         self.level_depth: dict[int, int] = {}
         self._last_arrival: float | None = None
         self._seconds_per_row: float | None = None  # the arrival gap per row, smoothed (the adaptive window)
+        self.wake_at = math.inf  # when a waiting worker looks at the queues next on its own (see ``ready``)
 
     def __bool__(self) -> bool:
         return bool(self._queues)
@@ -217,7 +220,7 @@ class Queues:
         self.depth += offset
         self.level_depth[request.level] = self.level_depth.get(request.level, 0) + offset
         self._arrived(offset, now)
-        return queued == 0 or queued + offset >= self.policy.batch_size or self.policy.adaptive
+        return self._run_at(queue) < self.wake_at
 
     def _arrived(self, rows: int, now: float) -> None:
         if self._last_arrival is not None:
@@ -226,30 +229,36 @@ class Queues:
             self._seconds_per_row = gap if previous is None else 0.8 * previous + 0.2 * gap
         self._last_arrival = now
 
-    def will_fill(self, rows: int, remaining: float) -> bool:
-        """Whether, at the arrival rate seen so far, ``rows`` queued rows reach ``batch_size`` within
-        ``remaining`` seconds (unknown rate: assume they will, as a fixed window does)."""
+    def _run_at(self, queue: _SignatureQueue) -> float:
+        """When a queue is to run: now when it holds a full batch; else when its oldest row has waited
+        ``batch_timeout``, or (adaptive, the arrival rate known) sooner, from the moment when the rows still
+        missing would, at that rate, arrive only after then (it will not fill in time)."""
+        policy = self.policy
+        missing = policy.batch_size - queue.rows
+        if missing <= 0:
+            return -math.inf
+        due = queue.oldest() + policy.batch_timeout
         per_row = self._seconds_per_row
-        if per_row is None:
-            return True
-        return rows + remaining / max(per_row, 1e-9) >= self.policy.batch_size
+        if not policy.adaptive or per_row is None:  # unknown rate: wait as a fixed window does
+            return due
+        return due - missing * per_row
 
     def ready(self, now: float, draining: bool) -> tuple[Signature | None, float | None]:
         """The queue to run now (full, due, draining, or not going to fill in time; the most urgent head
-        first), else how long to wait."""
-        policy = self.policy
+        first), else how long to wait. A worker about to wait sets ``wake_at``: an arrival that makes a
+        queue due sooner than that is what ``add`` reports, so that a waiting worker wakes once per batch
+        rather than once per request; a worker that runs a batch sets it to infinity (report every
+        arrival), as a free worker may be waiting on an older plan."""
         best = best_urgency = wait = None
         for signature, queue in self._queues.items():
-            oldest = queue.oldest()
-            due = oldest + policy.batch_timeout
-            run = (draining or due <= now or queue.rows >= policy.batch_size
-                   or (policy.adaptive and not self.will_fill(queue.rows, due - now)))
-            if run:
-                urgency = queue.best(policy, now)[0]
+            run_at = self._run_at(queue)
+            if draining or run_at <= now:
+                urgency = queue.best(self.policy, now)[0]
                 if best_urgency is None or urgency < best_urgency:
                     best, best_urgency = signature, urgency
-            elif wait is None or due - now < wait:
-                wait = due - now
+            elif wait is None or run_at - now < wait:
+                wait = run_at - now
+        self.wake_at = math.inf if best is not None or wait is None else now + wait
         return best, wait
 
     def take(self, signature: Signature, now: float) -> tuple[list[Piece], Batch]:

@@ -250,11 +250,8 @@ class Server:
         policy = queues.policy
         level_limit = queues.level_limits.get(level)
         with self._cond:
-            for limit, which in [(policy.max_queue, "max_queue"), (level_limit, f"priority level {level}'s max_queue")]:
-                if limit is not None and size > limit:  # it could never be queued: not a retryable "full"
-                    self._stats["rejected"] += 1
-                    raise RequestTooLargeError(f"a request of {size} rows can never fit server {self.name!r}'s "
-                                               f"queue: {which} is {limit} rows")
+            if policy.max_queue is not None or level_limit is not None:
+                self._check_fits(size, level, level_limit)
             if self._stopping:
                 raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
             if policy.max_queue is not None and queues.depth + size > policy.max_queue:
@@ -274,6 +271,15 @@ class Server:
             if queues.add(request, parts, batch.signature, time.monotonic()):
                 self._cond.notify()  # else a waiting partition wakes at the deadline it already knows
         return request
+
+    def _check_fits(self, size: int, level: int, level_limit: int | None) -> None:
+        """Under the lock: a request larger than a queue bound could never be queued (not a retryable "full")."""
+        for limit, which in [(self._queues.policy.max_queue, "max_queue"),
+                             (level_limit, f"priority level {level}'s max_queue")]:
+            if limit is not None and size > limit:
+                self._stats["rejected"] += 1
+                raise RequestTooLargeError(f"a request of {size} rows can never fit server {self.name!r}'s "
+                                           f"queue: {which} is {limit} rows")
 
     def result(self, request: Request, timeout: float | None) -> Any:
         """Wait for the request's outputs (before ``postprocess``); on ``timeout`` before its rows

@@ -245,6 +245,8 @@ class Serving:
 
     def default_timeout(self, priority: int | None) -> float | None:
         """The timeout of a request at this priority when its caller gives none (``priority_queues``)."""
+        if not self.priority_queues:
+            return None
         return self.priority_queues.get(self.priority_level(priority), {}).get("timeout")
 
     @property
