@@ -10,7 +10,7 @@ second run starts at once.
     python3 dev.py serve [ARGS]    # the main job: serve the bundled example model (HTTP :8000, gRPC :8001)
     python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest)
     python3 dev.py demo            # softmax with every installed compiler against numpy
-    python3 dev.py bench NAME      # one script of bench/, e.g. dispatch
+    python3 dev.py bench NAME      # one script of bench/, e.g. peers (with the bench extra)
     python3 dev.py env             # only set up the environment
 
 The task replaces this process (exec), so signals such as SIGTERM reach it.
@@ -30,7 +30,7 @@ VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".jitserve-stamp"
 ALL_EXTRAS = ("dev", "iree", "http", "ray")
-TASK_EXTRAS = {"serve": ("http",), "demo": ("iree",)}  # every other task: ALL_EXTRAS
+TASK_EXTRAS = {"serve": ("http",), "demo": ("iree",), "bench": (*ALL_EXTRAS, "bench")}  # others: ALL_EXTRAS
 
 
 def _project_hash() -> str:

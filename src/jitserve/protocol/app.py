@@ -148,6 +148,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
             log.info("gRPC%s: %s:%d (inference.GRPCInferenceService)", " over TLS" if tls else "", host,
                      grpc_server.port)
         config = uvicorn.Config(HttpFront(service, limits, access), host=host, port=port, lifespan="off",
+                                proxy_headers=False,
                                 http=GuardedHttpProtocol.factory(limits), server_header=False,
                                 ssl_certfile=None if tls is None else tls.cert,
                                 ssl_keyfile=None if tls is None else tls.key,

@@ -86,6 +86,22 @@ def _holds(values: Any, kind: type) -> bool:
     return False
 
 
+def _array(tensor: str, values: Any) -> np.ndarray:
+    try:
+        return np.asarray(values)
+    except ValueError:
+        raise ProtocolError(f"input '{tensor}': data is a ragged nested list; send a flat list") from None
+
+
+def _holds_bool(values: Any, array: np.ndarray) -> bool:
+    """Whether JSON true/false hide among the numbers ``array`` was read from (numpy reads them as 1 and 0):
+    in a flat list only the values equal to 0 or 1 are looked at, so numeric data costs no Python loop."""
+    if array.ndim != 1:
+        return _holds(values, bool)
+    suspects = np.flatnonzero((array == 0) | (array == 1)).tolist()
+    return any(type(values[i]) is bool for i in suspects)
+
+
 def decode_raw(tensor: str, datatype: str, shape: Any, raw: bytes | memoryview) -> np.ndarray:
     """A tensor from its little-endian binary contents."""
     dtype, dims = dtype_of(tensor, datatype), check_shape(tensor, shape)
@@ -126,17 +142,15 @@ def json_values(array: np.ndarray) -> list[Any]:
 def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.ndarray:
     """A tensor from a (flat or nested) list of JSON values."""
     dtype, dims = dtype_of(tensor, datatype), check_shape(tensor, shape)
-    if dtype.kind == "f" and _holds(values, str):
+    array = _array(tensor, values)
+    if dtype.kind == "f" and array.dtype.kind in "UO":  # strings among the numbers: non-finite floats?
         values = _with_non_finite(tensor, values)
-    try:
-        array = np.asarray(values)
-    except ValueError:
-        raise ProtocolError(f"input '{tensor}': data is a ragged nested list; send a flat list") from None
+        array = _array(tensor, values)
     if array.size != math.prod(dims):
         raise ProtocolError(f"input '{tensor}': {array.size} values, expected {math.prod(dims)} for shape {list(dims)}")
     if array.size == 0:
         return np.zeros(dims, dtype)
-    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (dtype.kind != "b" and _holds(values, bool)):
+    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (dtype.kind != "b" and _holds_bool(values, array)):
         raise ProtocolError(f"input '{tensor}': data must be {datatype} values (true/false only for BOOL)")
     converted = array.astype(dtype).reshape(dims)
     if dtype.kind in "iu" and not np.array_equal(converted.reshape(array.shape), array):

@@ -105,6 +105,7 @@ class InferenceService:
         self.request_timeout = request_timeout
         self.metrics = Metrics(servers)
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
+        self._counters: dict[tuple[str, str, str], Any] = {}  # requests_total children by labels
 
     def model(self, name: str, version: str | None = None) -> ModelSpec:
         """The model ``name`` at ``version`` (None or empty: the highest); unknown ones are 404 / NOT_FOUND."""
@@ -212,7 +213,11 @@ class InferenceService:
         return self.request_timeout if self.request_timeout is not None else serving.default_timeout(priority)
 
     def count(self, model: str, protocol: str, status: int | str) -> None:
-        self.metrics.requests.labels(model if model in self.models else "", protocol, str(status)).inc()
+        key = (model if model in self.models else "", protocol, str(status))
+        counter = self._counters.get(key)
+        if counter is None:  # prometheus_client's labels() takes a lock and builds a key: once per key
+            counter = self._counters[key] = self.metrics.requests.labels(*key)
+        counter.inc()
 
     def failed(self, protocol: str, model: str, error: BaseException) -> tuple[int, str, str]:
         """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
