@@ -22,6 +22,7 @@ import asyncio
 import functools
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -50,7 +51,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.limits = limits
         self._reading_headers = True
         self._header_bytes = 0
-        self._read_timer: asyncio.TimerHandle | None = None
+        self._read_deadline: float | None = None  # loop time the request being read is overdue; None: none is
+        self._on_read_timeout: Callable[[], None] = self._headers_overdue
+        self._read_timer: asyncio.TimerHandle | None = None  # fires at a deadline, maybe an older one
         self._write_timer: asyncio.TimerHandle | None = None
         self._refused = False
 
@@ -80,7 +83,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         if self._reading_headers:
             self._header_bytes += len(data)
-            if self._read_timer is None:
+            if self._read_deadline is None:
                 self._arm_read(self._headers_overdue)
         try:
             self.parser.feed_data(data)
@@ -146,14 +149,28 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         return (f"the request line and headers exceed the limit of {self.limits.max_header_bytes} bytes "
                 f"(--max-header-bytes)")
 
-    def _arm_read(self, on_timeout: Any) -> None:
-        self._cancel_read()
-        self._read_timer = self.loop.call_later(self.limits.read_timeout, on_timeout)
+    def _arm_read(self, on_timeout: Callable[[], None]) -> None:
+        """``on_timeout()`` unless the client sends the next part within ``read_timeout`` seconds. Re-arming
+        (at each request and body chunk) only moves the deadline: the one timer of the connection looks at
+        it when it fires, and waits on if it moved, instead of a timer made and cancelled each time."""
+        self._read_deadline = self.loop.time() + self.limits.read_timeout
+        self._on_read_timeout = on_timeout
+        if self._read_timer is None:
+            self._read_timer = self.loop.call_at(self._read_deadline, self._read_timer_fired)
 
     def _cancel_read(self) -> None:
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
+        self._read_deadline = None
+
+    def _read_timer_fired(self) -> None:
+        self._read_timer = None
+        deadline = self._read_deadline
+        if deadline is None:
+            return
+        if self.loop.time() < deadline:
+            self._read_timer = self.loop.call_at(deadline, self._read_timer_fired)
+            return
+        self._read_deadline = None
+        self._on_read_timeout()
 
     def _headers_overdue(self) -> None:
         if self.cycle is None or self.cycle.response_complete:  # nothing of a request is running
