@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import resource
 import signal
@@ -161,6 +162,11 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
             if grpc_server is not None:
                 grpc_server.begin_stop(grace)
 
+        # What exists now (jax, the compiled executables, the model) lives as long as the process: out of the
+        # collector's sight, a full collection no longer walks it in the middle of requests (p99 at 64
+        # callers 100 -> 40 ms, bench/peers.py)
+        gc.collect()
+        gc.freeze()
         http_server = _HttpServer(config, stop_accepting)
         log.info("HTTP: %s://%s:%d/v2 (models: %s; metrics at /metrics)%s", "https" if tls else "http", host, port,
                  ", ".join(servers), "; API key required" if access.api_key is not None else "")
