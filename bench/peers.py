@@ -558,6 +558,7 @@ def plot(results: list[dict], args: argparse.Namespace) -> None:
             axes[1][column].set_ylabel("ms")
             for row in (0, 1):
                 axes[row][column].set_xscale("log", base=2)
+                axes[row][column].set_xticks(args.callers, [str(c) for c in args.callers])
                 axes[row][column].set_xlabel("closed-loop callers")
                 axes[row][column].grid(alpha=0.3)
             axes[1][column].set_yscale("log")
