@@ -11,7 +11,8 @@ In one run, each server serves the same MLP (256 -> 1024 -> 256, float32,
   (``.bench-venvs/pytriton``, with jax) on first use;
 - MLServer (adaptive batching 64 / 2 ms, inference in the server process):
   HTTP JSON and gRPC (it has no binary tensor extension); its own virtual
-  environment too (``.bench-venvs/mlserver``), as its pins clash with ours;
+  environment too (``.bench-venvs/mlserver``): it holds FastAPI below 0.116,
+  which would downgrade what LitServe and Ray Serve run on here;
 - LitServe (``max_batch_size`` 64, ``batch_timeout`` 2 ms) and Ray Serve
   (``@serve.batch``, 64 / 2 ms, HTTP proxy), each with its own JSON body
   (neither speaks the Open Inference Protocol), from the ``bench`` extra.
