@@ -361,6 +361,8 @@ def test_body_over_the_limit_is_413(server):
     big["padding"] = "x" * (MAX_BODY + 10)
     status, body = server.infer_json("mlp", big)
     assert status == 413 and f"exceeds the limit of {MAX_BODY} bytes" in body["error"]
+    status, _, data = server.request("POST", "/v2/repository/index", b"{}" + b" " * MAX_BODY)
+    assert status == 413 and f"exceeds the limit of {MAX_BODY} bytes" in json.loads(data)["error"]
     server.assert_healthy()
 
 
@@ -466,7 +468,13 @@ def column(values: list[float]) -> dict:
     return {"inputs": [{"name": "input", "datatype": "FP32", "shape": [len(values), 1], "data": values}]}
 
 
+def stream_successes(server, model: str) -> int:
+    _, _, data = server.request("GET", f"/v2/models/{model}/stats")
+    return json.loads(data)["model_stats"][0]["inference_stats"]["success"]["count"]
+
+
 def test_http_server_sent_events_bring_each_batch_as_it_finishes(server):
+    before = stream_successes(server, "chunked")
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     connection.request("POST", "/v2/models/chunked/infer_stream", body=json.dumps(column([0, 1, 2, 3, 4])).encode())
     response = connection.getresponse()
@@ -474,6 +482,7 @@ def test_http_server_sent_events_bring_each_batch_as_it_finishes(server):
     events = sse_events(response)
     assert [name for name, _ in events] == ["message"] * 3, "5 rows, batch size 2: three events, first rows first"
     assert [e["outputs"][0]["data"] for _, e in events] == [[0.0, 2.0], [4.0, 6.0], [8.0]]
+    assert stream_successes(server, "chunked") == before + 1, "a streamed request counts in the statistics"
     connection.request("POST", "/v2/models/steps/infer_stream", body=json.dumps(column([10])).encode())
     events = sse_events(connection.getresponse())
     assert [e["outputs"][0]["data"] for _, e in events] == [[10.0], [11.0], [12.0]], "one event per step"

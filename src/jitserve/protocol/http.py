@@ -175,6 +175,8 @@ class HttpFront:
         try:
             body, _ = await self._read_body(headers, receive)
             options = orjson.loads(body) if body.strip() else {}
+        except BodyTooLargeError as error:
+            return _error(413, str(error))
         except (ProtocolError, orjson.JSONDecodeError) as error:
             return _error(400, f"the repository index request must be a JSON object: {error}")
         return _json(200, self.service.repository_index(isinstance(options, dict) and options.get("ready") is True))

@@ -202,12 +202,19 @@ class InferenceService:
         request = server.submit(batch, asyncio.get_running_loop(), priority, stream=True)
         return spec.version, self._stream(spec, request, requested, self._timeout(server.serving, priority))
 
-    @staticmethod
-    async def _stream(spec: ModelSpec, request: Any, requested: Sequence[str] | None,
+    async def _stream(self, spec: ModelSpec, request: Any, requested: Sequence[str] | None,
                       timeout: float | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        """The stream's outputs; tallied in the statistics once it ends or fails (not when the client leaves)."""
         server = spec.server
-        async for outputs in server.stream_async(request, timeout):
-            yield select_outputs(spec.named_outputs(server.serving.finish(outputs)), requested, spec.name)
+        started = time.perf_counter_ns()
+        tally = self.tallies[(spec.name, spec.version)]
+        try:
+            async for outputs in server.stream_async(request, timeout):
+                yield select_outputs(spec.named_outputs(server.serving.finish(outputs)), requested, spec.name)
+        except Exception:
+            tally.add(started, ok=False)
+            raise
+        tally.add(started, ok=True)
 
     def _timeout(self, serving: Any, priority: int | None) -> float | None:
         return self.request_timeout if self.request_timeout is not None else serving.default_timeout(priority)
