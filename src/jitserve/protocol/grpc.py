@@ -87,7 +87,8 @@ class GrpcFront:
             self.last_call = asyncio.get_running_loop().time()
 
     async def quiet(self, seconds: float, deadline: float) -> None:
-        """Return once no inference call has been in flight for ``seconds`` (or at loop time ``deadline``)."""
+        """Return once no accepted inference call has been in flight for ``seconds`` (or at loop time
+        ``deadline``)."""
         loop = asyncio.get_running_loop()
         while loop.time() < deadline and (self.calls or loop.time() - self.last_call < seconds):
             await asyncio.sleep(seconds / 10)
@@ -337,10 +338,11 @@ class GrpcServer:
             self._stopping = asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop)
 
     async def _stop(self, grace: float) -> None:
-        """Refuse new inference calls in the handler (UNAVAILABLE) until the calls in flight are answered and
-        none has come for a moment, then stop gRPC core. Core answers calls it holds but has not yet handed to
-        the application CANCELLED when it stops (grpc/grpc#41785), so it is stopped only once callers have
-        been told UNAVAILABLE and gone quiet; a client that keeps calling meets that race only at ``grace``."""
+        """Refuse new inference calls in the handler (UNAVAILABLE) until the calls accepted before are answered
+        and a moment has passed without one, then stop gRPC core. Core answers calls it holds but has not yet
+        handed to the application CANCELLED when it stops (grpc/grpc#41785): this way the callers of the last
+        answered calls have been told UNAVAILABLE first. Refused calls do not delay the stop, so a client
+        that keeps calling may still meet that race, once."""
         await self._health.enter_graceful_shutdown()
         deadline = self._loop.time() + grace
         await self._front.quiet(QUIET_SECONDS, deadline)
