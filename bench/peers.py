@@ -29,7 +29,8 @@ checked against numpy's MLP. For 1, 8 and 64 closed-loop callers, with 1-row
 requests and with 1..64-row requests (random, the same sequence for
 everyone), it prints requests/s, rows/s, p50/p99 latency, the server's CPU
 per request (its whole process tree, from /proc) and jitserve over the best
-peer with the same protocol family; the plots go to ``bench/figures/``.
+peer with the same protocol family; the plots go to ``bench/figures/`` (to
+``.bench-venvs/figures/`` from a run of only some peers, callers or sizes).
 
     python3 dev.py bench peers [--seconds 4] [--callers 1 8 64] [--peers ...]
 """
@@ -538,7 +539,9 @@ def plot(results: list[dict], args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    FIGURES.mkdir(exist_ok=True)
+    full = (sorted(args.peers), args.callers, sorted(args.sizes)) == (sorted(SERVERS), [1, 8, 64], ["1-row", "mixed"])
+    folder = FIGURES if full else VENVS / "figures"  # a partial run leaves the committed figures alone
+    folder.mkdir(exist_ok=True)
     families = ["HTTP JSON", "HTTP binary", "gRPC"]
     for sizes in args.sizes:
         figure, axes = plt.subplots(2, 3, figsize=(15, 8.5))
@@ -567,7 +570,7 @@ def plot(results: list[dict], args: argparse.Namespace) -> None:
             axes[1][column].legend(fontsize=7, ncol=2)
         figure.suptitle(f"MLP 256-1024-256 on {os.cpu_count()} CPUs, batch 64 / 2 ms, {sizes} requests")
         figure.tight_layout()
-        path = FIGURES / f"peers-{sizes}.png"
+        path = folder / f"peers-{sizes}.png"
         figure.savefig(path, dpi=80)
         print(f"wrote {path.relative_to(ROOT)}")
 
