@@ -218,7 +218,7 @@ BAD_REQUESTS = [
     ({**mlp_input(), "outputs": [{"name": "logits"}]}, 400, "unknown output 'logits' for model 'mlp'; it has: output"),
     ({**mlp_input(), "outputs": 5}, 400, "'outputs' must be a list of objects with a string 'name'"),
     (mlp_input(shape=[0] * 70, data=[]), 400, "input 'input': shape has 70 dimensions; at most 32 are supported"),
-    (b"[" * 100_000 + b"]" * 100_000, 400, "the request body is not valid JSON: depth limit exceeded"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "the request body is not valid JSON: DEPTH_ERROR: The JSON document was too deep"),
     (mlp_input(shape=[0, 2**63 - 1], data=[]), 400, "input 'input': shape [0, 9223372036854775807] has a dimension over"),
     (mlp_input(shape=[2**63, 0], data=[]), 400, "has a dimension over 2147483647"),
     (mlp_input(data=[1, True, 2.5, False] * 4), 400, "input 'input': data must be FP32 values (true/false only for BOOL)"),

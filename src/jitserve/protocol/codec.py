@@ -146,11 +146,24 @@ def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.nda
     if dtype.kind == "f" and array.dtype.kind in "UO":  # strings among the numbers: non-finite floats?
         values = _with_non_finite(tensor, values)
         array = _array(tensor, values)
+    return _tensor(tensor, datatype, dtype, dims, array, values)
+
+
+def decode_numbers(tensor: str, datatype: str, shape: Any, flat: np.ndarray) -> np.ndarray:
+    """A tensor from the values of a flat JSON list already read as numbers (float64, int64 or uint64), where
+    a JSON parser could do so: no true/false and no strings among them."""
+    return _tensor(tensor, datatype, dtype_of(tensor, datatype), check_shape(tensor, shape), flat, None)
+
+
+def _tensor(tensor: str, datatype: str, dtype: np.dtype, dims: tuple[int, ...], array: np.ndarray,
+            values: Any) -> np.ndarray:
+    """The checked tensor of shape ``dims`` from JSON ``values`` read into ``array`` (None: numbers only)."""
     if array.size != math.prod(dims):
         raise ProtocolError(f"input '{tensor}': {array.size} values, expected {math.prod(dims)} for shape {list(dims)}")
     if array.size == 0:
         return np.zeros(dims, dtype)
-    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (dtype.kind != "b" and _holds_bool(values, array)):
+    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (
+            dtype.kind != "b" and values is not None and _holds_bool(values, array)):
         raise ProtocolError(f"input '{tensor}': data must be {datatype} values (true/false only for BOOL)")
     converted = array.astype(dtype).reshape(dims)
     if dtype.kind in "iu" and not np.array_equal(converted.reshape(array.shape), array):

@@ -26,14 +26,15 @@ import logging
 import re
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import orjson
+import simdjson
 
 from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access
-from .codec import datatype_of, decode_raw, decode_values, json_values
+from .codec import datatype_of, decode_numbers, decode_raw, decode_values, json_values
 from .limits import Limits
 from .logs import REQUEST_ID, request_id
 from .metrics import CONTENT_TYPE
@@ -49,6 +50,11 @@ SEND_CHUNK_BYTES = 256 * 1024  # a large body goes out in pieces, so a slow read
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 _T = TypeVar("_T")
 
+# datatype -> how the JSON parser reads a flat list of them into memory (as_buffer's of_type), and its dtype
+BUFFER_KINDS: dict[str, Literal["d", "i", "u"]] = {
+    **dict.fromkeys(("FP16", "FP32", "FP64"), "d"), **dict.fromkeys(("INT8", "INT16", "INT32", "INT64"), "i"),
+    **dict.fromkeys(("UINT8", "UINT16", "UINT32", "UINT64"), "u")}
+BUFFER_DTYPES = {"d": np.float64, "i": np.int64, "u": np.uint64}
 # dtypes that orjson writes straight from the array's memory (no Python objects per value)
 ORJSON_DTYPES = frozenset(np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
                                                       "uint32", "uint64", "float16", "float32", "float64"))
@@ -363,13 +369,47 @@ def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any],
         raise ProtocolError(f"Inference-Header-Content-Length is {header_length}, but the body has {len(body)} bytes")
     view = memoryview(body)
     header = view[:header_length] if header_length is not None else view
-    try:
-        request = orjson.loads(header)
-    except orjson.JSONDecodeError as error:
+    try:  # a parser per request: its values stay valid however long the request keeps them
+        document = simdjson.Parser().parse(bytes(header))
+    except (ValueError, RuntimeError) as error:
         raise ProtocolError(f"the request body is not valid JSON: {error}") from None
-    if not isinstance(request, dict):
+    if not isinstance(document, simdjson.Object):
         raise ProtocolError("the request must be a JSON object with an 'inputs' list")
+    request = {key: _inputs(document[key]) if key == "inputs" else _plain(document[key]) for key in document}
     return request, view[header_length:] if header_length is not None else view[:0]
+
+
+def _plain(value: Any) -> Any:
+    """A parsed JSON value as Python objects."""
+    if isinstance(value, simdjson.Object):
+        return value.as_dict()
+    return value.as_list() if isinstance(value, simdjson.Array) else value
+
+
+def _inputs(value: Any) -> Any:
+    """The request's inputs as Python objects, but each ``data`` as the parser's array, which
+    :func:`_json_tensor` reads into numpy without a Python object per value."""
+    if not isinstance(value, simdjson.Array):
+        return _plain(value)
+    return [{key: tensor[key] if key == "data" else _plain(tensor[key]) for key in tensor}
+            if isinstance(tensor, simdjson.Object) else _plain(tensor) for tensor in value]
+
+
+def _json_tensor(name: str, datatype: str, shape: Any, data: Any) -> np.ndarray:
+    """An input's JSON ``data``: a flat list of numbers is read by the parser straight into an array; anything
+    else (nested lists, true/false, strings, a mix) goes through :func:`decode_values`, which says what is
+    wrong with it."""
+    if isinstance(data, simdjson.Array):
+        kind = BUFFER_KINDS.get(datatype)
+        if kind is not None:
+            try:
+                flat = np.frombuffer(data.as_buffer(of_type=kind), BUFFER_DTYPES[kind])
+            except (TypeError, ValueError):  # not all numbers of that kind: the checked path tells which
+                flat = None
+            if flat is not None and flat.size == len(data):  # as_buffer flattens nested lists: flat ones only
+                return decode_numbers(name, datatype, shape, flat)
+        data = data.as_list()
+    return decode_values(name, datatype, shape, data)
 
 
 def _decode_request(request: dict[str, Any], binary: memoryview
@@ -399,7 +439,7 @@ def _decode_request(request: dict[str, Any], binary: memoryview
             tensors[name] = decode_raw(name, datatype, shape, binary[offset:offset + size])
             offset += size
         elif "data" in tensor:
-            tensors[name] = decode_values(name, datatype, shape, tensor["data"])
+            tensors[name] = _json_tensor(name, datatype, shape, tensor["data"])
         else:
             raise ProtocolError(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
     if offset != len(binary):
