@@ -34,7 +34,7 @@ from .service import InferenceService, status_of
 SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 PENDING_CALLS = 1_000_000
-QUIET_SECONDS = 0.1  # at shutdown, gRPC core stops once no inference call has come for this long
+QUIET_SECONDS = 0.1  # at shutdown, gRPC core stops once no accepted inference call has run for this long
 DRAINING = "the server is shutting down and takes no new requests; retry on another server"
 _DESCRIPTORS = Path(__file__).with_name("inference.binpb")
 
@@ -74,12 +74,11 @@ class GrpcFront:
     def __init__(self, service: InferenceService) -> None:
         self.service = service
         self.calls = 0  # inference calls in flight
-        self.last_call = 0.0  # loop time an inference call last began or ended
+        self.last_call = 0.0  # loop time an inference call last ended
 
     @contextlib.contextmanager
     def _counted(self) -> Iterator[None]:
         self.calls += 1
-        self.last_call = asyncio.get_running_loop().time()
         try:
             yield
         finally:

@@ -34,7 +34,7 @@ import simdjson
 
 from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access
-from .codec import datatype_of, decode_numbers, decode_raw, decode_values, json_values
+from .codec import DATATYPES, datatype_of, decode_numbers, decode_raw, decode_values, json_values
 from .limits import Limits
 from .logs import REQUEST_ID, request_id
 from .metrics import CONTENT_TYPE
@@ -50,10 +50,9 @@ SEND_CHUNK_BYTES = 256 * 1024  # a large body goes out in pieces, so a slow read
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 _T = TypeVar("_T")
 
-# datatype -> how the JSON parser reads a flat list of them into memory (as_buffer's of_type), and its dtype
-BUFFER_KINDS: dict[str, Literal["d", "i", "u"]] = {
-    **dict.fromkeys(("FP16", "FP32", "FP64"), "d"), **dict.fromkeys(("INT8", "INT16", "INT32", "INT64"), "i"),
-    **dict.fromkeys(("UINT8", "UINT16", "UINT32", "UINT64"), "u")}
+# numeric datatype -> how the JSON parser reads a flat list of them into memory (as_buffer's of_type), and its dtype
+_BUFFER_KIND_OF: dict[str, Literal["d", "i", "u"]] = {"f": "d", "i": "i", "u": "u"}  # by numpy dtype kind
+BUFFER_KINDS = {name: _BUFFER_KIND_OF[dtype.kind] for name, dtype in DATATYPES.items() if dtype.kind in _BUFFER_KIND_OF}
 BUFFER_DTYPES = {"d": np.float64, "i": np.int64, "u": np.uint64}
 # dtypes that orjson writes straight from the array's memory (no Python objects per value)
 ORJSON_DTYPES = frozenset(np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
@@ -370,7 +369,7 @@ def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any],
     view = memoryview(body)
     header = view[:header_length] if header_length is not None else view
     try:  # a parser per request: its values stay valid however long the request keeps them
-        document = simdjson.Parser().parse(bytes(header))
+        document = simdjson.Parser().parse(header)
     except (ValueError, RuntimeError) as error:
         raise ProtocolError(f"the request body is not valid JSON: {error}") from None
     if not isinstance(document, simdjson.Object):
