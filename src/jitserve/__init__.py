@@ -38,8 +38,7 @@ from .serving import (
     serve,
 )
 from .template import Template, template
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 __all__ = [
     "Batch",

@@ -33,6 +33,7 @@ from . import compilers
 from .defn import devices, jit, to_mlir
 from .errors import JitserveError, OptionError
 from .template import is_template
+from .version import __version__
 
 DEMO_SHAPES: dict[str, tuple[int, ...]] = {
     "1,000": (1_000,),
@@ -354,8 +355,6 @@ SERVE_EXAMPLES = """examples:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog="jitserve", description="Compile jax.numpy functions with XLA, IREE or a numpy evaluator and serve "
         "them with dynamic batching (Open Inference Protocol over HTTP and gRPC).")

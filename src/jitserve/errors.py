@@ -3,9 +3,19 @@
 Each class also derives from the builtin that fits it (``TypeError``,
 ``ValueError``, ...) so that code written against the builtin keeps working.
 Messages say what was wrong and what was expected; tests check their text.
+:func:`defn_errors` turns JAX's tracer errors into :class:`DefnError` with
+what was attempted and what to use instead.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import re
+import traceback
+from collections.abc import Iterator
+
+import jax
 
 
 class JitserveError(Exception):
@@ -78,3 +88,61 @@ class BodyTooLargeError(ProtocolError):
 
 class OutputShapeError(JitserveError, ValueError):
     """A serving function returned outputs that are not batch-major (axis 0 = the batch's rows)."""
+
+
+TRACER_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+_CONTROL_FLOW = "jnp.where or jax.lax.cond (jax.lax.while_loop for loops)"
+_INSPECT = "jax.debug.print to look at a value while it runs"
+
+# (pattern in JAX's message, what was attempted, what to use instead); first match wins.
+_ATTEMPTS: tuple[tuple[str, str, str], ...] = (
+    (r"`float` function", "float() on a traced value", f"x.astype(jnp.float32), or {_INSPECT}"),
+    (r"`int` function", "int() on a traced value", f"x.astype(jnp.int32), or {_INSPECT}"),
+    (r"`complex` function", "complex() on a traced value", f"x.astype(jnp.complex64), or {_INSPECT}"),
+    (r"item\(\) method", ".item() on a traced value", f"keep the value as an array, or {_INSPECT}"),
+    (r"tolist\(\) method", ".tolist() on a traced value", f"keep the value as an array, or {_INSPECT}"),
+    (r"boolean conversion", "bool() or a Python if/while/and/or on a traced value", _CONTROL_FLOW),
+    (r"__array__\(\)", "np.asarray()/np.array() on a traced value", f"jax.numpy functions, or {_INSPECT}"),
+    (r"__index__|integer conversion", "using a traced value as a Python index or int",
+     "jax.lax.dynamic_slice or jnp.take"),
+    (r"", "using a traced value where a concrete Python value is needed",
+     f"{_CONTROL_FLOW}, or {_INSPECT}"),
+)
+
+_INTERNAL_PATHS = (os.path.dirname(jax.__file__), os.path.dirname(__file__))
+
+
+def _user_location(error: BaseException) -> str:
+    """``file:line`` of the innermost frame of user code in the traceback, or ''."""
+    location = ""
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_INTERNAL_PATHS):
+            location = f" (at {filename}:{line})"
+    return location
+
+
+def defn_error(error: BaseException) -> DefnError:
+    """The :class:`DefnError` that explains one of JAX's tracer errors."""
+    message = str(error)
+    for pattern, attempted, instead in _ATTEMPTS:
+        if re.search(pattern, message):
+            return DefnError(
+                f"{attempted} is not allowed inside a numerical definition: the value is only known "
+                f"when the compiled function runs{_user_location(error)}. Use {instead} instead."
+            )
+    raise AssertionError("the last pattern matches every message")
+
+
+@contextlib.contextmanager
+def defn_errors() -> Iterator[None]:
+    """Turn JAX's tracer errors raised in the block into :class:`DefnError`."""
+    try:
+        yield
+    except TRACER_ERRORS as error:
+        raise defn_error(error) from None

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from .defn import defn_errors
+from .errors import defn_errors
 from .template import Template, abstract_tree
 
 

@@ -29,8 +29,8 @@ import iree.runtime as iree_runtime
 import jax
 import numpy as np
 
-from .compilers.base import Device
 from .defaults import CACHE_DIR_ENV
+from .device import Device
 from .errors import CompileError, EvaluationError, OptionError, TemplateMismatchError
 from .template import Template, is_template, template_of
 

@@ -12,33 +12,15 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import jax
 
+from ..device import Device as Device  # part of the compiler contract; defined below iree
 from ..errors import OptionError
 from ..template import Template, check_arguments, is_template, template_of, templates_of
 
 COMMON_OPTIONS = frozenset({"compiler", "cache_dir"})
-
-
-@dataclass(frozen=True)
-class Device:
-    """One device a compiler can run on.
-
-    ``uri`` names it (``xla:cpu:0``, ``local-task://``, ...); ``target_backend``
-    is the compiler target that fits it where a compiler needs one (IREE);
-    ``handle`` is the compiler's own device object.
-    """
-
-    compiler: str
-    driver: str
-    id: int
-    uri: str
-    description: str = ""
-    target_backend: str | None = None
-    handle: Any = field(default=None, compare=False, repr=False)
 
 
 class Executable:

@@ -21,11 +21,11 @@ import jax
 import numpy as np
 
 from .. import iree
-from ..defn import to_mlir
 from ..errors import CompileError
 from ..template import Template
 from .base import Compiler, Device, Executable, flat_templates
 from .explicit import explicit
+from .xla import to_mlir
 
 
 def _device(options: Mapping[str, Any]) -> Any:

@@ -1,4 +1,5 @@
-"""The ``xla`` compiler: ``jax.jit(...).lower(...).compile()`` with device placement.
+"""The ``xla`` compiler: ``jax.jit(...).lower(...).compile()`` with device placement, and ``to_mlir``
+(the same lowering, stopped at StableHLO text; the ``iree`` compiler starts from it).
 
 ``jit`` dispatch goes straight to ``jax.jit``'s C++ fast path, which already
 keys its cache on shapes and dtypes; jitserve only counts the traces. The
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from ..errors import OptionError
-from ..template import Template, abstract_tree, template_of
+from ..errors import CompileError, OptionError, defn_errors
+from ..template import Template, abstract_tree, template_of, templates_of
 from .base import Compiler, Device, Executable, flat_templates
 
 _cache_lock = threading.Lock()
@@ -105,6 +107,44 @@ class XlaCompiler(Compiler):
         return [{**options, "device": device} for device in jax.devices()]
 
 
-def lower(fn: Callable[..., Any], templates: Sequence[Any | Template]) -> Any:
-    """The ``jax.stages.Lowered`` of ``fn`` for these templates (used by ``to_mlir``)."""
-    return jax.jit(fn).lower(*abstract_tree(tuple(templates)))
+@dataclass(frozen=True)
+class MLIRModule:
+    """``fn`` lowered to StableHLO (``EXLA.to_mlir_module``).
+
+    ``used_inputs`` are the indices, over the flattened inputs, of those that
+    the module's ``@main`` takes: unused inputs are dropped from its signature.
+    """
+
+    mlir_module: str
+    output_container: Any
+    used_inputs: tuple[int, ...]
+    input_templates: tuple[Template, ...]
+
+
+def _kept_inputs(lowered: Any) -> tuple[int, ...]:
+    """The flat inputs ``@main`` keeps after JAX drops unused ones.
+
+    JAX has no public API for this: ``Lowered.args_info`` and ``in_avals`` list every input, and
+    ``jit(keep_unused=True)`` would keep them all (IREE would then be sent unused inputs on every call).
+    So this reads the lowering's compile arguments; ``tests/test_defn.py`` checks the result against the
+    signature of ``@main`` in the module text, and fails loudly if JAX moves or changes them.
+    """
+    try:
+        return tuple(sorted(lowered._lowering.compile_args["kept_var_idx"]))
+    except (AttributeError, KeyError, TypeError) as error:
+        raise CompileError(f"this JAX ({jax.__version__}) no longer says which inputs a lowered module keeps "
+                           f"(Lowered._lowering.compile_args['kept_var_idx']); jitserve.to_mlir needs updating "
+                           f"for it") from error
+
+
+def to_mlir(fn: Callable[..., Any], args: Sequence[Any]) -> MLIRModule:
+    """Lower ``fn`` for these arguments or templates to a StableHLO module with ``@main``."""
+    templates = templates_of(tuple(args))
+    with defn_errors():
+        lowered = jax.jit(fn).lower(*abstract_tree(tuple(templates)))
+    return MLIRModule(
+        mlir_module=lowered.as_text(),
+        output_container=templates_of(lowered.out_info),
+        used_inputs=_kept_inputs(lowered),
+        input_templates=tuple(jax.tree_util.tree_leaves(templates)),
+    )

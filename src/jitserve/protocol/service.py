@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
 from ..errors import (
     BatchError,
     BatchSizeError,
@@ -29,6 +28,7 @@ from ..errors import (
     UnknownServerError,
 )
 from ..serving.server import Server
+from ..version import __version__
 from .codec import ModelSpec, select_outputs
 from .logs import REQUEST_ID
 from .metrics import Metrics
