@@ -6,7 +6,10 @@ In one run, on an MLP (256 -> 1024 -> 256, float32, ReLU) compiled with XLA:
 2. served: 64 concurrent single-row callers, as asyncio tasks through
    ``js.batched_run_async`` (how the network front calls it) and as threads
    through ``js.batched_run`` (rows/s as a fraction of raw; goal >= 0.80),
-   p50/p99 latency and the mean executed batch size;
+   p50/p99 latency and the mean executed batch size; and the same callers
+   through a bare Python batcher (a future or a lock per caller and one
+   compiled call per batch, nothing else), the ceiling any Python server has
+   on this machine, with jitserve's throughput as a fraction of it;
 3. padding waste with random request sizes 1..batch_size (goal <= 25%);
 4. the same 64 single-row callers through Ray Serve's ``@serve.batch`` on the
    same jitted function (needs ``pip install 'jitserve[bench]'``; skipped
@@ -28,8 +31,11 @@ In one run, on an MLP (256 -> 1024 -> 256, float32, ReLU) compiled with XLA:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import queue
 import random
 import statistics
+import threading
 import time
 
 import jax
@@ -89,6 +95,91 @@ def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bo
         "mean_batch": stats["rows"] / stats["batches"], "waste": stats["padded_rows"] / executed,
         "compiles": stats["compiles"],
     }
+
+
+def bare_batcher(seconds: float, use_async: bool) -> float:
+    """rows/s of the least any Python batcher does, driven by the same load harness: 64 one-row callers, a
+    future (asyncio) or a lock (threads) each, one concatenate and one compiled batch-64 call per batch, and
+    nothing else (no queue per signature, no validation, no timeouts, no statistics). The ceiling of the
+    in-process goal on this machine: what the interpreter itself costs per caller and hand-off."""
+    compiled = js.compile(mlp, [js.template((BATCH, 256), "float32")])
+    rows = rng.normal(size=(BATCH, 256)).astype(np.float32)
+    padding = np.zeros((BATCH, 256), np.float32)
+
+    def run(items: list) -> np.ndarray:
+        batch = np.concatenate([row for row, _ in items] + [padding[:BATCH - len(items)]])
+        return np.asarray(compiled(batch))
+
+    if use_async:
+        pending: list = []
+        timer: list[asyncio.TimerHandle] = []  # the window of the batch being gathered
+
+        def flush() -> None:
+            if timer:
+                timer.pop().cancel()
+            items = pending[:]
+            pending.clear()
+            if items:
+                out = run(items)  # on the loop itself: no hand-off at all
+                for i, (_, future) in enumerate(items):
+                    future.set_result(out[i:i + 1])
+
+        def make_async(seed: int):
+            row = rows[seed % BATCH:seed % BATCH + 1]
+
+            async def call() -> int:
+                loop = asyncio.get_running_loop()
+                future = loop.create_future()
+                pending.append((row, future))
+                if len(pending) == BATCH:
+                    flush()
+                elif len(pending) == 1:
+                    timer.append(loop.call_later(0.002, flush))
+                assert (await future).shape == (1, 256)
+                return 1
+            return call
+
+        return closed_loop_async(make_async, BATCH, seconds).rows_per_s
+
+    arrivals: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def batcher() -> None:
+        while not stop.is_set():
+            try:
+                items = [arrivals.get(timeout=0.1)]
+            except queue.Empty:
+                continue
+            deadline = time.monotonic() + 0.002
+            while len(items) < BATCH and (left := deadline - time.monotonic()) > 0:
+                try:
+                    items.append(arrivals.get(timeout=left))
+                except queue.Empty:
+                    break
+            out = run([(row, None) for row, _, _ in items])
+            for i, (_, done, box) in enumerate(items):
+                box.append(out[i:i + 1])
+                done.release()
+
+    def make_call(seed: int):
+        row = rows[seed % BATCH:seed % BATCH + 1]
+
+        def call() -> int:
+            done, box = threading.Lock(), []
+            done.acquire()
+            arrivals.put((row, done, box))
+            done.acquire()
+            assert box[0].shape == (1, 256)
+            return 1
+        return call
+
+    thread = threading.Thread(target=batcher, daemon=True)
+    thread.start()
+    try:
+        return closed_loop(make_call, BATCH, seconds).rows_per_s
+    finally:
+        stop.set()
+        thread.join()
 
 
 def direct_p50(calls: int = 2000) -> float:
@@ -172,25 +263,31 @@ def main() -> None:
     raws.append(raw_rows_per_s(args.seconds / 2))
     mixed = served(args.seconds, args.batch_timeout, lambda r: r.randint(1, BATCH), "mlp-mixed")
     raws.append(raw_rows_per_s(args.seconds / 2))
+    bare = {use_async: bare_batcher(args.seconds, use_async) for use_async in (True, False)}
+    raws.append(raw_rows_per_s(args.seconds / 2))
     raw = statistics.mean(raws)  # measured between the runs: this machine's speed drifts
     ray_result = ray_serve(args.seconds, args.batch_timeout)
 
     print(f"MLP 256->1024->256 float32, XLA on {jax.devices()[0].device_kind}, batch_size {BATCH}, "
           f"batch_timeout {args.batch_timeout * 1e3:g} ms, {BATCH} closed-loop callers, {args.seconds:g} s per run")
-    print("| run | rows/s | vs raw | p50 ms | p99 ms | mean batch | padding waste |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | rows/s | vs raw | vs bare batcher | p50 ms | p99 ms | mean batch | padding waste |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| raw compiled batch-{BATCH} (mean of {len(raws)} runs between the others) | {raw:,.0f} | 1.00 "
-          f"| | | {BATCH} | |")
-    for label, r in [("jitserve, 1-row requests, asyncio callers", single_async),
-                     ("jitserve, 1-row requests, threads", single),
-                     (f"jitserve, 1..{BATCH}-row requests, threads", mixed)]:
-        print(f"| {label} | {r['rows_per_s']:,.0f} | {r['rows_per_s'] / raw:.2f} | {r['p50'] * 1e3:.2f} "
+          f"| | | | {BATCH} | |")
+    for use_async, label in [(True, "asyncio callers"), (False, "threads")]:
+        print(f"| bare Python batcher, 1-row requests, {label} (the ceiling: see bare_batcher) "
+              f"| {bare[use_async]:,.0f} | {bare[use_async] / raw:.2f} | 1.00 | | | | |")
+    for label, r, floor in [("jitserve, 1-row requests, asyncio callers", single_async, bare[True]),
+                            ("jitserve, 1-row requests, threads", single, bare[False]),
+                            (f"jitserve, 1..{BATCH}-row requests, threads", mixed, None)]:
+        vs_bare = "" if floor is None else f"{r['rows_per_s'] / floor:.2f}"
+        print(f"| {label} | {r['rows_per_s']:,.0f} | {r['rows_per_s'] / raw:.2f} | {vs_bare} | {r['p50'] * 1e3:.2f} "
               f"| {r['p99'] * 1e3:.2f} | {r['mean_batch']:.1f} | {100 * r['waste']:.1f}% |")
     if ray_result is None:
-        print("| Ray Serve @serve.batch | unavailable (see above; pip install 'jitserve[bench]') | | | | | |")
+        print("| Ray Serve @serve.batch | unavailable (see above; pip install 'jitserve[bench]') | | | | | | |")
     else:
         print(f"| Ray Serve @serve.batch, 1-row requests | {ray_result['rows_per_s']:,.0f} "
-              f"| {ray_result['rows_per_s'] / raw:.2f} | {ray_result['p50'] * 1e3:.2f} "
+              f"| {ray_result['rows_per_s'] / raw:.2f} | | {ray_result['p50'] * 1e3:.2f} "
               f"| {ray_result['p99'] * 1e3:.2f} | | |")
     print(f"compiles per served run: {single_async['compiles']}, {single['compiles']}, {mixed['compiles']} "
           f"(all at warm-up: {len(js.Serving(mlp, batch_size=BATCH).batch_sizes)} batch sizes)")

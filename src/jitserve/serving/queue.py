@@ -168,7 +168,11 @@ class _SignatureQueue:
         self.rows = 0
 
     def oldest(self) -> float:
-        return min(queue[0].enqueued for queue in self.levels.values())
+        levels = self.levels
+        if len(levels) == 1:  # one priority level: its head
+            for queue in levels.values():
+                return queue[0].enqueued
+        return min(queue[0].enqueued for queue in levels.values())
 
     def best(self, policy: BatchPolicy, now: float) -> tuple[tuple[int, float], deque[Piece]]:
         """The most urgent head of any level, and its deque."""

@@ -88,7 +88,8 @@ class Server:
                  policy: BatchPolicy | None = None) -> None:
         self.serving = serving
         self.name = name
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # entered directly on the hot path (a C call, unlike the Condition's)
+        self._cond = threading.Condition(self._lock)
         self._queues = Queues(policy or serving.policy)
         self._stopping = False
         self._stopped = threading.Event()
@@ -147,7 +148,7 @@ class Server:
         running finish. ``drain=False`` answers every queued request none of whose rows started with
         ``ServerStoppedError`` (nothing of it ran, so a router may send it elsewhere) and finishes what
         started. A second call waits for the first one's drain."""
-        with self._cond:
+        with self._lock:
             first = not self._stopping
             self._stopping = True
             finished = (self._fail_withdrawn(self._queues.withdraw_unstarted(), "stopped before this request started")
@@ -161,7 +162,7 @@ class Server:
             deadline = time.monotonic() + timeout
             for partition in self._partitions:
                 partition.thread.join(max(deadline - time.monotonic(), 0))
-            with self._cond:
+            with self._lock:
                 finished = self._fail_withdrawn(self._queues.withdraw_all(),
                                                 f"stopped (its drain timeout of {timeout}s ran out) before all of "
                                                 f"this request ran")
@@ -216,7 +217,7 @@ class Server:
         self._listeners.append(listener)
 
     def stats(self) -> dict[str, Any]:
-        with self._cond:
+        with self._lock:
             stats = dict(self._stats)
             stats["batch_sizes"] = dict(stats["batch_sizes"])
             stats["batch_execution_s"] = dict(stats["batch_execution_s"])
@@ -225,7 +226,7 @@ class Server:
         return stats
 
     def _count_compile(self) -> None:
-        with self._cond:
+        with self._lock:
             self._stats["compiles"] += 1
 
     # callers ---------------------------------------------------------------------------------
@@ -249,7 +250,7 @@ class Server:
         queues = self._queues
         policy = queues.policy
         level_limit = queues.level_limits.get(level)
-        with self._cond:
+        with self._lock:
             if policy.max_queue is not None or level_limit is not None:
                 self._check_fits(size, level, level_limit)
             if self._stopping:
@@ -260,8 +261,7 @@ class Server:
                     f"server {self.name!r} queue is full: {queues.depth} rows queued, "
                     f"max_queue is {policy.max_queue}; a request of {size} rows was rejected"
                 )
-            queued_at_level = queues.level_depth.get(level, 0)
-            if level_limit is not None and queued_at_level + size > level_limit:
+            if level_limit is not None and (queued_at_level := queues.level_depth.get(level, 0)) + size > level_limit:
                 self._stats["rejected"] += 1
                 raise QueueFullError(
                     f"server {self.name!r} queue for priority level {level} is full: {queued_at_level} rows "
@@ -369,7 +369,7 @@ class Server:
     def _abandon(self, request: Request) -> None:
         """A streaming caller stopped reading: its queued rows leave the queues (a running batch finishes,
         unread). Counted as cancelled."""
-        with self._cond:
+        with self._lock:
             if request.rows_left == 0:
                 return
             self._queues.withdraw(request)
@@ -378,7 +378,7 @@ class Server:
 
     def _withdraw(self, request: Request, timed_out: bool) -> bool:
         """Take a request that has not started (nor finished) off the queues; False if it had."""
-        with self._cond:
+        with self._lock:
             if request.started or request.rows_left == 0:
                 return False
             self._queues.withdraw(request)
@@ -391,7 +391,7 @@ class Server:
     def _next_batch(self) -> tuple[list[Piece], Batch, float] | None:
         """Wait for a queue to be ready and take a batch from it; None once stopped and drained."""
         queues = self._queues
-        with self._cond:
+        with self._lock:
             while True:
                 signature, wait = queues.ready(time.monotonic(), self._stopping)
                 if signature is not None:
@@ -419,7 +419,7 @@ class Server:
             outputs = partition.executor.execute(batch)
             if self.serving.streaming:  # each step reaches the callers as soon as the serving yields it
                 for step, step_outputs in enumerate(outputs):
-                    with self._cond:
+                    with self._lock:
                         self._deliver_step(pieces, step, step_outputs)
                 outputs = None
         except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
@@ -433,7 +433,7 @@ class Server:
         wait = sum(formed - piece.enqueued for piece in pieces)
         report = BatchReport(self.name, partition.index, batch.size, padded,
                              max(formed - piece.enqueued for piece in pieces), elapsed, error)
-        with self._cond:  # a split request's parts may finish on several partitions at once
+        with self._lock:  # a split request's parts may finish on several partitions at once
             finished = []
             for part, part_outputs, part_error in outcomes:
                 finished += (self._deliver(part, part_outputs, report) if part_error is None
