@@ -106,9 +106,8 @@ def bare_batcher(seconds: float, use_async: bool) -> float:
     rows = rng.normal(size=(BATCH, 256)).astype(np.float32)
     padding = np.zeros((BATCH, 256), np.float32)
 
-    def run(items: list) -> np.ndarray:
-        batch = np.concatenate([row for row, _ in items] + [padding[:BATCH - len(items)]])
-        return np.asarray(compiled(batch))
+    def run(batch_rows: list[np.ndarray]) -> np.ndarray:
+        return np.asarray(compiled(np.concatenate(batch_rows + [padding[:BATCH - len(batch_rows)]])))
 
     if use_async:
         pending: list = []
@@ -120,7 +119,7 @@ def bare_batcher(seconds: float, use_async: bool) -> float:
             items = pending[:]
             pending.clear()
             if items:
-                out = run(items)  # on the loop itself: no hand-off at all
+                out = run([row for row, _ in items])  # on the loop itself: no hand-off at all
                 for i, (_, future) in enumerate(items):
                     future.set_result(out[i:i + 1])
 
@@ -156,7 +155,7 @@ def bare_batcher(seconds: float, use_async: bool) -> float:
                     items.append(arrivals.get(timeout=left))
                 except queue.Empty:
                     break
-            out = run([(row, None) for row, _, _ in items])
+            out = run([row for row, _, _ in items])
             for i, (_, done, box) in enumerate(items):
                 box.append(out[i:i + 1])
                 done.release()

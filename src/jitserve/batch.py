@@ -133,10 +133,6 @@ class Batch:
 
     @classmethod
     def _add(cls, batch: Batch | None, entries: Sequence[Any], stacked: bool) -> Batch:
-        if batch is None and not stacked and len(entries) == 1:  # one caller's array: the hot path
-            entry = entries[0]
-            if type(entry) is np.ndarray and entry.ndim and entry.shape[0]:
-                return cls([_Chunk([entry], 0, entry.shape[0], False)], _ONE_LEAF, ((entry.shape[1:], entry.dtype),))
         added = cls._build(entries, stacked)
         if batch is None:
             return added

@@ -8,10 +8,10 @@ with in-process callers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from ..errors import (
 from ..serving.server import Server
 from ..version import __version__
 from .codec import ModelSpec, select_outputs
-from .logs import REQUEST_ID
+from .logs import REQUEST_ID, request_id
 from .metrics import Metrics
 
 log = logging.getLogger("jitserve.serve")
@@ -178,15 +178,9 @@ class InferenceService:
         if serving.streaming:
             raise ProtocolError(f"model '{model}' streams its results: call it with ModelStreamInfer (gRPC) or "
                                 f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
-        started = time.perf_counter_ns()
-        tally = self.tallies[(spec.name, spec.version)]
-        try:
+        with self._tallied(spec):
             request = server.submit(batch, asyncio.get_running_loop(), priority)
             outputs = serving.finish(await server.result_async(request, self._timeout(serving, priority)))
-        except Exception:
-            tally.add(started, ok=False)
-            raise
-        tally.add(started, ok=True)
         return spec.version, select_outputs(spec.named_outputs(outputs), requested, model)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
@@ -206,11 +200,18 @@ class InferenceService:
                       timeout: float | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """The stream's outputs; tallied in the statistics once it ends or fails (not when the client leaves)."""
         server = spec.server
+        with self._tallied(spec):
+            async for outputs in server.stream_async(request, timeout):
+                yield select_outputs(spec.named_outputs(server.serving.finish(outputs)), requested, spec.name)
+
+    @contextlib.contextmanager
+    def _tallied(self, spec: ModelSpec) -> Iterator[None]:
+        """Count what the block runs in the model's statistics: a success, or a failure when it raises; a
+        caller that is cancelled or stops reading is not counted."""
         started = time.perf_counter_ns()
         tally = self.tallies[(spec.name, spec.version)]
         try:
-            async for outputs in server.stream_async(request, timeout):
-                yield select_outputs(spec.named_outputs(server.serving.finish(outputs)), requested, spec.name)
+            yield
         except Exception:
             tally.add(started, ok=False)
             raise
@@ -234,9 +235,9 @@ class InferenceService:
         http_status, grpc_status = status_of(error)
         status: int | str = http_status if protocol == "http" else grpc_status
         if http_status == 500:
-            request_id = REQUEST_ID.get() or uuid.uuid4().hex[:16]
-            log.error("%s: model '%s' failed (request id %s)", protocol, loggable(model), request_id, exc_info=error)
-            message = f"internal error in model '{model}'; the server log has the details under request id {request_id}"
+            tag = REQUEST_ID.get() or request_id(None)
+            log.error("%s: model '%s' failed (request id %s)", protocol, loggable(model), tag, exc_info=error)
+            message = f"internal error in model '{model}'; the server log has the details under request id {tag}"
         else:
             log.warning("%s: model '%s': %s: %s", protocol, loggable(model), status, loggable(str(error)))
             message = str(error)

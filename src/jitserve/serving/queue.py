@@ -170,8 +170,8 @@ class _SignatureQueue:
     def oldest(self) -> float:
         levels = self.levels
         if len(levels) == 1:  # one priority level: its head
-            for queue in levels.values():
-                return queue[0].enqueued
+            (queue,) = levels.values()
+            return queue[0].enqueued
         return min(queue[0].enqueued for queue in levels.values())
 
     def best(self, policy: BatchPolicy, now: float) -> tuple[tuple[int, float], deque[Piece]]:
