@@ -17,6 +17,13 @@ In one run, each server serves the same MLP (256 -> 1024 -> 256, float32,
   (``@serve.batch``, 64 / 2 ms, HTTP proxy), each with its own JSON body
   (neither speaks the Open Inference Protocol), from the ``bench`` extra.
 
+Beside them, not a peer, the floor of jitserve's own stack: uvicorn (uvloop,
+httptools) with a bare ASGI callable and ``grpc.aio`` on a thread of its own,
+as ``jitserve serve`` runs them, answering each request with its answer
+precomputed (no decoding, batching, model or encoding). What it reaches is
+the most any server on this stack can, here; the script prints it next to
+twice the best peer (the goal) and jitserve.
+
 The peers batch up to 64 *requests* (LitServe, Ray Serve, MLServer) or 64
 *rows* (Triton, jitserve); every peer pads the rows it runs to a power of two
 and compiled those sizes before the run, as jitserve does, so nobody compiles
@@ -246,15 +253,91 @@ def serve_jitserve(http_port: int, grpc_port: int) -> None:
                               "--port", str(http_port), "--grpc-port", str(grpc_port)])
 
 
+def floor_answers(port: int) -> tuple[dict[bytes, tuple[list, bytes]], dict[bytes, bytes]]:
+    """Every request the load generator sends, and its answer ready to write: HTTP (by body: response
+    headers and body, JSON or binary tensors) and gRPC (by message: the serialized ModelInferResponse)."""
+    from jitserve.protocol.grpc import MESSAGES
+
+    http: dict[bytes, tuple[list, bytes]] = {}
+    grpc: dict[bytes, bytes] = {}
+    for sizes in ("1-row", "mixed"):
+        for protocol in ("http-json", "http-binary", "grpc"):
+            for rows, request, expected in load_requests(sizes, protocol, "/v2/models/mlp/infer", port):
+                shape = [rows, FEATURES]
+                if protocol == "grpc":
+                    response = MESSAGES["ModelInferResponse"](model_name="mlp", model_version="1")
+                    response.outputs.add(name="output", datatype="FP32", shape=shape)
+                    response.raw_output_contents.append(expected.tobytes())
+                    grpc[request] = response.SerializeToString()
+                    continue
+                output: dict = {"name": "output", "datatype": "FP32", "shape": shape}
+                if protocol == "http-json":
+                    headers, content = [(b"content-type", b"application/json")], b""
+                    output["data"] = expected.tolist()
+                else:
+                    output["parameters"] = {"binary_data_size": expected.nbytes}
+                header = json.dumps({"model_name": "mlp", "model_version": "1", "outputs": [output]}).encode()
+                if protocol == "http-binary":
+                    headers = [(b"content-type", b"application/octet-stream"),
+                               (b"inference-header-content-length", str(len(header)).encode())]
+                    content = expected.tobytes()
+                body = header + content
+                http[request.split(b"\r\n\r\n", 1)[1]] = (headers + [(b"content-length", b"%d" % len(body))], body)
+    return http, grpc
+
+
+def serve_floor(http_port: int, grpc_port: int) -> None:
+    """Not a peer: the least any server built on jitserve's stack does per request, measured the same way.
+    uvicorn (uvloop, httptools) with a bare ASGI callable, and ``grpc.aio`` on an event loop of its own
+    thread, as ``jitserve serve`` runs them, answering every request with its precomputed answer: no
+    decoding, no batching, no model, no encoding."""
+    import threading
+
+    import grpc
+    import uvicorn
+
+    http, answers = floor_answers(http_port)
+    unknown = b"not one of the load generator's requests"
+    ready, refused = ([(b"content-length", b"0")], b""), ([(b"content-length", b"%d" % len(unknown))], unknown)
+
+    async def app(scope: dict, receive, send) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        status, (headers, content) = (200, ready) if scope["method"] == "GET" else (
+            (200, http[body]) if body in http else (400, refused))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    async def infer(request: bytes, context) -> bytes:
+        return answers[request]
+
+    async def serve_grpc() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "inference.GRPCInferenceService", {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer)})])
+        server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    threading.Thread(target=asyncio.run, args=(serve_grpc(),), daemon=True).start()
+    uvicorn.run(app, host="127.0.0.1", port=http_port, loop="uvloop", http="httptools", lifespan="off",
+                access_log=False, log_level="warning")
+
+
 SERVERS = {"jitserve": serve_jitserve, "pytriton": serve_pytriton, "mlserver": serve_mlserver,
-           "litserve": serve_litserve, "ray": serve_ray}
+           "litserve": serve_litserve, "ray": serve_ray, "floor": serve_floor}
 PROTOCOLS = {  # peer -> (protocol, the path it answers on) it is measured with
     "jitserve": [("http-json", "/v2/models/mlp/infer"), ("http-binary", "/v2/models/mlp/infer"), ("grpc", "")],
     "pytriton": [("http-json", "/v2/models/mlp/infer"), ("http-binary", "/v2/models/mlp/infer"), ("grpc", "")],
     "mlserver": [("http-json", "/v2/models/mlp/infer"), ("grpc", "")],
     "litserve": [("lit-json", "/predict")],
     "ray": [("lit-json", "/predict")],
+    "floor": [("http-json", "/v2/models/mlp/infer"), ("http-binary", "/v2/models/mlp/infer"), ("grpc", "")],
 }
+NOT_PEERS = {"jitserve", "floor"}  # what the peers are compared with, and the floor of jitserve's own stack
 READY_PATHS = {"litserve": "/health", "ray": "/-/healthz"}
 FAMILY = {"http-json": "HTTP JSON", "lit-json": "HTTP JSON", "http-binary": "HTTP binary", "grpc": "gRPC"}
 
@@ -285,6 +368,18 @@ def request_bytes(protocol: str, path: str, port: int, x: np.ndarray) -> bytes:
         extra = b"Inference-Header-Content-Length: %d\r\n" % len(header)
     return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n%s"
             b"Content-Length: %d\r\n\r\n" % (path.encode(), port, extra, len(body))) + body
+
+
+def load_requests(sizes: str, protocol: str, path: str, port: int) -> list[tuple[int, bytes, np.ndarray]]:
+    """The 32 requests the callers draw from in turn, the same for every server: (rows, the request's bytes,
+    the expected output rows)."""
+    rng = np.random.default_rng(1)
+    made = []
+    for _ in range(32):
+        rows = 1 if sizes == "1-row" else int(rng.integers(1, BATCH + 1))
+        x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+        made.append((rows, request_bytes(protocol, path, port, x), reference(x).ravel()))
+    return made
 
 
 def answer_of(protocol: str, headers: dict[bytes, bytes], body: bytes) -> np.ndarray:
@@ -330,12 +425,7 @@ def load(spec: dict) -> dict:
     except ImportError:
         loop_factory = asyncio.new_event_loop
     protocol, port, callers, seconds = spec["protocol"], spec["port"], spec["callers"], spec["seconds"]
-    rng = np.random.default_rng(1)
-    variants = []  # (rows, request bytes, expected output); callers draw from the same list in turn
-    for _ in range(32):
-        rows = 1 if spec["sizes"] == "1-row" else int(rng.integers(1, BATCH + 1))
-        x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-        variants.append((rows, request_bytes(protocol, spec["path"], port, x), reference(x).ravel()))
+    variants = load_requests(spec["sizes"], protocol, spec["path"], port)
     latencies: list[float] = []
     totals = {"requests": 0, "rows": 0}
 
@@ -521,13 +611,31 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
                 group = [r for r in results if r["sizes"] == sizes and r["callers"] == callers
                          and FAMILY[r["protocol"]] == family]
                 ours = [r for r in group if r["peer"] == "jitserve"]
-                peers = [r for r in group if r["peer"] != "jitserve"]
+                peers = [r for r in group if r["peer"] not in NOT_PEERS]
                 if not ours or not peers:
                     continue
                 best = max(peers, key=lambda r: r["rows_per_s"])
                 print(f"| {sizes} | {callers} | {family} | {ours[0]['rows_per_s']:,.0f} | {best['peer']} "
                       f"| {best['rows_per_s']:,.0f} | {ours[0]['rows_per_s'] / best['rows_per_s']:.2f}x "
                       f"| {ours[0]['p99'] * 1e3:.1f} / {best['p99'] * 1e3:.1f} |")
+    floors = [r for r in results if r["peer"] == "floor"]
+    if not floors:
+        return
+    print()
+    print("the floor: jitserve's stack answering precomputed bytes, no work (what any server on it can reach):")
+    print("| sizes | callers | protocol | floor rows/s | floor server CPU us/request | 2x the best peer | jitserve rows/s "
+          "| jitserve / floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for floor in sorted(floors, key=lambda r: (r["sizes"], r["callers"], r["protocol"])):
+        same = [r for r in results if (r["sizes"], r["callers"], r["protocol"]) ==
+                (floor["sizes"], floor["callers"], floor["protocol"])]
+        peers = [r["rows_per_s"] for r in results if r["peer"] not in NOT_PEERS and (r["sizes"], r["callers"]) ==
+                 (floor["sizes"], floor["callers"]) and FAMILY[r["protocol"]] == FAMILY[floor["protocol"]]]
+        ours = [r["rows_per_s"] for r in same if r["peer"] == "jitserve"]
+        goal = f"{2 * max(peers):,.0f}" if peers else ""
+        mine = f"{ours[0]:,.0f} | {ours[0] / floor['rows_per_s']:.2f}" if ours else " | "
+        print(f"| {floor['sizes']} | {floor['callers']} | {floor['protocol']} | {floor['rows_per_s']:,.0f} "
+              f"| {floor['server_cpu_us']:,.0f} | {goal} | {mine} |")
 
 
 def plot(results: list[dict], args: argparse.Namespace) -> None:
@@ -552,10 +660,13 @@ def plot(results: list[dict], args: argparse.Namespace) -> None:
                 if not mine:
                     continue
                 callers = [r["callers"] for r in mine]
-                axes[0][column].plot(callers, [r["rows_per_s"] for r in mine], marker="o", label=peer)
-                axes[1][column].plot(callers, [r["p99"] * 1e3 for r in mine], marker="o", label=f"{peer} p99")
+                style = {"color": "gray", "linestyle": "--"} if peer == "floor" else {}  # not a peer
+                label = "floor (the stack alone)" if peer == "floor" else peer
+                axes[0][column].plot(callers, [r["rows_per_s"] for r in mine], marker="o", label=label, **style)
+                axes[1][column].plot(callers, [r["p99"] * 1e3 for r in mine], marker="o", label=f"{label} p99",
+                                     **style)
                 axes[1][column].plot(callers, [r["p50"] * 1e3 for r in mine], marker=".", linestyle=":",
-                                     color=axes[1][column].lines[-1].get_color(), label=f"{peer} p50")
+                                     color=axes[1][column].lines[-1].get_color(), label=f"{label} p50")
             axes[0][column].set_title(f"{family}: throughput")
             axes[1][column].set_title(f"{family}: latency")
             axes[0][column].set_ylabel("rows/s")
