@@ -592,6 +592,14 @@ def measure_peer(peer: str, args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def jitserve_and_best_peer(results: list[dict], sizes: str, callers: int, family: str
+                           ) -> tuple[dict | None, dict | None]:
+    """jitserve's result and the best peer's (most rows/s) for one cell of sizes, callers and protocol family."""
+    cell = [r for r in results if (r["sizes"], r["callers"], FAMILY[r["protocol"]]) == (sizes, callers, family)]
+    ours = next((r for r in cell if r["peer"] == "jitserve"), None)
+    return ours, max((r for r in cell if r["peer"] not in NOT_PEERS), key=lambda r: r["rows_per_s"], default=None)
+
+
 def report(results: list[dict], args: argparse.Namespace) -> None:
     print()
     print(f"MLP {FEATURES}->{HIDDEN}->{FEATURES} float32 (jax.jit, CPU), batch 64 / 2 ms for every server, "
@@ -608,16 +616,12 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     for sizes in args.sizes:
         for callers in args.callers:
             for family in ("HTTP JSON", "HTTP binary", "gRPC"):
-                group = [r for r in results if r["sizes"] == sizes and r["callers"] == callers
-                         and FAMILY[r["protocol"]] == family]
-                ours = [r for r in group if r["peer"] == "jitserve"]
-                peers = [r for r in group if r["peer"] not in NOT_PEERS]
-                if not ours or not peers:
+                ours, best = jitserve_and_best_peer(results, sizes, callers, family)
+                if ours is None or best is None:
                     continue
-                best = max(peers, key=lambda r: r["rows_per_s"])
-                print(f"| {sizes} | {callers} | {family} | {ours[0]['rows_per_s']:,.0f} | {best['peer']} "
-                      f"| {best['rows_per_s']:,.0f} | {ours[0]['rows_per_s'] / best['rows_per_s']:.2f}x "
-                      f"| {ours[0]['p99'] * 1e3:.1f} / {best['p99'] * 1e3:.1f} |")
+                print(f"| {sizes} | {callers} | {family} | {ours['rows_per_s']:,.0f} | {best['peer']} "
+                      f"| {best['rows_per_s']:,.0f} | {ours['rows_per_s'] / best['rows_per_s']:.2f}x "
+                      f"| {ours['p99'] * 1e3:.1f} / {best['p99'] * 1e3:.1f} |")
     floors = [r for r in results if r["peer"] == "floor"]
     if not floors:
         return
@@ -627,13 +631,9 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
           "| jitserve / floor |")
     print("|---|---|---|---|---|---|---|---|")
     for floor in sorted(floors, key=lambda r: (r["sizes"], r["callers"], r["protocol"])):
-        same = [r for r in results if (r["sizes"], r["callers"], r["protocol"]) ==
-                (floor["sizes"], floor["callers"], floor["protocol"])]
-        peers = [r["rows_per_s"] for r in results if r["peer"] not in NOT_PEERS and (r["sizes"], r["callers"]) ==
-                 (floor["sizes"], floor["callers"]) and FAMILY[r["protocol"]] == FAMILY[floor["protocol"]]]
-        ours = [r["rows_per_s"] for r in same if r["peer"] == "jitserve"]
-        goal = f"{2 * max(peers):,.0f}" if peers else ""
-        mine = f"{ours[0]:,.0f} | {ours[0] / floor['rows_per_s']:.2f}" if ours else " | "
+        ours, best = jitserve_and_best_peer(results, floor["sizes"], floor["callers"], FAMILY[floor["protocol"]])
+        goal = f"{2 * best['rows_per_s']:,.0f}" if best else ""
+        mine = f"{ours['rows_per_s']:,.0f} | {ours['rows_per_s'] / floor['rows_per_s']:.2f}" if ours else " | "
         print(f"| {floor['sizes']} | {floor['callers']} | {floor['protocol']} | {floor['rows_per_s']:,.0f} "
               f"| {floor['server_cpu_us']:,.0f} | {goal} | {mine} |")
 
