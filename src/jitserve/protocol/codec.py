@@ -34,6 +34,7 @@ DATATYPES: dict[str, np.dtype] = {
     "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
 }
 DATATYPE_OF: dict[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
+_LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items()}  # how binary data holds them
 
 
 def datatype_of(dtype: Any) -> str:
@@ -109,7 +110,7 @@ def decode_raw(tensor: str, datatype: str, shape: Any, raw: bytes | memoryview) 
     if len(raw) != expected:
         raise ProtocolError(f"input '{tensor}': {len(raw)} bytes of binary data, expected {expected} "
                             f"for {datatype} {list(dims)}")
-    return np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(dims)
+    return np.frombuffer(raw, _LITTLE_ENDIAN[datatype]).astype(dtype, copy=False).reshape(dims)
 
 
 _SOURCE_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}  # JSON value kinds each target kind accepts
@@ -215,13 +216,16 @@ class ModelSpec:
         self.version = version
         self.server = server
         serving = server.serving
-        self._input_tree = None
+        self._input_tree: Any = None
         self.inputs: list[TensorSpec] = []
         if serving.input_template is not None:
             leaves, self._input_tree = jax.tree_util.tree_flatten(serving.input_template)
             self.inputs = [TensorSpec(n, datatype_of(_computed_dtype(serving, t.dtype)), t.shape)
                            for n, t in zip(_tensor_names(serving.input_template, "input"), leaves)]
+        self._expected = {t.name: (t, DATATYPES[t.datatype]) for t in self.inputs}
+        self._one_array = self._input_tree is not None and self._input_tree.num_nodes == 1  # no pytree to build
         self._outputs: list[TensorSpec] | None = None
+        self._output_names: dict[Any, list[str]] = {}  # output structure -> its leaves' names
 
     @property
     def outputs(self) -> list[TensorSpec]:
@@ -264,40 +268,51 @@ class ModelSpec:
             raise ProtocolError(f"the request has no inputs; model '{self.name}' expects "
                                 f"{', '.join(t.name for t in self.inputs) or 'at least one'}")
         if self._input_tree is None:
-            entry: Any = next(iter(tensors.values())) if len(tensors) == 1 else dict(tensors)
+            arrays = list(tensors.values())
+            entry: Any = arrays[0] if len(arrays) == 1 else dict(tensors)
         else:
-            expected = {t.name: t for t in self.inputs}
-            unknown = sorted(set(tensors) - set(expected))
-            if unknown:
-                raise ProtocolError(f"unknown input '{unknown[0]}' for model '{self.name}'; "
-                                    f"expected: {', '.join(expected)}")
-            missing = [n for n in expected if n not in tensors]
-            if missing:
-                raise ProtocolError(f"model '{self.name}' needs input '{missing[0]}', which the request lacks")
-            for spec in self.inputs:
-                array = tensors[spec.name]
-                if datatype_of(array.dtype) != spec.datatype:
+            if tensors.keys() != self._expected.keys():
+                self._refuse_names(tensors)
+            arrays = []
+            for name, (spec, dtype) in self._expected.items():
+                array = tensors[name]
+                if array.dtype != dtype:
                     narrowed = " (it computes without 64-bit types: run the server with JAX_ENABLE_X64=1 for them)" \
-                        if array.dtype.itemsize == 8 and DATATYPES[spec.datatype].itemsize == 4 else ""
-                    raise ProtocolError(f"input '{spec.name}' has datatype {datatype_of(array.dtype)}, "
+                        if array.dtype.itemsize == 8 and dtype.itemsize == 4 else ""
+                    raise ProtocolError(f"input '{name}' has datatype {datatype_of(array.dtype)}, "
                                         f"but model '{self.name}' expects {spec.datatype}{narrowed}")
                 if array.ndim == 0 or array.shape[1:] != spec.row_shape:
-                    raise ProtocolError(f"input '{spec.name}' has shape {list(array.shape)}, but model "
+                    raise ProtocolError(f"input '{name}' has shape {list(array.shape)}, but model "
                                         f"'{self.name}' expects {[-1, *spec.row_shape]}")
-            entry = jax.tree_util.tree_unflatten(self._input_tree, [tensors[t.name] for t in self.inputs])
-        if any(a.ndim == 0 for a in tensors.values()):
+                arrays.append(array)
+            entry = arrays[0] if self._one_array else jax.tree_util.tree_unflatten(self._input_tree, arrays)
+        if any(a.ndim == 0 for a in arrays):
             raise ProtocolError("inputs need a batch axis (axis 0 holds the rows); got a scalar")
-        rows = {a.shape[0] for a in tensors.values()}
+        rows = {a.shape[0] for a in arrays}
         if len(rows) != 1:
             raise ProtocolError(f"all inputs must have the same batch size (axis 0); got {sorted(rows)}")
         if 0 in rows:
             raise ProtocolError("the inputs hold no rows (batch size 0); send at least one")
         return Batch.concatenate([entry])
 
-    @staticmethod
-    def named_outputs(outputs: Any) -> list[tuple[str, np.ndarray]]:
-        leaves = jax.tree_util.tree_leaves(outputs)
-        return list(zip(_tensor_names(outputs, "output"), (np.asarray(leaf) for leaf in leaves)))
+    def _refuse_names(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """The request's input names differ from the model's: say which one is unknown or missing."""
+        unknown = sorted(set(tensors) - set(self._expected))
+        if unknown:
+            raise ProtocolError(f"unknown input '{unknown[0]}' for model '{self.name}'; "
+                                f"expected: {', '.join(self._expected)}")
+        missing = [n for n in self._expected if n not in tensors]
+        raise ProtocolError(f"model '{self.name}' needs input '{missing[0]}', which the request lacks")
+
+    def named_outputs(self, outputs: Any) -> list[tuple[str, np.ndarray]]:
+        """The outputs as (name, array) pairs; the names of an output structure are worked out once."""
+        if type(outputs) is np.ndarray:
+            return [("output", outputs)]
+        leaves, structure = jax.tree_util.tree_flatten(outputs)
+        names = self._output_names.get(structure)
+        if names is None:
+            names = self._output_names[structure] = _tensor_names(outputs, "output")
+        return list(zip(names, (np.asarray(leaf) for leaf in leaves)))
 
 
 def select_outputs(outputs: Sequence[tuple[str, np.ndarray]], requested: Sequence[str] | None,

@@ -10,9 +10,8 @@ loop of its own thread; inference goes through the same servers as HTTP.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +75,6 @@ class GrpcFront:
         self.calls = 0  # inference calls in flight
         self.last_call = 0.0  # loop time an inference call last ended
 
-    @contextlib.contextmanager
-    def _counted(self) -> Iterator[None]:
-        self.calls += 1
-        try:
-            yield
-        finally:
-            self.calls -= 1
-            self.last_call = asyncio.get_running_loop().time()
-
     async def quiet(self, seconds: float, deadline: float) -> None:
         """Return once no accepted inference call has been in flight for ``seconds`` (or at loop time
         ``deadline``)."""
@@ -128,14 +118,17 @@ class GrpcFront:
         model = request.model_name
         if self.service.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+        self.calls += 1  # what ``quiet`` waits on at a shutdown
         try:
-            with self._counted():
-                tensors = _decode_inputs(request)
-                served, outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
-                                                           _priority(request), request.model_version)
+            tensors = _decode_inputs(request)
+            served, outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
+                                                       _priority(request), request.model_version)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error)
             await context.abort(getattr(grpc.StatusCode, status), message)
+        finally:
+            self.calls -= 1
+            self.last_call = asyncio.get_running_loop().time()
         self.service.count(model, "grpc", "OK")
         return _infer_response(model, served, request.id, outputs)
 

@@ -9,6 +9,7 @@ wait and execution time from every executed batch.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -69,15 +70,22 @@ class Metrics:
                                     buckets=_TIME_BUCKETS, registry=self.registry)
         self.execution = Histogram("jitserve_execution_seconds", "Execution time of each batch", ["model"],
                                    buckets=_TIME_BUCKETS, registry=self.registry)
+        self._children: dict[str, tuple[Any, ...]] = {}  # each model's children of the four per-batch metrics
         self.registry.register(_ServerStats(servers))
         for server in servers.values():
             server.add_batch_listener(self.on_batch)
 
     def on_batch(self, report: BatchReport) -> None:
-        self.batch_size.labels(report.server).observe(report.padded_size)
-        self.padding.labels(report.server).inc(report.padded_size - report.size)
-        self.queue_wait.labels(report.server).observe(report.queue_wait_s)
-        self.execution.labels(report.server).observe(report.execution_s)
+        children = self._children.get(report.server)
+        if children is None:  # labels() takes a lock and builds a key: once per model, not per batch
+            children = self._children[report.server] = tuple(
+                metric.labels(report.server) for metric in (self.batch_size, self.padding, self.queue_wait,
+                                                            self.execution))
+        batch_size, padding, queue_wait, execution = children
+        batch_size.observe(report.padded_size)
+        padding.inc(report.padded_size - report.size)
+        queue_wait.observe(report.queue_wait_s)
+        execution.observe(report.execution_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

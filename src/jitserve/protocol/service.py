@@ -8,10 +8,9 @@ with in-process callers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,18 +203,9 @@ class InferenceService:
             async for outputs in server.stream_async(request, timeout):
                 yield select_outputs(spec.named_outputs(server.serving.finish(outputs)), requested, spec.name)
 
-    @contextlib.contextmanager
-    def _tallied(self, spec: ModelSpec) -> Iterator[None]:
-        """Count what the block runs in the model's statistics: a success, or a failure when it raises; a
-        caller that is cancelled or stops reading is not counted."""
-        started = time.perf_counter_ns()
-        tally = self.tallies[(spec.name, spec.version)]
-        try:
-            yield
-        except Exception:
-            tally.add(started, ok=False)
-            raise
-        tally.add(started, ok=True)
+    def _tallied(self, spec: ModelSpec) -> _Tallied:
+        """Count what a ``with`` block runs in the model's statistics (see :class:`_Tallied`)."""
+        return _Tallied(self.tallies[(spec.name, spec.version)])
 
     def _timeout(self, serving: Any, priority: int | None) -> float | None:
         return self.request_timeout if self.request_timeout is not None else serving.default_timeout(priority)
@@ -243,6 +233,25 @@ class InferenceService:
             message = str(error)
         self.count(model, protocol, status)
         return http_status, grpc_status, message
+
+
+class _Tallied:
+    """A ``with`` block counted in a model's tally: a success, or a failure when it raises an exception; a
+    caller that is cancelled or stops reading is not counted. (A class rather than a generator-based
+    context manager: it is entered once per request.)"""
+
+    __slots__ = ("tally", "started")
+
+    def __init__(self, tally: Tally) -> None:
+        self.tally = tally
+        self.started = time.perf_counter_ns()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        if kind is None or issubclass(kind, Exception):
+            self.tally.add(self.started, ok=kind is None)
 
 
 def _duration(count: int, ns: float) -> dict[str, int]:
