@@ -26,7 +26,6 @@ by comparing their bytes with it, so that checking costs the loop little.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,6 +35,7 @@ import orjson
 import uvloop
 
 import jitserve as js
+from jitserve.loadtest import closed_loop_async
 from jitserve.protocol.grpc import MESSAGES, GrpcFront, parse
 from jitserve.protocol.http import HttpFront
 from jitserve.protocol.service import InferenceService
@@ -51,14 +51,15 @@ def serving() -> js.Serving:
                       input_template=js.template((FEATURES,), "float32"))
 
 
-def core_call(name: str) -> Callable[[], Awaitable[None]]:
-    async def call() -> None:
+def core_call(name: str) -> Callable[[], Awaitable[int]]:
+    async def call() -> int:
         out = await js.batched_run_async(name, js.Batch.concatenate([ROW]))
         assert out.tobytes() == EXPECTED_BYTES
+        return 1
     return call
 
 
-def http_call(front: HttpFront, binary: bool) -> Callable[[], Awaitable[None]]:
+def http_call(front: HttpFront, binary: bool) -> Callable[[], Awaitable[int]]:
     tensor: dict[str, Any] = {"name": "input", "datatype": "FP32", "shape": [1, FEATURES]}
     if binary:
         header = orjson.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": ROW.nbytes}}],
@@ -78,7 +79,7 @@ def http_call(front: HttpFront, binary: bool) -> Callable[[], Awaitable[None]]:
 
     checked: list[bytes] = []  # the first answer's body, once decoded and found right
 
-    async def call() -> None:
+    async def call() -> int:
         sent: list[dict[str, Any]] = []
 
         async def send(event: dict[str, Any]) -> None:
@@ -88,7 +89,7 @@ def http_call(front: HttpFront, binary: bool) -> Callable[[], Awaitable[None]]:
         start, answer = sent
         if checked:
             assert answer["body"] == checked[0]
-            return
+            return 1
         assert start["status"] == 200, answer["body"]
         if binary:
             values = np.frombuffer(answer["body"][-ROW.nbytes:], np.float32)
@@ -96,6 +97,7 @@ def http_call(front: HttpFront, binary: bool) -> Callable[[], Awaitable[None]]:
             values = np.asarray(orjson.loads(answer["body"])["outputs"][0]["data"], np.float32)
         assert np.array_equal(values, EXPECTED.reshape(-1))
         checked.append(answer["body"])
+        return 1
     return call
 
 
@@ -109,7 +111,7 @@ class _CallContext:
         raise AssertionError(f"the call was aborted: {code} {details}")
 
 
-def grpc_call(front: GrpcFront) -> Callable[[], Awaitable[None]]:
+def grpc_call(front: GrpcFront) -> Callable[[], Awaitable[int]]:
     request = MESSAGES["ModelInferRequest"](model_name="m")
     request.inputs.add(name="input", datatype="FP32", shape=[1, FEATURES])
     request.raw_input_contents.append(ROW.tobytes())
@@ -117,36 +119,24 @@ def grpc_call(front: GrpcFront) -> Callable[[], Awaitable[None]]:
     context = _CallContext()
     checked: list[bytes] = []  # the first response, once decoded and found right
 
-    async def call() -> None:
+    async def call() -> int:
         response = (await front.ModelInfer(parse(MESSAGES["ModelInferRequest"], data), context)).SerializeToString()
         if checked:
             assert response == checked[0]
-            return
+            return 1
         answer = MESSAGES["ModelInferResponse"].FromString(response)
         assert np.array_equal(np.frombuffer(answer.raw_output_contents[0], np.float32), EXPECTED.reshape(-1))
         checked.append(response)
+        return 1
     return call
 
 
-def measure(call: Callable[[], Awaitable[None]], seconds: float) -> dict[str, float]:
+def measure(call: Callable[[], Awaitable[int]], seconds: float) -> dict[str, float]:
     """64 callers for ``seconds`` after a warm-up second: requests/s and the loop's CPU per request."""
-    async def run(duration: float) -> int:
-        stop = time.perf_counter() + duration
-
-        async def caller() -> int:
-            done = 0
-            while time.perf_counter() < stop:
-                await call()
-                done += 1
-            return done
-
-        return sum(await asyncio.gather(*(caller() for _ in range(CALLERS))))
-
-    uvloop.run(run(1.0))
-    cpu, started = time.thread_time(), time.perf_counter()
-    requests = uvloop.run(run(seconds))
-    elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu
-    return {"requests_per_s": requests / elapsed, "cpu_us": 1e6 * cpu / requests}
+    closed_loop_async(lambda seed: call, CALLERS, 1.0, uvloop.new_event_loop)
+    cpu = time.thread_time()
+    load = closed_loop_async(lambda seed: call, CALLERS, seconds, uvloop.new_event_loop)
+    return {"requests_per_s": load.rows_per_s, "cpu_us": 1e6 * (time.thread_time() - cpu) / load.calls}
 
 
 def main() -> None:

@@ -254,35 +254,24 @@ def serve_jitserve(http_port: int, grpc_port: int) -> None:
 
 
 def floor_answers(port: int) -> tuple[dict[bytes, tuple[list, bytes]], dict[bytes, bytes]]:
-    """Every request the load generator sends, and its answer ready to write: HTTP (by body: response
-    headers and body, JSON or binary tensors) and gRPC (by message: the serialized ModelInferResponse)."""
-    from jitserve.protocol.grpc import MESSAGES
+    """Every request the load generator sends, and its answer ready to write, encoded by jitserve's own
+    encoders (so the floor writes the same bytes jitserve does): HTTP (by body: response headers and body,
+    JSON or binary tensors) and gRPC (by message: the serialized ModelInferResponse)."""
+    from jitserve.protocol.grpc import _infer_response
+    from jitserve.protocol.http import _encode_response
 
     http: dict[bytes, tuple[list, bytes]] = {}
     grpc: dict[bytes, bytes] = {}
     for sizes in ("1-row", "mixed"):
         for protocol in ("http-json", "http-binary", "grpc"):
             for rows, request, expected in load_requests(sizes, protocol, "/v2/models/mlp/infer", port):
-                shape = [rows, FEATURES]
+                outputs = [("output", expected.reshape(rows, FEATURES))]
                 if protocol == "grpc":
-                    response = MESSAGES["ModelInferResponse"](model_name="mlp", model_version="1")
-                    response.outputs.add(name="output", datatype="FP32", shape=shape)
-                    response.raw_output_contents.append(expected.tobytes())
-                    grpc[request] = response.SerializeToString()
+                    grpc[request] = _infer_response("mlp", "1", "", outputs).SerializeToString()
                     continue
-                output: dict = {"name": "output", "datatype": "FP32", "shape": shape}
-                if protocol == "http-json":
-                    headers, content = [(b"content-type", b"application/json")], b""
-                    output["data"] = expected.tolist()
-                else:
-                    output["parameters"] = {"binary_data_size": expected.nbytes}
-                header = json.dumps({"model_name": "mlp", "model_version": "1", "outputs": [output]}).encode()
-                if protocol == "http-binary":
-                    headers = [(b"content-type", b"application/octet-stream"),
-                               (b"inference-header-content-length", str(len(header)).encode())]
-                    content = expected.tobytes()
-                body = header + content
-                http[request.split(b"\r\n\r\n", 1)[1]] = (headers + [(b"content-length", b"%d" % len(body))], body)
+                binary = {"output": True} if protocol == "http-binary" else {}  # as the request asks
+                _, headers, body = _encode_response("mlp", "1", None, outputs, binary, False)
+                http[request.split(b"\r\n\r\n", 1)[1]] = ([*headers, (b"content-length", b"%d" % len(body))], body)
     return http, grpc
 
 

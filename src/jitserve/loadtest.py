@@ -56,8 +56,10 @@ def closed_loop(make_call: Callable[[int], Callable[[], int]], callers: int, sec
 
 
 def closed_loop_async(make_call: Callable[[int], Callable[[], Awaitable[int]]], callers: int,
-                      seconds: float) -> LoadResult:
-    """``callers`` tasks on one new event loop, each awaiting its own ``make_call(seed)()`` until ``seconds``."""
+                      seconds: float, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+                      ) -> LoadResult:
+    """``callers`` tasks on one new event loop (from ``loop_factory``, e.g. ``uvloop.new_event_loop``; asyncio's
+    by default), each awaiting its own ``make_call(seed)()`` until ``seconds``."""
     latencies: list[float] = []
 
     async def worker(seed: int, stop_at: float) -> int:
@@ -74,4 +76,6 @@ def closed_loop_async(make_call: Callable[[int], Callable[[], Awaitable[int]]], 
         rows = await asyncio.gather(*(worker(seed, start + seconds) for seed in range(callers)))
         return sum(rows) / (time.perf_counter() - start)
 
-    return LoadResult(asyncio.run(main()), len(latencies), latencies)
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        rows_per_s = runner.run(main())
+    return LoadResult(rows_per_s, len(latencies), latencies)
