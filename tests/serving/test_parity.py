@@ -183,6 +183,24 @@ def test_priority_levels_have_their_own_queue_bounds_and_default_timeouts():
         js.Serving(lambda x: x, priority_levels=2, priority_queues={2: {"size": 3}})
 
 
+def test_take_runs_the_most_urgent_rows_first_splits_the_last_piece_and_keeps_the_counts():
+    queues = Queues(BatchPolicy(batch_size=8, batch_sizes=(1, 2, 4, 8), batch_timeout=0.002, priority_levels=2))
+    low, high, big = Request(3, None, level=2), Request(1, None, level=1), Request(6, None, level=1)
+    queues.add(low, [rows(1.0, 2.0, 3.0)], ("s",), 0.0)
+    queues.add(high, [rows(4.0)], ("s",), 0.001)
+    queues.add(big, [rows(*range(10, 16))], ("s",), 0.002)
+    pieces, batch = queues.take(("s",), 0.003)
+    assert [(piece.request, piece.offset, piece.batch.size) for piece in pieces] == \
+        [(high, 0, 1), (big, 0, 6), (low, 0, 1)], "level 1 in arrival order, then the first row of level 2"
+    assert batch.materialize()[:, 0].tolist() == [4.0, *range(10, 16), 1.0]
+    assert (queues.depth, queues.level_depth) == (2, {1: 0, 2: 2})
+    assert high.started and big.started and low.started
+    pieces, batch = queues.take(("s",), 0.004)
+    assert [(piece.request, piece.offset, piece.batch.size) for piece in pieces] == [(low, 1, 2)]
+    assert batch.materialize()[:, 0].tolist() == [2.0, 3.0]
+    assert (queues.depth, queues.level_depth, bool(queues)) == (0, {1: 0, 2: 0}, False)
+
+
 # the adaptive batching window -------------------------------------------------------------------
 
 def _queues(adaptive: bool) -> Queues:

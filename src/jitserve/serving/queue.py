@@ -270,22 +270,27 @@ class Queues:
         their requests marked started, joined into one batch padded to its compiled size."""
         queue = self._queues[signature]
         policy = self.policy
+        levels = queue.levels
         space = policy.rows_to_take(queue.rows)
         taken: list[Piece] = []
-        while space and queue.levels:
-            _, level_queue = queue.best(policy, now)
-            piece = level_queue[0]
-            if piece.batch.size > space:
-                head, tail = piece.batch.split(space)
-                level_queue[0] = Piece(piece.request, piece.offset + space, tail, piece.enqueued)
-                piece = Piece(piece.request, piece.offset, head, piece.enqueued)
-            else:
-                level_queue.popleft()
-                if not level_queue:
-                    queue.drop_empty()
-            piece.request.started = True
-            taken.append(piece)
-            space -= piece.batch.size
+        while space and levels:
+            one_level = len(levels) == 1  # its pieces in arrival order, without comparing heads
+            level_queue = next(iter(levels.values())) if one_level else queue.best(policy, now)[1]
+            while True:
+                piece = level_queue[0]
+                if piece.batch.size > space:
+                    head, tail = piece.batch.split(space)
+                    level_queue[0] = Piece(piece.request, piece.offset + space, tail, piece.enqueued)
+                    piece = Piece(piece.request, piece.offset, head, piece.enqueued)
+                else:
+                    level_queue.popleft()
+                piece.request.started = True
+                taken.append(piece)
+                space -= piece.batch.size
+                if not (one_level and space and level_queue):
+                    break
+            if not level_queue:
+                queue.drop_empty()
         self._forget(signature, taken)
         return taken, policy.join(taken)
 
@@ -320,10 +325,13 @@ class Queues:
 
     def _forget(self, signature: Signature, pieces: list[Piece]) -> None:
         queue = self._queues[signature]
+        level_depth = self.level_depth
+        rows = 0
         for piece in pieces:
-            rows = piece.batch.size
-            queue.rows -= rows
-            self.depth -= rows
-            self.level_depth[piece.request.level] -= rows
+            size = piece.batch.size
+            rows += size
+            level_depth[piece.request.level] -= size
+        queue.rows -= rows
+        self.depth -= rows
         if not queue.levels:
             del self._queues[signature]
