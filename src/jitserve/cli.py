@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import compilers
+from .compilers.xla import run_cpu_computations_inline
 from .defn import devices, jit, to_mlir
 from .errors import JitserveError, OptionError
 from .template import is_template
@@ -222,6 +223,7 @@ def _logging(args: argparse.Namespace) -> None:
 def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
 
+    run_cpu_computations_inline()  # before the user's module runs anything on JAX's CPU client
     _logging(args)
     servings = load_servings(args)
     if args.ray is None:
@@ -273,6 +275,7 @@ def bench_command(args: argparse.Namespace) -> int:
     from .loadtest import closed_loop, closed_loop_async
     from .serving import batched_run, batched_run_async, serve
 
+    run_cpu_computations_inline()  # as jitserve serve does: what this measures is what it serves
     servings = load_servings(args)
     name = args.name if args.name in servings else next(iter(servings))
     serving = servings[name]

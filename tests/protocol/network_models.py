@@ -5,6 +5,7 @@ import importlib.util
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -81,6 +82,12 @@ def slow(x):
     return x + 1
 
 
+def dispatch(x):
+    """1 where XLA's CPU computations are dispatched to its own thread in the serving process, 0 where they run
+    inline on the partition (what ``jitserve serve`` sets before loading this file), as JAX says at the trace."""
+    return x * 0 + float(jax.config.values["jax_cpu_enable_async_dispatch"])
+
+
 models = {
     "mlp": example.serving,
     "affine": js.Serving(affine, batch_size=8, batch_timeout=0.002,
@@ -105,4 +112,5 @@ models = {
                                       input_template=js.template((1,), "float32")) for version in ("1", "2")},
     "reciprocal": js.Serving(lambda x: 1.0 / x, batch_size=2, batch_timeout=0.001,
                              input_template=js.template((2,), "float32")),
+    "dispatch": js.Serving(dispatch, batch_size=2, batch_timeout=0.001, input_template=js.template((1,), "float32")),
 }

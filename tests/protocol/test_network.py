@@ -237,6 +237,12 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, payl
     server.assert_healthy()
 
 
+def test_jitserve_serve_runs_xla_cpu_computations_inline_on_its_partitions(server):
+    status, body = server.infer_json("dispatch", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1],
+                                                              "data": [5.0]}]})
+    assert status == 200 and body["outputs"][0]["data"] == [0.0], "jax_cpu_enable_async_dispatch is off"
+
+
 def test_binary_bodies_are_checked_to_the_last_byte(server):
     x = np.ones((1, 16), np.float32)
     header = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],
@@ -346,7 +352,7 @@ def test_client_text_cannot_forge_log_lines(server):
 
 def test_unknown_model_and_endpoint(server):
     status, body = server.infer_json("nope", mlp_input())
-    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide, versioned, reciprocal"
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide, versioned, reciprocal, dispatch"
     status, _, data = server.request("GET", "/v2/models/nope")
     assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     status, _, data = server.request("GET", "/v3/anything")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -90,3 +91,14 @@ def test_model_errors_in_the_worker_reach_the_caller_unchanged():
         with pytest.raises(ValueError, match="negative input"):
             js.batched_run("isolated-fragile", row(-1.0))
         assert js.batched_run("isolated-fragile", row(2.0)).tolist() == [[2.0, 2.0]]
+
+
+def test_a_worker_process_runs_xla_cpu_computations_inline():
+    def dispatch(x):  # 1 where JAX dispatches CPU computations to its own thread, 0 where they run inline
+        return x * 0 + float(jax.config.values["jax_cpu_enable_async_dispatch"])
+
+    serving = js.Serving(dispatch, batch_size=2, batch_timeout=0.001, isolation="process",
+                         input_template=js.template((1,), "float32"))
+    with js.serve(serving, name="isolated-dispatch"):
+        assert js.batched_run("isolated-dispatch", js.Batch.stack([np.array([5.0], np.float32)])).tolist() == [[0.0]]
+    assert jax.config.values["jax_cpu_enable_async_dispatch"], "the server's own process keeps JAX's default"

@@ -50,6 +50,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..batch import Batch
+from ..compilers.xla import run_cpu_computations_inline
 from ..errors import OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError, UnknownServerError
 from ..serving.server import Server
 from ..serving.serving import Serving
@@ -74,6 +75,7 @@ class Replica:
     """One replica: the in-process server of a serving, inside a Ray actor (asyncio: many calls in flight)."""
 
     def __init__(self, serving: Serving, name: str, index: int, weight: float) -> None:
+        run_cpu_computations_inline()  # too late only if unpickling the serving already ran JAX (its arrays)
         self.name = f"{name}/{index}"
         self.serving = serving
         self.weight = weight

@@ -36,6 +36,18 @@ def enable_persistent_cache(cache_dir: str | None) -> None:
         _cache_dir_in_use = cache_dir
 
 
+def run_cpu_computations_inline() -> None:
+    """In a process whose job is serving (``jitserve serve`` and ``jitserve bench``, a partition's worker
+    process, a Ray replica): run XLA's CPU computations on the thread that calls them, a partition,
+    instead of handing each to XLA's dispatch thread and blocking on it (JAX's
+    ``jax_cpu_enable_async_dispatch``). A partition waits for every result as soon as it has dispatched,
+    so the hand-off is pure cost: 10-15 % of a batch-64 MLP's time on a 2-core machine, more on small
+    batches. The computation still releases the GIL. JAX reads the setting when it creates its CPU client,
+    so this is called before anything runs on it: before the user's module is imported. Process-wide;
+    no effect on GPUs."""
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def resolve_device(device: Any) -> jax.Device:
     """A ``jax.Device`` from a Device, a jax device, an index, or ``"platform[:index]"``."""
     if isinstance(device, jax.Device):

@@ -34,6 +34,7 @@ import jax
 from .. import compilers
 from ..batch import Batch, RowSignature
 from ..compilers import Device
+from ..compilers.xla import run_cpu_computations_inline
 from ..errors import WorkerCrashedError
 from .serving import Executor, Serving, cut_rows
 
@@ -147,6 +148,7 @@ def _reply(connection: Connection, status: str, value: Any) -> None:
 
 def main(fd: int) -> None:
     """The worker: build the serving's executor, then answer compile and execute requests until closed."""
+    run_cpu_computations_inline()  # before the serving (and the user's modules) arrive
     connection = Connection(fd)
     sys.path[:] = connection.recv()
     try:
