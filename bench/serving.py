@@ -8,8 +8,9 @@ In one run, on an MLP (256 -> 1024 -> 256, float32, ReLU) compiled with XLA:
    through ``js.batched_run`` (rows/s as a fraction of raw; goal >= 0.80),
    p50/p99 latency and the mean executed batch size; and the same callers
    through a bare Python batcher (a future or a lock per caller and one
-   compiled call per batch, nothing else), the ceiling any Python server has
-   on this machine, with jitserve's throughput as a fraction of it;
+   compiled call per batch, nothing else), the ceiling of a Python server that
+   runs one batch at a time on this machine, with jitserve's throughput as a
+   fraction of it;
 3. padding waste with random request sizes 1..batch_size (goal <= 25%);
 4. the same 64 single-row callers through Ray Serve's ``@serve.batch`` on the
    same jitted function (needs ``pip install 'jitserve[bench]'``; skipped
@@ -106,7 +107,8 @@ def bare_batcher(seconds: float, use_async: bool) -> float:
     """rows/s of the least any Python batcher does, driven by the same load harness: 64 one-row callers, a
     future (asyncio) or a lock (threads) each, one concatenate and one compiled batch-64 call per batch, and
     nothing else (no queue per signature, no validation, no timeouts, no statistics). The ceiling of the
-    in-process goal on this machine: what the interpreter itself costs per caller and hand-off."""
+    in-process goal for a server that runs one batch at a time on this machine: what the interpreter itself
+    costs per caller and hand-off."""
     compiled = js.compile(mlp, [js.template((BATCH, 256), "float32")])
     rows = rng.normal(size=(BATCH, 256)).astype(np.float32)
     padding = np.zeros((BATCH, 256), np.float32)
