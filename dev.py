@@ -71,7 +71,7 @@ TASKS = {
     "serve": lambda args: _exec([str(PYTHON), "-m", "jitserve", "serve", "examples/mlp.py:serving", *args]),
     "demo": lambda args: _exec([str(PYTHON), "-m", "jitserve", "demo", *args]),
     "test": lambda args: _exec([str(PYTHON), "-m", "pytest", *args]),
-    # -P: bench/ must not lead sys.path, where bench/http.py and bench/iree.py would shadow http and iree
+    # -P: bench/ must not lead sys.path, where bench/iree.py would shadow iree
     "bench": lambda args: _exec([str(PYTHON), "-P", str(ROOT / "bench" / f"{args[0]}.py"), *args[1:]]),
     "env": lambda args: 0,
 }

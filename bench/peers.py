@@ -171,7 +171,7 @@ def serve_mlserver(http_port: int, grpc_port: int) -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="jitserve-bench-mlserver-"))
     (folder / "runtime.py").write_text(MLSERVER_RUNTIME)
-    shutil.copy(HERE, folder / "peers.py")  # importable from the model folder, without bench/http.py beside it
+    shutil.copy(HERE, folder / "peers.py")  # importable from the model folder, without the rest of bench/ beside it
     (folder / "settings.json").write_text(json.dumps({
         "host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port, "metrics_port": free_port(),
         "parallel_workers": 0, "debug": False}))
