@@ -24,7 +24,10 @@ In one run, on an MLP (256 -> 1024 -> 256, float32, ReLU) compiled with XLA:
    fixed one (goal: not lower);
 6. streaming: a 1,000-row request through ``js.batched_stream``: time to its
    first rows against one batch-64 execution and against the whole request
-   (goal: the first rows arrive after about one batch's time).
+   (goal: the first rows arrive after about one batch's time);
+7. one batch-64 call back to back (how raw is measured) against the same call
+   1 ms after the last, and a served batch's execution time: a server whose
+   callers all wait on one batch starts every batch after an idle spell.
 
 XLA's CPU computations run inline on the partition that calls them, as
 ``jitserve serve`` runs them (``--cpu-dispatch async``: on XLA's dispatch
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import queue
 import random
 import statistics
@@ -72,6 +76,22 @@ def raw_rows_per_s(seconds: float) -> float:
     return calls * BATCH / (time.perf_counter() - start)
 
 
+def raw_call_s(idle: float, calls: int = 400) -> float:
+    """Median time of one compiled batch-64 call, each call ``idle`` seconds after the last (0: back to back).
+    A server whose callers all wait on the same batch calls XLA only after they have all come back, so its
+    compute always starts after an idle spell; this measures what that alone costs on this machine."""
+    compiled = js.compile(mlp, [js.template((BATCH, 256), "float32")])
+    x = rng.normal(size=(BATCH, 256)).astype(np.float32)
+    times = []
+    for _ in range(calls):
+        if idle:
+            time.sleep(idle)
+        started = time.perf_counter()
+        np.asarray(compiled(x))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bool = False,
            partitions: int = 1, adaptive: bool = True, callers: int = BATCH, batch_size: int = BATCH) -> dict:
     serving = js.Serving(mlp, batch_size=batch_size, batch_timeout=batch_timeout, partitions=partitions,
@@ -100,6 +120,7 @@ def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bo
         "rows_per_s": load.rows_per_s, "p50": load.percentile(50), "p99": load.percentile(99),
         "mean_batch": stats["rows"] / stats["batches"], "waste": stats["padded_rows"] / executed,
         "compiles": stats["compiles"],
+        "full_batch_s": stats["batch_execution_s"].get(batch_size, math.nan) / stats["batch_sizes"].get(batch_size, 1),
     }
 
 
@@ -303,6 +324,12 @@ def main() -> None:
               f"| {ray_result['p99'] * 1e3:.2f} | | |")
     print(f"compiles per served run: {single_async['compiles']}, {single['compiles']}, {mixed['compiles']} "
           f"(all at warm-up: {len(js.Serving(mlp, batch_size=BATCH).batch_sizes)} batch sizes)")
+
+    back_to_back, after_idle = raw_call_s(0.0), raw_call_s(0.001)
+    print(f"one batch-{BATCH} call, median: {back_to_back * 1e3:.2f} ms back to back, {after_idle * 1e3:.2f} ms "
+          f"1 ms after the last ({back_to_back / after_idle:.2f} of raw's rate); a served batch of {BATCH} "
+          f"(asyncio callers) took {single_async['full_batch_s'] * 1e3:.2f} ms to execute: with every caller "
+          f"waiting on the same batch, the compute starts after an idle spell")
 
     direct = direct_p50()
     one = {adaptive: served(args.seconds / 2, args.batch_timeout, lambda r: 1, f"mlp-one-{adaptive}",
