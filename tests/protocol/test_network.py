@@ -50,6 +50,7 @@ def server():
     assert "ValueError: negative input" in output, "the model's failure is in the log, under its request id"
     assert "was killed by SIGSEGV" in output
     assert "model 'forged\\nERROR fake line'" in output and "\nERROR fake line" not in output, "log lines cannot be forged"
+    assert "leaked" not in output, "the IREE model's runtime objects are freed before the interpreter exits"
 
 
 def reference_mlp(x: np.ndarray) -> np.ndarray:
