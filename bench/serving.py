@@ -27,7 +27,10 @@ In one run, on an MLP (256 -> 1024 -> 256, float32, ReLU) compiled with XLA:
    (goal: the first rows arrive after about one batch's time);
 7. one batch-64 call back to back (how raw is measured) against the same call
    1 ms after the last, and a served batch's execution time: a server whose
-   callers all wait on one batch starts every batch after an idle spell.
+   callers all wait on one batch starts every batch after an idle spell;
+8. input buffers: a batch of 64 images (3x224x224 float32) through an
+   executor that writes every batch into new arrays (``Serving.run``'s)
+   against one that reuses its input buffer (a server partition's).
 
 XLA's CPU computations run inline on the partition that calls them, as
 ``jitserve serve`` runs them (``--cpu-dispatch async``: on XLA's dispatch
@@ -54,6 +57,7 @@ import numpy as np
 import jitserve as js
 from jitserve.compilers.xla import run_cpu_computations_inline
 from jitserve.loadtest import closed_loop, closed_loop_async
+from jitserve.serving.serving import Executor
 
 BATCH = 64
 rng = np.random.default_rng(0)
@@ -90,6 +94,24 @@ def raw_call_s(idle: float, calls: int = 400) -> float:
         np.asarray(compiled(x))
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def input_buffers(calls: int = 15) -> dict[bool, float]:
+    """Median time of one batch of 64 one-image pieces (3x224x224 float32, 38 MB; the function a mean, so
+    that moving the rows dominates) through an executor that writes each batch into new arrays, as
+    ``Serving.run`` does, and through one that reuses its input buffer, as a server's partitions do."""
+    serving = js.Serving(lambda x: x.mean(axis=(1, 2, 3)), batch_size=BATCH, batch_sizes=[BATCH])
+    images = [rng.random((1, 3, 224, 224), np.float32) for _ in range(BATCH)]
+    batch = js.Batch.concatenate(images)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    executors = {reuse: Executor(serving, serving.partition_options()[0], lambda: None, reuse_inputs=reuse)
+                 for reuse in (False, True)}
+    for _ in range(calls):
+        for reuse, executor in executors.items():  # alternating: this machine's speed drifts
+            started = time.perf_counter()
+            executor.execute(batch)
+            times[reuse].append(time.perf_counter() - started)
+    return {reuse: statistics.median(spent[2:]) for reuse, spent in times.items()}  # the first ones compile
 
 
 def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bool = False,
@@ -330,6 +352,11 @@ def main() -> None:
           f"1 ms after the last ({back_to_back / after_idle:.2f} of raw's rate); a served batch of {BATCH} "
           f"(asyncio callers) took {single_async['full_batch_s'] * 1e3:.2f} ms to execute: with every caller "
           f"waiting on the same batch, the compute starts after an idle spell")
+
+    buffers = input_buffers()
+    print(f"a batch of {BATCH} images (3x224x224 float32) through a partition's executor: "
+          f"{buffers[False] * 1e3:.1f} ms written into new arrays, {buffers[True] * 1e3:.1f} ms into its reused input "
+          f"buffer ({buffers[False] / buffers[True]:.2f}x)")
 
     direct = direct_p50()
     one = {adaptive: served(args.seconds / 2, args.batch_timeout, lambda r: 1, f"mlp-one-{adaptive}",

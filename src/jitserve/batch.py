@@ -228,12 +228,13 @@ class Batch:
             raise BatchError(f"cannot pad a batch of {self.size} rows down to {rows}")
         return self.pad(rows - self.size)
 
-    def materialize(self) -> Any:
-        """The rows as a pytree of arrays, zero-padded by ``padding`` rows (one allocation per leaf)."""
+    def materialize(self, into: Callable[[int, tuple[int, ...], np.dtype], np.ndarray] | None = None) -> Any:
+        """The rows as a pytree of arrays, zero-padded by ``padding`` rows: one new array per leaf, or the
+        array ``into(leaf, shape, dtype)`` gives for it (a buffer its caller reuses from batch to batch)."""
         total = self.size + self.padding
         outs = []
         for leaf, (shape, dtype) in enumerate(self.rows):
-            out = np.empty((total, *shape), dtype)
+            out = np.empty((total, *shape), dtype) if into is None else into(leaf, (total, *shape), dtype)
             np.concatenate([chunk.view(leaf) for chunk in self._chunks], out=out[:self.size])
             out[self.size:] = 0
             outs.append(out)

@@ -11,6 +11,7 @@ the caller, any size, in chunks of at most ``batch_size``; a server
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -61,14 +62,22 @@ def _check_batch_sizes(batch_size: int, batch_sizes: Sequence[int] | None) -> li
 
 
 class Executor:
-    """One partition's executables: one per (padded batch size, row signature, batch key), compiled on first use."""
+    """One partition's executables: one per (padded batch size, row signature, batch key), compiled on first use.
 
-    def __init__(self, serving: Serving, options: Mapping[str, Any], on_compile: Callable[[], None]) -> None:
+    With ``reuse_inputs`` (an executor that runs one batch at a time: a server's partition), every batch is
+    written into the same input buffers, one per leaf position, grown to the largest batch seen, instead of
+    new arrays: a large batch no longer pays for fresh pages each time. Outputs that share memory with them
+    (a numpy function that returns a view of its input) are copied before they leave."""
+
+    def __init__(self, serving: Serving, options: Mapping[str, Any], on_compile: Callable[[], None],
+                 reuse_inputs: bool = False) -> None:
         self.serving = serving
         self.options = dict(options)
         self._on_compile = on_compile
         self._compiled: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
         self._lock = threading.Lock()
+        self._reuse_inputs = reuse_inputs
+        self._input_buffers: list[np.ndarray] = []
 
     def compiled(self, rows: int, tree: Any, row_signature: RowSignature,
                  batch_key: Any = None) -> Callable[[Any], Any]:
@@ -97,10 +106,21 @@ class Executor:
         """Run one batch (``batch.size`` rows padded by ``batch.padding``); outputs cut to the real rows, as numpy."""
         rows = batch.size + batch.padding
         run = self.compiled(rows, batch.tree, batch.rows, batch.user_key)
-        outputs = run(batch.materialize())
+        buffers = self._input_buffers  # empty unless reused: then outputs are checked against them
+        outputs = run(batch.materialize(self._input_buffer if self._reuse_inputs else None))
         if self.serving.streaming:  # a generator of steps, each cut as it comes
-            return (cut_rows(step, rows, batch.size) for step in outputs)
-        return cut_rows(outputs, rows, batch.size)
+            return (cut_rows(step, rows, batch.size, buffers) for step in outputs)
+        return cut_rows(outputs, rows, batch.size, buffers)
+
+    def _input_buffer(self, leaf: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """Leaf ``leaf``'s input buffer as an array of ``shape`` and ``dtype``, grown if it is too small."""
+        buffers = self._input_buffers
+        size = math.prod(shape) * dtype.itemsize
+        if leaf == len(buffers):
+            buffers.append(np.empty(size, np.uint8))
+        elif buffers[leaf].size < size:
+            buffers[leaf] = np.empty(size, np.uint8)
+        return buffers[leaf][:size].view(dtype).reshape(shape)
 
 
 def _owned_host_array(value: Any) -> np.ndarray:
@@ -110,12 +130,18 @@ def _owned_host_array(value: Any) -> np.ndarray:
     return np.array(to_host() if to_host is not None else value)
 
 
-def cut_rows(outputs: Any, rows: int, keep: int) -> Any:
-    """The first ``keep`` of the ``rows`` rows of every output, as host numpy arrays."""
+def cut_rows(outputs: Any, rows: int, keep: int, inputs: Sequence[np.ndarray] | None = None) -> Any:
+    """The first ``keep`` of the ``rows`` rows of every output, as host numpy arrays that own their memory or
+    share none with the reused ``inputs`` buffers."""
     leaves, tree = jax.tree_util.tree_flatten(outputs)
     cut = []
     for leaf in leaves:
-        array = leaf if type(leaf) is np.ndarray else _owned_host_array(leaf)
+        if type(leaf) is not np.ndarray:
+            array = _owned_host_array(leaf)
+        elif inputs and any(np.may_share_memory(leaf, buffer) for buffer in inputs):
+            array = leaf.copy()  # a view of the input buffer, which the next batch overwrites
+        else:
+            array = leaf
         if array.ndim == 0 or array.shape[0] != rows:
             raise OutputShapeError(
                 f"the serving function must return batch-major outputs (axis 0 = the {rows} rows of the batch); "
