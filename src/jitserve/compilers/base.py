@@ -53,7 +53,9 @@ class Compiler(abc.ABC):
     """A compiler plug-in. Subclasses set ``name`` and ``options`` and implement ``compile`` and ``devices``;
     :func:`jitserve.register_compiler` makes one usable by name everywhere a compiler is chosen.
 
-    ``compiles`` is False for a compiler that runs functions as they are (nothing to count or log).
+    ``compiles`` is False for a compiler that runs functions as they are (nothing to count or log). The
+    executables of one that compiles must not keep their input arrays past the call: a server's partition
+    writes every batch into the same buffers.
     ``default_isolation`` is where a server runs its executables unless the serving says: ``"thread"``
     (in the server's process) or ``"process"`` (a worker process per partition, which a native crash
     cannot take the server down with).

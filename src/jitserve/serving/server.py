@@ -106,7 +106,8 @@ class Server:
         if executors is None:
             isolated = serving.isolation == "process"
             executors = [ProcessExecutor(serving, options, self._count_compile, f"server {name!r} partition {index}")
-                         if isolated else Executor(serving, options, self._count_compile, reuse_inputs=True)
+                         if isolated else Executor(serving, options, self._count_compile,
+                                                   reuse_inputs=serving.compiles)  # user code sees no buffer
                          for index, options in enumerate(serving.partition_options())]
         self._partitions = [_Partition(self, i, executor) for i, executor in enumerate(executors)]
 

@@ -64,10 +64,11 @@ def _check_batch_sizes(batch_size: int, batch_sizes: Sequence[int] | None) -> li
 class Executor:
     """One partition's executables: one per (padded batch size, row signature, batch key), compiled on first use.
 
-    With ``reuse_inputs`` (an executor that runs one batch at a time: a server's partition), every batch is
-    written into the same input buffers, one per leaf position, grown to the largest batch seen, instead of
-    new arrays: a large batch no longer pays for fresh pages each time. Outputs that share memory with them
-    (a numpy function that returns a view of its input) are copied before they leave."""
+    With ``reuse_inputs`` (an executor that runs one batch at a time: a server's partition, for a compiler
+    that compiles, so that no user code keeps the inputs), every batch is written into the same input
+    buffers, one per leaf position, grown to the largest batch seen, instead of new arrays: a large batch no
+    longer pays for fresh pages each time. Outputs that share memory with them (the evaluator returning a
+    view of its input) are copied before they leave."""
 
     def __init__(self, serving: Serving, options: Mapping[str, Any], on_compile: Callable[[], None],
                  reuse_inputs: bool = False) -> None:
