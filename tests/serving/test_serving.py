@@ -387,14 +387,17 @@ def test_a_second_stop_waits_for_the_first_ones_drain():
     while not server.stopping:
         time.sleep(0.001)
     second_returned = []
-    second = threading.Thread(target=lambda: (server.stop(), second_returned.append(outcomes.get(7))))
+    second = threading.Thread(target=lambda: (server.stop(), second_returned.append(server.stats())))
     second.start()
     second.join(0.2)
     assert second.is_alive(), "the second stop() returned while the first was still draining"
     gate.set()
     for thread in (first, second, caller):
         thread.join(5)
-    assert second_returned == [[[14]]], "when the second stop() returned, the drained request was answered"
+    drained = second_returned[0]
+    assert (drained["rows"], drained["in_flight"], drained["queue_depth"]) == (1, 0, 0), \
+        "when the second stop() returned, the running request had finished and its rows been delivered"
+    assert outcomes[7] == [[14]]
 
 
 def test_names_are_unique_and_unknown_names_are_errors():
