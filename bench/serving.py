@@ -80,12 +80,13 @@ def raw_rows_per_s(seconds: float) -> float:
     return calls * BATCH / (time.perf_counter() - start)
 
 
-def raw_call_s(idle: float, calls: int = 400) -> float:
-    """Median time of one compiled batch-64 call, each call ``idle`` seconds after the last (0: back to back).
-    A server whose callers all wait on the same batch calls XLA only after they have all come back, so its
-    compute always starts after an idle spell; this measures what that alone costs on this machine."""
-    compiled = js.compile(mlp, [js.template((BATCH, 256), "float32")])
-    x = rng.normal(size=(BATCH, 256)).astype(np.float32)
+def call_p50(rows: int, idle: float = 0.0, calls: int = 400) -> float:
+    """Median time of one call of the compiled function for ``rows`` rows, each call ``idle`` seconds after
+    the last (0: back to back). At 1 row: the floor a served 1-row request sits on. At 64 rows with an idle
+    spell: a server whose callers all wait on the same batch calls XLA only after they have all come back,
+    so its compute always starts after one; this measures what that alone costs on this machine."""
+    compiled = js.compile(mlp, [js.template((rows, 256), "float32")])
+    x = rng.normal(size=(rows, 256)).astype(np.float32)
     times = []
     for _ in range(calls):
         if idle:
@@ -231,18 +232,6 @@ def bare_batcher(seconds: float, use_async: bool) -> float:
         thread.join()
 
 
-def direct_p50(calls: int = 2000) -> float:
-    """p50 of calling the compiled batch-1 function directly (the floor a served 1-row request sits on)."""
-    compiled = js.compile(mlp, [js.template((1, 256), "float32")])
-    x = rng.normal(size=(1, 256)).astype(np.float32)
-    times = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        np.asarray(compiled(x))
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def streaming_first_rows(batch_timeout: float, rows: int = 1000) -> dict:
     """Time to the first rows of a ``rows``-row request through batched_stream, against the whole request."""
     serving = js.Serving(mlp, batch_size=BATCH, batch_timeout=batch_timeout,
@@ -347,7 +336,7 @@ def main() -> None:
     print(f"compiles per served run: {single_async['compiles']}, {single['compiles']}, {mixed['compiles']} "
           f"(all at warm-up: {len(js.Serving(mlp, batch_size=BATCH).batch_sizes)} batch sizes)")
 
-    back_to_back, after_idle = raw_call_s(0.0), raw_call_s(0.001)
+    back_to_back, after_idle = call_p50(BATCH), call_p50(BATCH, idle=0.001)
     print(f"one batch-{BATCH} call, median: {back_to_back * 1e3:.2f} ms back to back, {after_idle * 1e3:.2f} ms "
           f"1 ms after the last ({back_to_back / after_idle:.2f} of raw's rate); a served batch of {BATCH} "
           f"(asyncio callers) took {single_async['full_batch_s'] * 1e3:.2f} ms to execute: with every caller "
@@ -358,7 +347,7 @@ def main() -> None:
           f"{buffers[False] * 1e3:.1f} ms written into new arrays, {buffers[True] * 1e3:.1f} ms into its reused input "
           f"buffer ({buffers[False] / buffers[True]:.2f}x)")
 
-    direct = direct_p50()
+    direct = call_p50(1, calls=2000)
     one = {adaptive: served(args.seconds / 2, args.batch_timeout, lambda r: 1, f"mlp-one-{adaptive}",
                             adaptive=adaptive, callers=1) for adaptive in (True, False)}
     unbatched = served(args.seconds / 2, 0.0, lambda r: 1, "mlp-unbatched", callers=1, batch_size=1)

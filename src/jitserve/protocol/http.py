@@ -374,20 +374,21 @@ def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any],
     header = view[:header_length] if header_length is not None else view
     binary = view[header_length:] if header_length is not None else view[:0]
     if len(header) <= SMALL_JSON_BYTES:
-        try:
-            request = orjson.loads(header)
-        except orjson.JSONDecodeError as error:
-            raise ProtocolError(f"the request body is not valid JSON: {error}") from None
-        if not isinstance(request, dict):
-            raise ProtocolError("the request must be a JSON object with an 'inputs' list")
-        return request, binary
-    try:  # a parser per request: its values stay valid however long the request keeps them
-        document = simdjson.Parser().parse(header)
-    except (ValueError, RuntimeError) as error:
-        raise ProtocolError(f"the request body is not valid JSON: {error}") from None
-    if not isinstance(document, simdjson.Object):
-        raise ProtocolError("the request must be a JSON object with an 'inputs' list")
+        return _json_object(orjson.loads, header, dict), binary
+    # a parser per request: its values stay valid however long the request keeps them
+    document = _json_object(simdjson.Parser().parse, header, simdjson.Object)
     return {key: _inputs(document[key]) if key == "inputs" else _plain(document[key]) for key in document}, binary
+
+
+def _json_object(parse: Callable[[memoryview], Any], header: memoryview, kind: type) -> Any:
+    """The request's JSON header parsed by ``parse``, which must give a ``kind`` (the parser's JSON object)."""
+    try:
+        document = parse(header)
+    except (ValueError, RuntimeError) as error:  # orjson.JSONDecodeError is a ValueError
+        raise ProtocolError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(document, kind):
+        raise ProtocolError("the request must be a JSON object with an 'inputs' list")
+    return document
 
 
 def _plain(value: Any) -> Any:
