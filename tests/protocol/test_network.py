@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -223,6 +224,10 @@ BAD_REQUESTS = [
     (mlp_input(shape=[0, 2**63 - 1], data=[]), 400, "input 'input': shape [0, 9223372036854775807] has a dimension over"),
     (mlp_input(shape=[2**63, 0], data=[]), 400, "has a dimension over 2147483647"),
     (mlp_input(data=[1, True, 2.5, False] * 4), 400, "input 'input': data must be FP32 values (true/false only for BOOL)"),
+    (mlp_input(data=[0.5] * 15 + [1e39]), 400, "input 'input': 1e+39 does not fit FP32, whose largest finite value is "
+                                               "3.40282e+38 (an infinity is sent as \"Infinity\" or \"-Infinity\")"),
+    (mlp_input(shape=[64, 16], data=[0.5] * 1000 + [-1e60] + [0.5] * 23), 400,  # simdjson reads this one
+     "input 'input': -1e+60 does not fit FP32"),
     ({**mlp_input(), "parameters": {"binary_data_output": "false"}}, 400,
      "the request: parameter 'binary_data_output' must be true or false, got 'false'"),
     ({**mlp_input(), "outputs": [{"name": "output", "parameters": {"binary_data": 1}}]}, 400,
@@ -263,14 +268,19 @@ def test_binary_bodies_are_checked_to_the_last_byte(server):
     server.assert_healthy()
 
 
-def test_grpc_refuses_raw_and_typed_contents_together(server):
+def model_infer(server: Running, model: str) -> tuple[grpc.Channel, Any, Any]:
+    """A channel to the server's gRPC port, its ModelInfer call on messages, and an empty request for ``model``."""
     from jitserve.protocol.grpc import MESSAGES
 
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
     infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                                 request_serializer=MESSAGES["ModelInferRequest"].SerializeToString,
                                 response_deserializer=MESSAGES["ModelInferResponse"].FromString)
-    request = MESSAGES["ModelInferRequest"](model_name="mlp")
+    return channel, infer, MESSAGES["ModelInferRequest"](model_name=model)
+
+
+def test_grpc_refuses_raw_and_typed_contents_together(server):
+    channel, infer, request = model_infer(server, "mlp")
     tensor = request.inputs.add(name="input", datatype="FP32", shape=[1, 16])
     tensor.contents.fp32_contents.extend([0.0] * 16)
     request.raw_input_contents.append(np.zeros(16, np.float32).tobytes())
@@ -278,6 +288,21 @@ def test_grpc_refuses_raw_and_typed_contents_together(server):
         infer(request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "both raw_input_contents and typed contents" in info.value.details()
+    channel.close()
+
+
+def test_grpc_says_which_typed_contents_field_a_datatype_needs(server):
+    channel, infer, request = model_infer(server, "mlp")
+    tensor = request.inputs.add(name="input", datatype="FP32", shape=[1, 16])
+    tensor.contents.int_contents.extend([1] * 16)
+    with pytest.raises(grpc.RpcError) as info:
+        infer(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "input 'input': FP32 values go in contents.fp32_contents, but the request filled " \
+                                   "int_contents"
+    tensor.contents.ClearField("int_contents")
+    tensor.contents.fp32_contents.extend([0.5] * 16)
+    assert list(infer(request).outputs[0].shape) == [1, 4]
     channel.close()
 
 

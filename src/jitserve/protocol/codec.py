@@ -166,10 +166,29 @@ def _tensor(tensor: str, datatype: str, dtype: np.dtype, dims: tuple[int, ...], 
     if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (
             dtype.kind != "b" and values is not None and _holds_bool(values, array)):
         raise ProtocolError(f"input '{tensor}': data must be {datatype} values (true/false only for BOOL)")
+    if dtype in _LARGEST:
+        _refuse_overflow(tensor, datatype, dtype, array)
     converted = array.astype(dtype).reshape(dims)
     if dtype.kind in "iu" and not np.array_equal(converted.reshape(array.shape), array):
         raise ProtocolError(f"input '{tensor}': data does not fit {datatype}")
     return converted
+
+
+# narrow float dtype -> its largest finite value: a larger number would become an infinity in it
+_LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in (np.dtype(np.float16), np.dtype(np.float32))}
+
+
+def _refuse_overflow(tensor: str, datatype: str, dtype: np.dtype, array: np.ndarray) -> None:
+    """A finite JSON number too large for a narrow float datatype would silently become an infinity: refuse
+    it (an infinity sent as "Infinity" stays one)."""
+    largest = _LARGEST[dtype]
+    too_large = (array > largest) | (array < -largest)
+    if too_large.any():
+        too_large &= np.isfinite(array)
+        if too_large.any():
+            value = array.reshape(-1)[np.flatnonzero(too_large)[0]].item()
+            raise ProtocolError(f"input '{tensor}': {value!r} does not fit {datatype}, whose largest finite value "
+                                f"is {largest:.6g} (an infinity is sent as \"Infinity\" or \"-Infinity\")")
 
 
 def _tensor_names(tree: Any, prefix: str) -> list[str]:

@@ -234,6 +234,10 @@ def _decode_inputs(request: Any) -> dict[str, np.ndarray]:
         field = CONTENTS_FIELDS.get(tensor.datatype)
         if field is None:
             raise ProtocolError(f"input '{tensor.name}': {tensor.datatype} needs raw_input_contents")
+        misplaced = [filled.name for filled, _ in tensor.contents.ListFields() if filled.name != field]
+        if misplaced:
+            raise ProtocolError(f"input '{tensor.name}': {tensor.datatype} values go in contents.{field}, but the "
+                                f"request filled {', '.join(misplaced)}")
         tensors[tensor.name] = decode_values(tensor.name, tensor.datatype, shape, list(getattr(tensor.contents, field)))
     return tensors
 
