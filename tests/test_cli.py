@@ -103,6 +103,17 @@ def test_a_target_that_does_not_load_is_one_line_and_exit_2(tmp_path, source, ex
         assert "Traceback (most recent call last)" in debug.stderr
 
 
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--drain-timeout", "nan"], "jitserve serve: drain_timeout must be a finite number of seconds >= 0 or None, got nan"),
+    (["--request-timeout", "-1"], "jitserve serve: request_timeout must be a finite number of seconds >= 0 or None, "
+                                  "got -1.0"),
+    (["--read-timeout", "inf"], "jitserve serve: limit read_timeout must be a finite positive number, got inf"),
+])
+def test_a_bad_timeout_flag_is_one_line_and_exit_2_before_anything_starts(flags, expected):
+    done = run_cli("serve", "examples/mlp.py:serving", "--port", "0", "--no-grpc", *flags, timeout=120)
+    assert (done.returncode, done.stderr.strip()) == (2, expected)
+
+
 def test_version_and_help_show_defaults_and_examples():
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"jitserve {js.__version__}"

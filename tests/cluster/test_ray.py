@@ -282,6 +282,12 @@ def test_bad_address_unknown_name_and_no_replicas_are_one_line_errors(ray_cluste
     with pytest.raises(js.UnknownServerError,
                        match=r"^no server named 'nope' is running here \(running: none\), nor in the ray cluster$"):
         js.batched_run("nope", x)
+    for options, message in [({"weight": float("nan")}, "weight must be a finite number > 0, got nan"),
+                             ({"weight": 0}, "weight must be a finite number > 0, got 0"),
+                             ({"replicas": True}, "replicas must be a non-negative integer, got True")]:
+        with pytest.raises(js.OptionError) as info:
+            js.serve(ray_models.instant_serving, name="refused", cluster="ray", **options)
+        assert str(info.value) == message
     handle = js.serve(ray_models.instant_serving, name="emptied", cluster="ray", replicas=1)
     np.testing.assert_array_equal(js.batched_run("emptied", x), x.materialize() * 2 + 1)
     handle.scale(0)

@@ -94,6 +94,50 @@ def test_default_batch_sizes_are_powers_of_two_up_to_batch_size():
         js.Serving(double, batch_size=4, batch_sizes=[2])
 
 
+BAD_OPTIONS = [
+    ({"fn": 5}, "a Serving needs a function to serve, got int 5"),
+    ({"batch_size": True}, "batch_size must be a positive integer, got True"),
+    ({"batch_size": 4.0}, "batch_size must be a positive integer, got 4.0"),
+    ({"batch_size": 4, "batch_sizes": [2, "4"]}, "each of batch_sizes [2, '4'] must be a positive integer, got '4'"),
+    ({"batch_size": 4, "batch_sizes": [0, 4]}, "each of batch_sizes [0, 4] must be a positive integer, got 0"),
+    ({"batch_timeout": float("nan")}, "batch_timeout must be a finite number of seconds >= 0, got nan"),
+    ({"batch_timeout": float("inf")}, "batch_timeout must be a finite number of seconds >= 0, got inf"),
+    ({"batch_timeout": -1}, "batch_timeout must be a finite number of seconds >= 0, got -1"),
+    ({"batch_timeout": "0.1"}, "batch_timeout must be a finite number of seconds >= 0, got '0.1'"),
+    ({"partitions": True}, "partitions must be a positive integer, got True"),
+    ({"max_queue": 2.5}, "max_queue must be a positive integer or None, got 2.5"),
+    ({"max_queue": 0}, "max_queue must be a positive integer or None, got 0"),
+    ({"priority_levels": 0}, "priority_levels must be a positive integer, got 0"),
+    ({"priority_aging": 0}, "priority_aging must be a finite number of seconds > 0, got 0"),
+    ({"priority_aging": float("nan")}, "priority_aging must be a finite number of seconds > 0, got nan"),
+    ({"priority_levels": 2, "priority_queues": {1: {"timeout": -5}}},
+     "priority_queues[1]['timeout'] must be a finite number of seconds >= 0 or None, got -5"),
+    ({"priority_levels": 2, "priority_queues": {2: {"max_queue": "8"}}},
+     "priority_queues[2]['max_queue'] must be a positive integer or None, got '8'"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), BAD_OPTIONS)
+def test_bad_serving_options_are_refused_by_name(options, message):
+    options = {"fn": double, **options}
+    with pytest.raises(js.OptionError) as info:
+        js.Serving(options.pop("fn"), **options)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("timeout", [-1, -0.5, float("nan"), float("inf"), "1"])
+def test_a_bad_timeout_is_refused_before_the_request_is_queued(timeout):
+    serving = js.Serving(double, batch_size=4, batch_timeout=0.001)
+    with js.serve(serving, name="timeouts") as server:
+        with pytest.raises(js.OptionError, match=r"^timeout must be a finite number of seconds >= 0 or None, got "):
+            js.batched_run("timeouts", js.Batch.concatenate([np.ones((1, 2), np.float32)]), timeout=timeout)
+        with pytest.raises(js.OptionError, match=r"^timeout must be a finite number of seconds >= 0 or None, got "):
+            server.stop(timeout=timeout)
+        assert server.stats()["requests"] == 0
+        assert js.batched_run("timeouts", js.Batch.concatenate([np.ones((1, 2), np.float32)]), timeout=0.5
+                              ).tolist() == [[2.0, 2.0]]
+
+
 def test_rows_to_take_cuts_down_rather_than_pad_a_lot():
     serving = js.Serving(double, batch_size=64)
     assert [serving.policy.rows_to_take(n) for n in [1, 2, 3, 5, 33, 40, 47, 48, 60, 64, 100]] == \

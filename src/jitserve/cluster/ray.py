@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import random
 import socket
@@ -170,8 +171,7 @@ class RayServing:
 
     def scale(self, replicas: int) -> None:
         """Start or gracefully stop replicas until there are ``replicas``; returns when they are ready."""
-        if not isinstance(replicas, int) or replicas < 0:
-            raise OptionError(f"replicas must be a non-negative integer, got {replicas!r}")
+        _check_replicas(replicas)
         names = sorted(self._actors, key=lambda actor: int(actor.rpartition("/")[2]))
         if replicas < len(names):
             for actor in names[replicas:]:
@@ -261,6 +261,11 @@ def _total(stats: Sequence[dict[str, Any]] | Any) -> dict[str, Any]:
     return total
 
 
+def _check_replicas(replicas: Any) -> None:
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise OptionError(f"replicas must be a non-negative integer, got {replicas!r}")
+
+
 def serve(serving: Serving, name: str, *, replicas: int = 1, weight: float = 1, num_cpus: float | None = None,
           num_gpus: float | None = None, resources: dict[str, float] | None = None, address: str | None = None,
           max_restarts: int = DEFAULT_MAX_RESTARTS, spread: bool = True) -> RayServing:
@@ -275,8 +280,9 @@ def serve(serving: Serving, name: str, *, replicas: int = 1, weight: float = 1, 
     of this name (a soft affinity: Ray falls back elsewhere if that node cannot take it);
     ``resources`` pins replicas with Ray custom resources instead. ``num_gpus=1`` with ``partitions=1``
     gives one replica per GPU; ``num_gpus=k`` with ``partitions=k`` one replica per node of k GPUs."""
-    if weight <= 0:
-        raise OptionError(f"weight must be > 0, got {weight!r}")
+    _check_replicas(replicas)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise OptionError(f"weight must be a finite number > 0, got {weight!r}")
     if serving.streaming:
         raise OptionError("a streaming serving runs in the process that reads its steps; serve it locally "
                           "(js.serve(serving, name)) or behind jitserve serve")

@@ -9,6 +9,7 @@ defaults admit any ordinary client, including tritonclient with large tensors.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from ..errors import OptionError
@@ -31,8 +32,8 @@ class Limits:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise OptionError(f"limit {field.name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise OptionError(f"limit {field.name} must be a finite positive number, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

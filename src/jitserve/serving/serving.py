@@ -34,13 +34,36 @@ ISOLATION_MODES = ("thread", "process")
 QUEUE_POLICY_KEYS = ("max_queue", "timeout")
 
 
+def count_option(name: str, value: Any, or_none: bool = False) -> int:
+    """``value`` as a positive whole number, else an OptionError naming ``name`` (saying that None is allowed
+    too, for an option whose caller takes None before asking)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise OptionError(f"{name} must be a positive integer{' or None' if or_none else ''}, got {value!r}")
+    return int(value)
+
+
+def seconds_option(name: str, value: Any, zero: bool = True, or_none: bool = False) -> float:
+    """``value`` as a finite number of seconds, >= 0 (> 0 unless ``zero``), else an OptionError naming
+    ``name``: a NaN, infinite or negative wait would wait forever, or never."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise OptionError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0"
+                          f"{' or None' if or_none else ''}, got {value!r}")
+    return float(value)
+
+
 def _queue_policy(level: Any, policy: Mapping[str, Any]) -> dict[str, Any]:
     """One level's queue policy (Triton's per-level ``queue_policy``): ``max_queue`` rows, default ``timeout``."""
     unknown = sorted(set(policy) - set(QUEUE_POLICY_KEYS))
     if unknown:
         raise OptionError(f"priority_queues[{level!r}] has unknown key {unknown[0]!r}; expected "
                           f"{', '.join(QUEUE_POLICY_KEYS)}")
-    return dict(policy)
+    checked: dict[str, Any] = dict(policy)
+    if policy.get("max_queue") is not None:
+        checked["max_queue"] = count_option(f"priority_queues[{level!r}]['max_queue']", policy["max_queue"], True)
+    if policy.get("timeout") is not None:
+        checked["timeout"] = seconds_option(f"priority_queues[{level!r}]['timeout']", policy["timeout"], True, True)
+    return checked
 
 
 def _default_batch_sizes(batch_size: int) -> list[int]:
@@ -49,12 +72,11 @@ def _default_batch_sizes(batch_size: int) -> list[int]:
 
 
 def _check_batch_sizes(batch_size: int, batch_sizes: Sequence[int] | None) -> list[int]:
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise OptionError(f"batch_size must be a positive integer, got {batch_size!r}")
+    count_option("batch_size", batch_size)
     if batch_sizes is None:
         return _default_batch_sizes(batch_size)
-    sizes = sorted(set(int(s) for s in batch_sizes))
-    if not sizes or sizes[0] < 1 or sizes[-1] != batch_size:
+    sizes = sorted(set(count_option(f"each of batch_sizes {list(batch_sizes)}", s) for s in batch_sizes))
+    if not sizes or sizes[-1] != batch_size:
         raise OptionError(
             f"batch_sizes must be positive and end at batch_size ({batch_size}), got {list(batch_sizes)}"
         )
@@ -191,21 +213,17 @@ class Serving:
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "compiler_options", "__class__")}
         self._arguments.update(compiler_options)
+        if not callable(fn):
+            raise OptionError(f"a Serving needs a function to serve, got {type(fn).__name__} {fn!r:.80}")
         self.fn = fn
         self.batch_sizes = _check_batch_sizes(batch_size, batch_sizes)
-        self.batch_size = batch_size
-        if batch_timeout < 0:
-            raise OptionError(f"batch_timeout must be >= 0 seconds, got {batch_timeout!r}")
-        self.batch_timeout = float(batch_timeout)
+        self.batch_size = int(batch_size)
+        self.batch_timeout = seconds_option("batch_timeout", batch_timeout)
         if oversize not in OVERSIZE_MODES:
             raise OptionError(f"oversize must be one of {', '.join(OVERSIZE_MODES)}, got {oversize!r}")
         self.oversize = oversize
-        if not isinstance(partitions, int) or partitions < 1:
-            raise OptionError(f"partitions must be a positive integer, got {partitions!r}")
-        self.partitions = partitions
-        if max_queue is not None and max_queue < 1:
-            raise OptionError(f"max_queue must be a positive number of rows or None, got {max_queue!r}")
-        self.max_queue = max_queue
+        self.partitions = count_option("partitions", partitions)
+        self.max_queue = None if max_queue is None else count_option("max_queue", max_queue, or_none=True)
         self.input_template = (
             None if input_template is None
             else jax.tree_util.tree_map(template_of, input_template, is_leaf=is_template)
@@ -228,14 +246,10 @@ class Serving:
         if batch_keys is not None and not list(batch_keys):
             raise OptionError("batch_keys must name at least one key, or be None (keys are then automatic)")
         self.batch_keys = None if batch_keys is None else tuple(batch_keys)
-        if not isinstance(priority_levels, int) or priority_levels < 1:
-            raise OptionError(f"priority_levels must be a positive integer, got {priority_levels!r}")
-        self.priority_levels = priority_levels
+        self.priority_levels = count_option("priority_levels", priority_levels)
         self.default_priority = priority_levels  # the least urgent, unless said otherwise
         self.default_priority = self.priority_level(default_priority)
-        if priority_aging <= 0:
-            raise OptionError(f"priority_aging must be > 0 seconds, got {priority_aging!r}")
-        self.priority_aging = float(priority_aging)
+        self.priority_aging = seconds_option("priority_aging", priority_aging, zero=False)
         self.priority_queues = {self.priority_level(level): _queue_policy(level, policy)
                                 for level, policy in (priority_queues or {}).items()}
         self.adaptive = bool(adaptive)
