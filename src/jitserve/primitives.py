@@ -135,8 +135,8 @@ def _shift_right_logical(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _shift_right_arithmetic(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    bits = _bits(x)
-    return np.right_shift(x, np.clip(y, 0, bits - 1).astype(x.dtype))
+    bits = _bits(x)  # XLA reads the amount as unsigned: a negative one is too large, and fills with the sign
+    return np.right_shift(x, np.where((y < 0) | (y >= bits), bits - 1, y).astype(x.dtype))
 
 
 def _clz(x: np.ndarray) -> np.ndarray:
@@ -155,12 +155,22 @@ def _logical(fn_bool: Callable[..., Any], fn_int: Callable[..., Any]) -> Impl:
 def _convert(x: np.ndarray, *, new_dtype: Any) -> np.ndarray:
     new_dtype = np.dtype(new_dtype)
     if new_dtype.kind in "iu" and x.dtype.kind == "f":
-        info = np.iinfo(new_dtype)
-        with np.errstate(over="ignore"):  # a limit beyond the float type's range is inf: nothing to clip there
-            x = np.clip(np.nan_to_num(np.trunc(x), nan=0), info.min, info.max)  # XLA saturates, NaN -> 0
-    elif new_dtype == np.bool_:
+        return _float_to_int(x, new_dtype)
+    if new_dtype == np.bool_:
         return x != 0
     return x.astype(new_dtype)
+
+
+def _float_to_int(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """XLA's conversion: toward zero, saturating at the integer type's limits, NaN to 0. The limits are
+    compared in the float type, where the largest integer usually rounds up to the first value that does not
+    fit (2**31 for int32 in float32): clipping to it and casting would wrap to the smallest integer."""
+    info = np.iinfo(dtype)
+    whole = np.trunc(x)
+    with np.errstate(over="ignore"):  # a limit beyond the float type's range is an infinity: still a bound
+        high, low = whole >= x.dtype.type(info.max), whole <= x.dtype.type(info.min)
+    fits = np.where(high | low | np.isnan(whole), 0, whole).astype(dtype)
+    return np.where(high, dtype.type(info.max), np.where(low, dtype.type(info.min), fits))
 
 
 def _iota(*, dtype: Any, shape: tuple[int, ...], dimension: int) -> np.ndarray:

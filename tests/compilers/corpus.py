@@ -80,6 +80,8 @@ for name, fn in [("power", jnp.power), ("arctan2", jnp.arctan2), ("hypot", jnp.h
                  ("maximum", jnp.maximum), ("minimum", jnp.minimum), ("fmod", jnp.fmod), ("remainder", jnp.remainder),
                  ("copysign", jnp.copysign), ("divide", jnp.divide)]:
     case(f"elementwise/{name}", fn, POS, POS[::-1])
+SPECIAL = np.array([0.0, -0.0, 1.0, -2.5, np.inf, -np.inf, np.nan], np.float32)  # C99's atan2 table, row by column
+case("elementwise/arctan2_zeros_infinities_signs", jnp.arctan2, *np.meshgrid(SPECIAL, SPECIAL, indexing="ij"))
 case("elementwise/clip", lambda x: jnp.clip(x, -0.5, 0.7), X)
 case("elementwise/where", lambda x, b: jnp.where(b, x, -x), X, B)
 case("elementwise/reduce_precision", lambda x: lax.reduce_precision(x, 5, 2),
@@ -247,6 +249,8 @@ case("int/rem_negative", jnp.remainder, I, np.where(I == 0, -3, I))
 case("int/shift_left", lambda a, s: a << s, I, ints(4, 5, low=0, high=35))
 case("int/shift_right", lambda a, s: a >> s, I, ints(4, 5, low=0, high=35))
 case("int/shift_right_logical", lax.shift_right_logical, I, ints(4, 5, low=0, high=35))
+case("int/shift_amounts_out_of_range", lambda a, s: (lax.shift_right_arithmetic(a, s), lax.shift_right_logical(a, s),
+                                                     lax.shift_left(a, s)), I, ints(4, 5, low=-40, high=40))
 case("int/and_or_xor", lambda a, b: (a & b, a | b, a ^ b, ~a), I, I[::-1])
 case("int/popcount", lax.population_count, I)
 case("int/clz", lax.clz, I)
@@ -256,6 +260,8 @@ case("int/uint8_arith", lambda a, b: (a - b, a * b, a // np.uint8(7)), ints(8, l
 case("int/uint32_ops", lambda a: (a >> np.uint32(3), a * np.uint32(2654435761)), ints(8, low=0, high=2**31, dtype=np.uint32))
 case("int/gcd", jnp.gcd, ints(8, low=1, high=100), ints(8, low=1, high=100))
 case("int/float_to_int_saturates", lambda x: x.astype(jnp.int8), np.array([-300.0, 1e10, np.nan, 2.7, -2.7], np.float32))
+case("int/float_to_int32_saturates_at_the_limits", lambda x: (x.astype(jnp.int32), x.astype(jnp.uint32)),
+     np.array([np.inf, -np.inf, np.nan, 3e9, -3e9, 2**31, 2147483520.0, -2**31, 5e9, 4294967040.0], np.float32))
 case("int/bool_logic", lambda a, b: (a & b, a | ~b, a ^ b), B, B[::-1])
 
 # every dtype

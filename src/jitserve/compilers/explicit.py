@@ -15,7 +15,9 @@ meaning survives any lowering:
 - a stable sort gets the position of each element as its last key, so that
   every order it may produce is the stable one;
 - a float to integer conversion saturates and sends NaN to 0 explicitly, as
-  XLA does (IREE's conversion of out-of-range values is undefined).
+  XLA does (IREE's conversion of out-of-range values is undefined);
+- ``atan2`` takes its zeros, infinities and signs from C99's table, as XLA's
+  does (IREE's gives NaN at (0, 0) and at two infinities, and +pi for -0).
 
 Nodes that IREE cannot compile at all (LAPACK-backed linear algebra) raise a
 :class:`CompileError` naming the ``jnp`` functions behind them and the
@@ -30,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -215,7 +218,26 @@ def _convert(x: Any, *, new_dtype: Any, weak_type: bool, sharding: Any) -> list[
     return [lax.select(too_big, lax.full_like(safe, info.max), clipped_low)]
 
 
+def _atan2(y: Any, x: Any, **params: Any) -> list[Any]:
+    """IREE's atan2 is right only for finite, non-zero arguments with ``y`` > 0 (it gives NaN at zeros and
+    infinities, and +pi for y = -0, x < 0); the rest is C99's table, as XLA computes it, made explicit."""
+    def angle(value: float) -> Any:
+        return lax.full_like(y, value)
+
+    magnitude = lax.abs(y)
+    x_negative = jnp.signbit(x)  # -0 too: atan2(+-0, -0) is +-pi
+    result = lax.atan2_p.bind(magnitude, x, **params)
+    result = lax.select(x == 0, angle(np.pi / 2), result)
+    result = lax.select(jnp.isinf(x), lax.select(x_negative, angle(np.pi), angle(0.0)), result)
+    result = lax.select(jnp.isinf(magnitude), lax.select(
+        jnp.isinf(x), lax.select(x_negative, angle(3 * np.pi / 4), angle(np.pi / 4)), angle(np.pi / 2)), result)
+    result = lax.select(magnitude == 0, lax.select(x_negative, angle(np.pi), angle(0.0)), result)
+    result = lax.select(jnp.isnan(x) | jnp.isnan(y), angle(np.nan), result)
+    return [jnp.copysign(result, y)]
+
+
 REWRITES: dict[str, Callable[..., list[Any]]] = {
+    "atan2": _atan2,
     "convert_element_type": _convert,
     "gather": _gather,
     "scatter": _scatter(lax.scatter_p),
