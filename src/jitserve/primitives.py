@@ -115,6 +115,23 @@ def _round(x: np.ndarray, *, rounding_method: Any = 0) -> np.ndarray:
     return np.copysign(np.floor(np.abs(x) + x.dtype.type(0.5)), x)
 
 
+def _signed_zero(pick: np.ufunc, join: Callable[[Any, Any], Any]) -> Impl:
+    """XLA's max and min order -0 below +0; numpy's keep whichever zero comes first. Where both are zeros,
+    ``join`` makes the right one (max: -0 only from two -0s, so their sum; min: the negated sum of negations)."""
+    def run(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        result = pick(x, y)
+        if not _is_float(result.dtype):
+            return result
+        zeros = (x == 0) & (y == 0)
+        return np.where(zeros, join(x, y), result) if zeros.any() else result
+    return run
+
+
+def _zero_kept(fn: Impl) -> Impl:
+    """An odd function whose value at -0 is -0 in XLA, where numpy's or scipy's gives +0."""
+    return lambda x: np.where(x == 0, x, fn(x))
+
+
 def _bits(x: np.ndarray) -> int:
     return x.dtype.itemsize * 8
 
@@ -283,10 +300,11 @@ def _sort(*operands: np.ndarray, dimension: int, num_keys: int, is_stable: bool)
 
 
 def _top_k(x: np.ndarray, *, k: int, axis: int) -> list[np.ndarray]:
-    """The k largest along ``axis``, largest first; equal values in index order (as XLA's TopK)."""
+    """The k largest along ``axis`` in IEEE total order (-NaN lowest, -0 below +0, NaN highest), largest first;
+    equal values in index order (as XLA's TopK, which unlike sort tells the zeros and NaNs apart)."""
     moved = np.moveaxis(x, axis, -1)
     n = moved.shape[-1]
-    ascending = np.argsort(np.flip(_sort_ranks(moved)[0], -1), axis=-1, kind="stable")
+    ascending = np.argsort(np.flip(_total_order(moved), -1), axis=-1, kind="stable")
     order = (n - 1 - np.flip(ascending, -1))[..., :k]
     values = np.take_along_axis(moved, order, axis=-1)
     return [np.moveaxis(values, -1, axis), np.moveaxis(order.astype(np.int32), -1, axis)]
@@ -867,7 +885,7 @@ def _debug_print(*operands: Any, fmt: str, in_tree: Any, static_args: Any, has_p
 PRIMITIVES: dict[str, Impl] = {
     # elementwise, one operand
     "neg": np.negative,
-    "sign": np.sign,
+    "sign": _zero_kept(np.sign),
     "floor": np.floor,
     "ceil": np.ceil,
     "round": _round,
@@ -898,9 +916,9 @@ PRIMITIVES: dict[str, Impl] = {
     "not": _logical(np.logical_not, np.invert),
     "erf": special.erf,
     "erfc": special.erfc,
-    "erf_inv": special.erfinv,
-    "lgamma": special.gammaln,
-    "digamma": special.digamma,
+    "erf_inv": _zero_kept(special.erfinv),
+    "lgamma": lambda x: np.where(x == -np.inf, np.inf, special.gammaln(x)),  # XLA: lgamma(-inf) = inf
+    "digamma": lambda x: np.where(x == 0, np.nan, special.digamma(x)),  # XLA: NaN at the pole 0 (scipy: -+inf)
     "igamma": special.gammainc,
     "igammac": special.gammaincc,
     "bessel_i0e": special.i0e,
@@ -926,8 +944,8 @@ PRIMITIVES: dict[str, Impl] = {
     "div": _div,
     "rem": _rem,
     "pow": _pow,
-    "max": np.maximum,
-    "min": np.minimum,
+    "max": _signed_zero(np.maximum, np.add),
+    "min": _signed_zero(np.minimum, lambda x, y: -(-x + -y)),
     "atan2": np.arctan2,
     "nextafter": np.nextafter,
     "complex": lambda x, y: x + 1j * y,

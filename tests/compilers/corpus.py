@@ -82,6 +82,14 @@ for name, fn in [("power", jnp.power), ("arctan2", jnp.arctan2), ("hypot", jnp.h
     case(f"elementwise/{name}", fn, POS, POS[::-1])
 SPECIAL = np.array([0.0, -0.0, 1.0, -2.5, np.inf, -np.inf, np.nan], np.float32)  # C99's atan2 table, row by column
 case("elementwise/arctan2_zeros_infinities_signs", jnp.arctan2, *np.meshgrid(SPECIAL, SPECIAL, indexing="ij"))
+POWERS = np.array([0.0, -0.0, 1.0, -1.0, 2.0, -3.0, 0.5, -2.5, np.inf, -np.inf, np.nan], np.float32)
+case("elementwise/power_negative_bases_and_special_values", jnp.power, *np.meshgrid(POWERS, POWERS, indexing="ij"))
+case("elementwise/cbrt_infinities", jnp.cbrt, np.array([np.inf, -np.inf, -8.0, 27.0, 0.0, np.nan], np.float32))
+ZEROS = np.array([-0.0, 0.0, -0.0], np.float32)  # 1 / x tells -0 (-inf) from +0 (inf)
+case("elementwise/minus_zero_kept", lambda z: [1 / y for y in (jnp.sign(z), jax.scipy.special.erfinv(z), jnp.sin(z),
+                                                                jnp.tan(z), jnp.maximum(z, z[::-1]), jnp.minimum(z, z[::-1]))], ZEROS)
+case("elementwise/special_function_poles", lambda x: (jax.scipy.special.gammaln(x), jax.scipy.special.digamma(x)),
+     np.array([-np.inf, 0.0, -0.0, -2.0, 1.0], np.float32))
 case("elementwise/clip", lambda x: jnp.clip(x, -0.5, 0.7), X)
 case("elementwise/where", lambda x, b: jnp.where(b, x, -x), X, B)
 case("elementwise/reduce_precision", lambda x: lax.reduce_precision(x, 5, 2),
@@ -182,6 +190,9 @@ case("sort/nan", jnp.sort, np.array([3.0, np.nan, -1.0, np.inf, -np.inf, 0.0], n
 case("sort/int", jnp.sort, ints(20))
 case("sort/top_k", lambda v: lax.top_k(v, 3), V)
 case("sort/top_k_axis0", lambda x: lax.top_k(x, 2, axis=0), X)
+case("sort/top_k_nan_zeros_and_ties", lambda v: lax.top_k(v, 9),
+     np.array([1.0, -np.nan, np.nan, -np.inf, 0.0, -0.0, 1.0, np.inf, 2.0, 2.0, -0.0], np.float32))
+case("sort/top_k_integer_ties", lambda v: lax.top_k(v, 4), np.array([3, -1, 7, 7, 2, 7, 3], np.int32))
 case("sort/median", jnp.median, V)
 case("sort/unique_size", lambda v: jnp.unique(v, size=8, fill_value=-1), ints(16, low=0, high=6))
 

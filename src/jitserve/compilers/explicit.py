@@ -17,7 +17,18 @@ meaning survives any lowering:
 - a float to integer conversion saturates and sends NaN to 0 explicitly, as
   XLA does (IREE's conversion of out-of-range values is undefined);
 - ``atan2`` takes its zeros, infinities and signs from C99's table, as XLA's
-  does (IREE's gives NaN at (0, 0) and at two infinities, and +pi for -0).
+  does (IREE's gives NaN at (0, 0) and at two infinities, and +pi for -0);
+- ``pow`` gets only ``|x|`` from IREE (which computes exp(y log x): NaN for
+  any negative base, and for 0 ** 0) and the sign, the NaNs and C99's exact
+  cases explicitly; ``cbrt`` keeps infinities, ``digamma`` is NaN at 0, and
+  ``sin`` / ``tan`` keep -0;
+- ``top_k`` is a sort by IEEE total order and position (IREE ranks NaN lowest
+  and breaks ties in any order; XLA ranks NaN highest, the lower index first).
+
+Still IREE's own, and documented rather than rewritten: float32 ``sin``,
+``cos`` and ``tan`` lose accuracy from about 3e4 (a relative error of 1e-3
+there, -inf or NaN near 1e30), and complex division, ``log`` and ``exp``
+mishandle infinities, signed zeros and magnitudes whose squares overflow.
 
 Nodes that IREE cannot compile at all (LAPACK-backed linear algebra) raise a
 :class:`CompileError` naming the ``jnp`` functions behind them and the
@@ -236,8 +247,64 @@ def _atan2(y: Any, x: Any, **params: Any) -> list[Any]:
     return [jnp.copysign(result, y)]
 
 
+def _pow(x: Any, y: Any, **params: Any) -> list[Any]:
+    """IREE computes ``x ** y`` as exp(y log x): NaN for every negative ``x`` (``(-3.0) ** y`` with y = 2.0
+    too) and for 0 ** 0, inf ** 0 and 1 ** inf. Here it only gets ``|x|``; the sign (an odd integer power of a
+    negative base), NaN (a negative base to a non-integer power) and the exact ones of C99's table, which
+    XLA follows, are explicit."""
+    if not jax.dtypes.issubdtype(x.dtype, np.floating):
+        return [lax.pow_p.bind(x, y, **params)]
+    if jax.dtypes.issubdtype(y.dtype, np.integer):
+        integer, odd = lax.full_like(y, True, np.bool_), lax.rem(y, lax.full_like(y, 2)) != 0
+    else:
+        integer = (lax.floor(y) == y) & jnp.isfinite(y)
+        odd = integer & (lax.rem(y, lax.full_like(y, 2)) != 0)
+    one, nan = lax.full_like(x, 1), lax.full_like(x, np.nan)
+    magnitude = lax.pow_p.bind(lax.abs(x), y, **params)
+    result = lax.select(jnp.signbit(x) & odd, lax.neg(magnitude), magnitude)
+    result = lax.select((x < 0) & jnp.isfinite(x) & ~integer & jnp.isfinite(y), nan, result)
+    result = lax.select((lax.abs(x) == 1) & jnp.isinf(y), one, result)
+    return [lax.select((y == 0) | (x == 1), one, result)]
+
+
+def _cbrt(x: Any, **params: Any) -> list[Any]:
+    """IREE's cube root of an infinity is NaN; it is the infinity."""
+    return [lax.select(jnp.isinf(x), x, lax.cbrt_p.bind(x, **params))]
+
+
+def _top_k(operand: Any, *, k: int, axis: int) -> list[Any]:
+    """IREE's top_k ranks NaN below everything (XLA: above +inf) and breaks ties in any order (XLA: the lower
+    index first). Here it is a sort, descending by a key in IEEE total order (-NaN < -inf < ... < -0 < +0 <
+    ... < +inf < NaN; an integer is its own key), then ascending by position, cut to ``k``."""
+    key = operand
+    if jax.dtypes.issubdtype(operand.dtype, np.floating):
+        bits = lax.bitcast_convert_type(operand, np.dtype(f"int{operand.dtype.itemsize * 8}"))
+        sign = lax.shift_right_arithmetic(bits, lax.full_like(bits, operand.dtype.itemsize * 8 - 1))
+        key = lax.bitwise_xor(bits, lax.bitwise_and(sign, lax.full_like(bits, np.iinfo(bits.dtype).max)))
+    position = lax.broadcasted_iota(np.int32, operand.shape, axis)
+    _, order = lax.sort_p.bind(lax.bitwise_not(key), position, dimension=axis, is_stable=False, num_keys=2)
+    indices = lax.slice_in_dim(order, 0, k, axis=axis)
+    return [jnp.take_along_axis(operand, indices, axis=axis), indices]
+
+
+def _digamma(x: Any, **params: Any) -> list[Any]:
+    """IREE's digamma at the pole 0 is -inf; XLA's is NaN, as at the negative integers."""
+    return [lax.select(x == 0, lax.full_like(x, np.nan), lax.digamma_p.bind(x, **params))]
+
+
+def _odd(primitive: Any) -> Callable[..., list[Any]]:
+    """An odd function (sin, tan) whose IREE lowering turns -0 into +0; XLA keeps -0."""
+    return lambda x, **params: [lax.select(x == 0, x, primitive.bind(x, **params))]
+
+
 REWRITES: dict[str, Callable[..., list[Any]]] = {
     "atan2": _atan2,
+    "sin": _odd(lax.sin_p),
+    "tan": _odd(lax.tan_p),
+    "cbrt": _cbrt,
+    "digamma": _digamma,
+    "pow": _pow,
+    "top_k": _top_k,
     "convert_element_type": _convert,
     "gather": _gather,
     "scatter": _scatter(lax.scatter_p),
