@@ -152,8 +152,11 @@ def _shift_right_logical(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _shift_right_arithmetic(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    bits = _bits(x)  # XLA reads the amount as unsigned: a negative one is too large, and fills with the sign
-    return np.right_shift(x, np.where((y < 0) | (y >= bits), bits - 1, y).astype(x.dtype))
+    """Fills with the top bit, of unsigned types too (XLA's shift on the signed view); XLA reads the amount
+    as unsigned, so a negative one is too large and fills the whole value."""
+    bits = _bits(x)
+    signed = x.view(np.dtype(f"int{bits}"))
+    return np.right_shift(signed, np.where((y < 0) | (y >= bits), bits - 1, y).astype(signed.dtype)).view(x.dtype)
 
 
 def _clz(x: np.ndarray) -> np.ndarray:

@@ -260,6 +260,9 @@ case("int/rem_negative", jnp.remainder, I, np.where(I == 0, -3, I))
 case("int/shift_left", lambda a, s: a << s, I, ints(4, 5, low=0, high=35))
 case("int/shift_right", lambda a, s: a >> s, I, ints(4, 5, low=0, high=35))
 case("int/shift_right_logical", lax.shift_right_logical, I, ints(4, 5, low=0, high=35))
+case("int/unsigned_shifts", lambda a, s: (lax.shift_right_arithmetic(a, s), lax.shift_right_logical(a, s),
+                                          lax.shift_left(a, s)), np.array([2**31, 5, 2**32 - 1, 1, 2**31 + 7], np.uint32),
+     np.array([31, 32, 0, 100, 3], np.uint32))
 case("int/shift_amounts_out_of_range", lambda a, s: (lax.shift_right_arithmetic(a, s), lax.shift_right_logical(a, s),
                                                      lax.shift_left(a, s)), I, ints(4, 5, low=-40, high=40))
 case("int/and_or_xor", lambda a, b: (a & b, a | b, a ^ b, ~a), I, I[::-1])
@@ -285,6 +288,10 @@ case("dtype/bool", lambda b: (jnp.logical_not(b), b.sum(), b.astype(jnp.float32)
 case("dtype/complex64_math", lambda z: (jnp.exp(z), jnp.abs(z), jnp.conj(z) * z, jnp.angle(z)), (X + 1j * POS).astype(np.complex64))
 case("dtype/float16_math", lambda a: jnp.tanh(a) * jnp.exp(a / 4), X.astype(np.float16))
 case("dtype/bfloat16_matmul", lambda a, b: a @ b, X.astype(jnp.bfloat16), f32(5, 3).astype(jnp.bfloat16))
+case("dtype/float16_matmul_accumulates_wide", lambda a, b: a @ b, f32(64, 256).astype(np.float16),
+     f32(256, 64).astype(np.float16), rtol=2e-3)
+case("dtype/float16_conv_accumulates_wide", lambda x, k: lax.conv(x, k, (1, 1), "SAME"),
+     (IMG * 20).astype(np.float16), (KER * 20).astype(np.float16), rtol=2e-3)
 for dtype in ["float64", "int64", "uint64"]:
     array = (X.astype(np.float64) / 3 if dtype == "float64" else ints(4, 5, low=0, high=100, dtype=dtype))
     case(f"dtype/{dtype}_arith", lambda a: a * a + a, array, x64=True)
