@@ -542,3 +542,14 @@ def test_outputs_that_are_not_batch_major_are_a_clear_error():
         with pytest.raises(js.OutputShapeError, match="axis 0 = the 1 rows of the batch"):
             js.batched_run("not-batch-major", js.Batch.stack([np.ones(3, np.float32)]))
         assert server.stats()["errors"] == 1
+
+
+def test_a_function_that_returns_no_array_is_a_clear_error_run_or_served():
+    serving = js.Serving(lambda x: None, batch_size=2, batch_timeout=0.001, compiler="eager")
+    message = r"^the serving function must return batch-major outputs \(axis 0 = the 1 rows of the batch\); it " \
+              r"returned no array \(None\)$"
+    with pytest.raises(js.OutputShapeError, match=message):
+        serving.run(js.Batch.stack([np.ones(3, np.float32)]))
+    with js.serve(serving, name="returns-none"):
+        with pytest.raises(js.OutputShapeError, match=message):  # it was an IndexError from inside the server
+            js.batched_run("returns-none", js.Batch.stack([np.ones(3, np.float32)]))

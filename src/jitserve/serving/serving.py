@@ -157,6 +157,9 @@ def cut_rows(outputs: Any, rows: int, keep: int, inputs: Sequence[np.ndarray] | 
     """The first ``keep`` of the ``rows`` rows of every output, as host numpy arrays that own their memory or
     share none with the reused ``inputs`` buffers."""
     leaves, tree = jax.tree_util.tree_flatten(outputs)
+    if not leaves:
+        raise OutputShapeError(f"the serving function must return batch-major outputs (axis 0 = the {rows} rows of "
+                               f"the batch); it returned no array ({outputs!r:.80})")
     cut = []
     for leaf in leaves:
         if type(leaf) is not np.ndarray:
