@@ -114,6 +114,14 @@ def test_a_bad_timeout_flag_is_one_line_and_exit_2_before_anything_starts(flags,
     assert (done.returncode, done.stderr.strip()) == (2, expected)
 
 
+@pytest.mark.parametrize("shape", ["2xa", "-1x3", "2x"])
+def test_a_bad_mlir_shape_is_a_usage_error_naming_the_format(shape):
+    done = run_cli("mlir", "jitserve.cli:softmax", f"--shape={shape}", timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().endswith(f"argument --shape: expected dimensions joined by 'x', each a non-negative "
+                                        f"integer (e.g. 1000x1000x5, or '' for a scalar); got '{shape}'")
+
+
 def test_version_and_help_show_defaults_and_examples():
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"jitserve {js.__version__}"

@@ -104,11 +104,19 @@ def list_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    """``--shape``: dimensions joined by ``x`` (``1000x1000x5``; empty for a scalar)."""
+    dimensions = text.split("x") if text else []
+    if not all(d.isdigit() for d in dimensions):
+        raise argparse.ArgumentTypeError(f"expected dimensions joined by 'x', each a non-negative integer "
+                                         f"(e.g. 1000x1000x5, or '' for a scalar); got {text!r}")
+    return tuple(int(d) for d in dimensions)
+
+
 def mlir(args: argparse.Namespace) -> int:
     module_name, _, attribute = args.target.partition(":")
     fn = getattr(importlib.import_module(module_name), attribute)
-    shape = tuple(int(d) for d in args.shape.split("x")) if args.shape else ()
-    print(to_mlir(fn, [jax.ShapeDtypeStruct(shape, args.dtype)]).mlir_module)
+    print(to_mlir(fn, [jax.ShapeDtypeStruct(args.shape, args.dtype)]).mlir_module)
     return 0
 
 
@@ -403,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("devices", help="every device of every installed compiler").set_defaults(run=list_devices)
     mlir_parser = commands.add_parser("mlir", help="print the StableHLO of module:function")
     mlir_parser.add_argument("target", help="module:function, e.g. jitserve.cli:softmax")
-    mlir_parser.add_argument("--shape", default="4", help="input shape, e.g. 1000x1000x5")
+    mlir_parser.add_argument("--shape", type=_shape, default=(4,), help="input shape, e.g. 1000x1000x5")
     mlir_parser.add_argument("--dtype", default="float32")
     mlir_parser.set_defaults(run=mlir)
     args = parser.parse_args(argv)
