@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import os
 import random
 import socket
@@ -54,7 +53,7 @@ from ..batch import Batch
 from ..compilers.xla import run_cpu_computations_inline
 from ..errors import OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError, UnknownServerError
 from ..serving.server import Server
-from ..serving.serving import Serving
+from ..serving.serving import Serving, finite_number
 
 log = logging.getLogger("jitserve.cluster")
 
@@ -281,7 +280,7 @@ def serve(serving: Serving, name: str, *, replicas: int = 1, weight: float = 1, 
     ``resources`` pins replicas with Ray custom resources instead. ``num_gpus=1`` with ``partitions=1``
     gives one replica per GPU; ``num_gpus=k`` with ``partitions=k`` one replica per node of k GPUs."""
     _check_replicas(replicas)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+    if not finite_number(weight) or weight <= 0:
         raise OptionError(f"weight must be a finite number > 0, got {weight!r}")
     if serving.streaming:
         raise OptionError("a streaming serving runs in the process that reads its steps; serve it locally "

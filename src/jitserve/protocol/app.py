@@ -24,7 +24,7 @@ import uvicorn
 from ..errors import OptionError
 from ..serving.registry import serve
 from ..serving.server import Server
-from ..serving.serving import Serving, seconds_option
+from ..serving.serving import Serving, optional_seconds
 from .access import Access
 from .connection import GuardedHttpProtocol
 from .grpc import GrpcServer
@@ -134,9 +134,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     and ``access`` (API key, CORS), over TLS when ``tls`` is given.
     ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at
     exit each is stopped (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
-    for name, seconds in (("request_timeout", request_timeout), ("drain_timeout", drain_timeout)):
-        if seconds is not None:  # checked before anything starts: a NaN drain timeout would fail only at exit
-            seconds_option(name, seconds, or_none=True)
+    optional_seconds("request_timeout", request_timeout)  # checked before anything starts: a NaN drain
+    optional_seconds("drain_timeout", drain_timeout)  # timeout would otherwise fail only at exit
     check_ports_free(host, [port, grpc_port])
     limits = fit_connections(limits, raise_file_limit())
     grace = 30.0 if drain_timeout is None else drain_timeout  # seconds the drain may take at shutdown

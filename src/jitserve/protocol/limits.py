@@ -9,10 +9,10 @@ defaults admit any ordinary client, including tritonclient with large tensors.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 from ..errors import OptionError
+from ..serving.serving import finite_number
 
 MiB = 2**20
 
@@ -32,7 +32,7 @@ class Limits:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if not finite_number(value) or value <= 0:
                 raise OptionError(f"limit {field.name} must be a finite positive number, got {value!r}")
 
 

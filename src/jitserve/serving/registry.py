@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from ..errors import OptionError, ServerExistsError, UnknownServerError
 from .queue import Request
 from .server import Server
-from .serving import Serving, seconds_option
+from .serving import Serving, optional_seconds
 
 LOCAL = "local"
 
@@ -120,8 +120,7 @@ def _submitted(name: str | tuple[str, str], value: Any, timeout: float | None, p
                ) -> tuple[Server, Request, Any, float | None]:
     """What every caller does first: find the server, ``preprocess`` here, queue the rows. Returns the
     server, the request, ``preprocess``'s info and the timeout to wait with (the level's default if none)."""
-    if timeout is not None:
-        seconds_option("timeout", timeout, or_none=True)
+    optional_seconds("timeout", timeout)
     server = lookup(name)
     serving = server.serving
     batch, info = serving.prepare(value)

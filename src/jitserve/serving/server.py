@@ -34,7 +34,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from ..batch import Batch
 from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, ServerStoppedError
 from .queue import END, BatchPolicy, Piece, Queues, Request
-from .serving import Executor, Serving, concatenate_outputs, seconds_option
+from .serving import Executor, Serving, concatenate_outputs, optional_seconds
 from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
@@ -149,8 +149,7 @@ class Server:
         running finish. ``drain=False`` answers every queued request none of whose rows started with
         ``ServerStoppedError`` (nothing of it ran, so a router may send it elsewhere) and finishes what
         started. A second call waits for the first one's drain."""
-        if timeout is not None:
-            seconds_option("timeout", timeout, or_none=True)
+        optional_seconds("timeout", timeout)
         with self._lock:
             first = not self._stopping
             self._stopping = True

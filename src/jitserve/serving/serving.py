@@ -34,9 +34,15 @@ ISOLATION_MODES = ("thread", "process")
 QUEUE_POLICY_KEYS = ("max_queue", "timeout")
 
 
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` is a real, finite number (a bool is not one; NaN and the infinities are not finite)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)) \
+        and math.isfinite(value)
+
+
 def count_option(name: str, value: Any, or_none: bool = False) -> int:
     """``value`` as a positive whole number, else an OptionError naming ``name`` (saying that None is allowed
-    too, for an option whose caller takes None before asking)."""
+    too, for an option whose caller takes None before asking: see :func:`optional_count`)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise OptionError(f"{name} must be a positive integer{' or None' if or_none else ''}, got {value!r}")
     return int(value)
@@ -44,12 +50,22 @@ def count_option(name: str, value: Any, or_none: bool = False) -> int:
 
 def seconds_option(name: str, value: Any, zero: bool = True, or_none: bool = False) -> float:
     """``value`` as a finite number of seconds, >= 0 (> 0 unless ``zero``), else an OptionError naming
-    ``name``: a NaN, infinite or negative wait would wait forever, or never."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+    ``name``: a NaN, infinite or negative wait would wait forever, or never (``or_none``: see
+    :func:`optional_seconds`)."""
+    if not finite_number(value) or value < 0 or (value == 0 and not zero):
         raise OptionError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0"
                           f"{' or None' if or_none else ''}, got {value!r}")
     return float(value)
+
+
+def optional_count(name: str, value: Any) -> int | None:
+    """None, or ``value`` checked by :func:`count_option`."""
+    return None if value is None else count_option(name, value, or_none=True)
+
+
+def optional_seconds(name: str, value: Any) -> float | None:
+    """None, or ``value`` checked by :func:`seconds_option` (>= 0)."""
+    return None if value is None else seconds_option(name, value, or_none=True)
 
 
 def _queue_policy(level: Any, policy: Mapping[str, Any]) -> dict[str, Any]:
@@ -58,11 +74,11 @@ def _queue_policy(level: Any, policy: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise OptionError(f"priority_queues[{level!r}] has unknown key {unknown[0]!r}; expected "
                           f"{', '.join(QUEUE_POLICY_KEYS)}")
-    checked: dict[str, Any] = dict(policy)
-    if policy.get("max_queue") is not None:
-        checked["max_queue"] = count_option(f"priority_queues[{level!r}]['max_queue']", policy["max_queue"], True)
-    if policy.get("timeout") is not None:
-        checked["timeout"] = seconds_option(f"priority_queues[{level!r}]['timeout']", policy["timeout"], True, True)
+    checked: dict[str, Any] = {}
+    if "max_queue" in policy:
+        checked["max_queue"] = optional_count(f"priority_queues[{level!r}]['max_queue']", policy["max_queue"])
+    if "timeout" in policy:
+        checked["timeout"] = optional_seconds(f"priority_queues[{level!r}]['timeout']", policy["timeout"])
     return checked
 
 
@@ -226,7 +242,7 @@ class Serving:
             raise OptionError(f"oversize must be one of {', '.join(OVERSIZE_MODES)}, got {oversize!r}")
         self.oversize = oversize
         self.partitions = count_option("partitions", partitions)
-        self.max_queue = None if max_queue is None else count_option("max_queue", max_queue, or_none=True)
+        self.max_queue = optional_count("max_queue", max_queue)
         self.input_template = (
             None if input_template is None
             else jax.tree_util.tree_map(template_of, input_template, is_leaf=is_template)
