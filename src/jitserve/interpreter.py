@@ -229,13 +229,8 @@ class Interpreter:
         """Run on flat arguments (the list is cleared) and return the flat outputs."""
         if len(args_list) != len(self._input_slots):
             raise TypeError(f"graph {self.graph.name} takes {len(self._input_slots)} inputs, got {len(args_list)}")
-        with np.errstate(all="ignore"):  # IEEE results (inf, NaN, 1 / 0) are answers, as in XLA: no warnings
-            if self._straight_line is not None:
-                return self._straight_line(args_list)
-            return self._run_nodes(args_list)
-
-    def _run_nodes(self, args_list: list[Any]) -> list[Any]:
-        """The loop over prepared nodes, for an interpreter whose ``run_node`` is overridden."""
+        if self._straight_line is not None:
+            return self._straight_line(args_list)
         env = self._initial.copy()
         for position, slot in enumerate(self._input_slots):
             env[slot] = np.asarray(args_list[position])
