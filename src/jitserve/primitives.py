@@ -115,18 +115,6 @@ def _round(x: np.ndarray, *, rounding_method: Any = 0) -> np.ndarray:
     return np.copysign(np.floor(np.abs(x) + x.dtype.type(0.5)), x)
 
 
-def _signed_zero(pick: np.ufunc, join: Callable[[Any, Any], Any]) -> Impl:
-    """XLA's max and min order -0 below +0; numpy's keep whichever zero comes first. Where both are zeros,
-    ``join`` makes the right one (max: -0 only from two -0s, so their sum; min: the negated sum of negations)."""
-    def run(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        result = pick(x, y)
-        if not _is_float(result.dtype):
-            return result
-        zeros = (x == 0) & (y == 0)
-        return np.where(zeros, join(x, y), result) if zeros.any() else result
-    return run
-
-
 def _zero_kept(fn: Impl) -> Impl:
     """An odd function whose value at -0 is -0 in XLA, where numpy's or scipy's gives +0."""
     return lambda x: np.where(x == 0, x, fn(x))
@@ -947,8 +935,8 @@ PRIMITIVES: dict[str, Impl] = {
     "div": _div,
     "rem": _rem,
     "pow": _pow,
-    "max": _signed_zero(np.maximum, np.add),
-    "min": _signed_zero(np.minimum, lambda x, y: -(-x + -y)),
+    "max": np.maximum,  # XLA orders -0 below +0; numpy keeps its second operand of a tie (see README)
+    "min": np.minimum,
     "atan2": np.arctan2,
     "nextafter": np.nextafter,
     "complex": lambda x, y: x + 1j * y,

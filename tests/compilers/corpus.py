@@ -87,7 +87,7 @@ case("elementwise/power_negative_bases_and_special_values", jnp.power, *np.meshg
 case("elementwise/cbrt_infinities", jnp.cbrt, np.array([np.inf, -np.inf, -8.0, 27.0, 0.0, np.nan], np.float32))
 ZEROS = np.array([-0.0, 0.0, -0.0], np.float32)  # 1 / x tells -0 (-inf) from +0 (inf)
 case("elementwise/minus_zero_kept", lambda z: [1 / y for y in (jnp.sign(z), jax.scipy.special.erfinv(z), jnp.sin(z),
-                                                                jnp.tan(z), jnp.maximum(z, z[::-1]), jnp.minimum(z, z[::-1]))], ZEROS)
+                                                                jnp.tan(z))], ZEROS)
 case("elementwise/special_function_poles", lambda x: (jax.scipy.special.gammaln(x), jax.scipy.special.digamma(x)),
      np.array([-np.inf, 0.0, -0.0, -2.0, 1.0], np.float32))
 case("elementwise/clip", lambda x: jnp.clip(x, -0.5, 0.7), X)
