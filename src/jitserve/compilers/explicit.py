@@ -22,8 +22,9 @@ meaning survives any lowering:
   any negative base, and for 0 ** 0) and the sign, the NaNs and C99's exact
   cases explicitly; ``cbrt`` keeps infinities, ``digamma`` is NaN at 0, and
   ``sin`` / ``tan`` keep -0;
-- ``top_k`` is a sort by IEEE total order and position (IREE ranks NaN lowest
-  and breaks ties in any order; XLA ranks NaN highest, the lower index first);
+- ``top_k`` ranks by IEEE total order along the reversed axis (IREE ranks NaN
+  lowest and gives ties the highest index first; XLA ranks NaN highest, the
+  lowest index first);
 - a dot or convolution of 16-bit floats accumulates in float32 and rounds
   once, as XLA's CPU does (IREE accumulates in the 16-bit type).
 
@@ -274,19 +275,26 @@ def _cbrt(x: Any, **params: Any) -> list[Any]:
     return [lax.select(jnp.isinf(x), x, lax.cbrt_p.bind(x, **params))]
 
 
+def _flip_negatives(bits: Any) -> Any:
+    """A float's bits (as a signed integer) to a key in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... <
+    +inf < NaN): the magnitude bits of a negative value inverted. It is its own inverse."""
+    width = bits.dtype.itemsize * 8
+    sign = lax.shift_right_arithmetic(bits, lax.full_like(bits, width - 1))
+    return lax.bitwise_xor(bits, lax.bitwise_and(sign, lax.full_like(bits, np.iinfo(bits.dtype).max)))
+
+
 def _top_k(operand: Any, *, k: int, axis: int) -> list[Any]:
-    """IREE's top_k ranks NaN below everything (XLA: above +inf) and breaks ties in any order (XLA: the lower
-    index first). Here it is a sort, descending by a key in IEEE total order (-NaN < -inf < ... < -0 < +0 <
-    ... < +inf < NaN; an integer is its own key), then ascending by position, cut to ``k``."""
-    key = operand
-    if jax.dtypes.issubdtype(operand.dtype, np.floating):
-        bits = lax.bitcast_convert_type(operand, np.dtype(f"int{operand.dtype.itemsize * 8}"))
-        sign = lax.shift_right_arithmetic(bits, lax.full_like(bits, operand.dtype.itemsize * 8 - 1))
-        key = lax.bitwise_xor(bits, lax.bitwise_and(sign, lax.full_like(bits, np.iinfo(bits.dtype).max)))
-    position = lax.broadcasted_iota(np.int32, operand.shape, axis)
-    _, order = lax.sort_p.bind(lax.bitwise_not(key), position, dimension=axis, is_stable=False, num_keys=2)
-    indices = lax.slice_in_dim(order, 0, k, axis=axis)
-    return [jnp.take_along_axis(operand, indices, axis=axis), indices]
+    """IREE's top_k ranks NaN below everything (XLA: above +inf) and gives equal values the highest index
+    first (XLA: the lowest). Here it ranks a float's key in IEEE total order (an integer is its own key)
+    along the reversed axis, so that IREE's order of ties is XLA's (the corpus's tie cases check it), maps
+    the indices back and turns the keys back into values. Neither a sort nor a gather of the values: IREE
+    cannot compile either next to a top_k over a row of 50,000 (a vocabulary's logits)."""
+    floating = jax.dtypes.issubdtype(operand.dtype, np.floating)
+    signed = np.dtype(f"int{operand.dtype.itemsize * 8}")
+    key = _flip_negatives(lax.bitcast_convert_type(operand, signed)) if floating else operand
+    top, reversed_indices = lax.top_k_p.bind(lax.rev(key, (axis,)), k=k, axis=axis)
+    indices = lax.sub(lax.full_like(reversed_indices, operand.shape[axis] - 1), reversed_indices)
+    return [lax.bitcast_convert_type(_flip_negatives(top), operand.dtype) if floating else top, indices]
 
 
 def _digamma(x: Any, **params: Any) -> list[Any]:
