@@ -190,12 +190,26 @@ def test_raw_mlir_with_a_lapack_call_names_the_call():
     assert "(operation 'stablehlo.custom_call' @lapack_sgetrf_ffi has no lowering)" in first
 
 
-def test_fft_of_a_length_iree_cannot_lower():
-    with pytest.raises(js.CompileError, match=r"IREE cannot compile an FFT of a length IREE cannot lower \(it lowers "
-                                              r"power-of-two lengths\); pad to a power of two"):
-        js.jit(jnp.fft.fft, compiler="iree")(np.ones(10, np.float32))
-    np.testing.assert_allclose(np.asarray(js.jit(jnp.fft.fft, compiler="iree")(np.arange(8, dtype=np.float32))),
-                               np.fft.fft(np.arange(8)), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("transform, x", [
+    (jnp.fft.fft, np.arange(10, dtype=np.complex64)), (jnp.fft.rfft, np.arange(400, dtype=np.float32) % 7),
+    (lambda z: jnp.fft.irfft(z, n=9), np.arange(5, dtype=np.complex64) * (1 - 1j)),
+    (jnp.fft.fft2, np.ones((3, 8), np.complex64) * np.arange(8)), (jnp.fft.ifftn, np.arange(60).reshape(3, 4, 5) + 0j)])
+def test_an_fft_of_any_length_and_axes_compiles_and_agrees_with_xla(transform, x):
+    """IREE lowers one axis of a power-of-two length; the others go through Bluestein's algorithm, axis by axis."""
+    x = x.astype(np.float32 if np.isrealobj(x) else np.complex64)
+    np.testing.assert_allclose(np.asarray(js.jit(transform, compiler="iree")(x)), np.asarray(jax.jit(transform)(x)),
+                               rtol=1e-5, atol=1e-5 * np.abs(x).max())
+
+
+def test_an_fft_iree_cannot_lower_says_so():
+    lowered = js.to_mlir(jnp.fft.fft, [np.ones(10, np.complex64)])
+    with pytest.raises(js.CompileError, match=r"IREE cannot compile an FFT IREE cannot lower \(it lowers one axis "
+                                              r"of a power-of-two length in single precision; js.jit"):
+        iree.compile(lowered.mlir_module)
+    with jax.enable_x64(True), pytest.raises(js.CompileError, match=r"compiler 'iree' cannot compile an FFT of "
+                                                                    r"complex128: IREE lowers FFTs of float32 and "
+                                                                    r"complex64 only"):
+        js.jit(jnp.fft.fft, compiler="iree")(np.ones(8, np.complex128))
 
 
 def test_float64_follows_x64_and_float64_library_functions_are_named():
@@ -255,3 +269,20 @@ def test_top_k_over_a_batch_of_vocabulary_rows_compiles_and_ranks_as_xla():
     np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
     assert np.isnan(np.asarray(values)[3, 0]) and np.asarray(indices)[5].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("window, strides, padding", [((3, 3), (2, 2), "SAME"), ((3, 3), (1, 1), "VALID"),
+                                                      ((2, 3), (2, 2), "VALID")])
+def test_the_gradient_of_a_pool_with_overlapping_or_padded_windows_compiles_and_agrees_with_xla(window, strides,
+                                                                                                   padding):
+    """IREE itself compiles ``select_and_scatter`` only for windows that neither overlap nor are padded; the
+    rewrite chooses within each window as XLA does (first of equal values, NaN only where nothing follows)."""
+    x = np.random.default_rng(1).normal(size=(2, 9, 9, 3)).astype(np.float32)
+    x[0, 1, 1, 0], x[1, 4:6, 4:6, :] = np.nan, 2.0
+
+    def pool_gradient(x):
+        return jax.grad(lambda v: jnp.sum(jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, *window, 1),
+                                                                (1, *strides, 1), padding) ** 2))(x)
+
+    got = np.asarray(js.jit(pool_gradient, compiler="iree")(x))
+    np.testing.assert_allclose(got, np.asarray(jax.jit(pool_gradient)(x)), rtol=1e-6)

@@ -80,7 +80,8 @@ LOWERING_GAPS: dict[str, str] = {
     "stablehlo.custom_call": "a call into a host library (on CPU, LAPACK linear algebra: jnp.linalg.solve, inv, det, "
                              "cholesky, svd, eigh, qr, ...); linear algebra needs compiler='xla' or "
                              "compiler='evaluator'",
-    "stablehlo.fft": "an FFT of a length IREE cannot lower (it lowers power-of-two lengths); pad to a power of two, "
+    "stablehlo.fft": "an FFT IREE cannot lower (it lowers one axis of a power-of-two length in single precision; "
+                     "js.jit(..., compiler='iree') rewrites the others, a module compiled as it is keeps them), "
                      "or use compiler='xla' or compiler='evaluator'",
     "stablehlo.triangular_solve": "a triangular solve (jax.scipy.linalg.solve_triangular); "
                                   "linear algebra needs compiler='xla' or compiler='evaluator'",

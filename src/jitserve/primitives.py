@@ -242,6 +242,16 @@ def _reduction(ufunc: np.ufunc, keep_dtype: bool = True) -> Impl:
     return reduce
 
 
+def _extremum(ufunc: np.ufunc, identity: Callable[[np.dtype], Any]) -> Impl:
+    """``reduce_max`` / ``reduce_min``: over no elements XLA gives the identity (-inf for a float max, the
+    integer type's least value, ...) where numpy's reduction raises."""
+    def reduce(x: np.ndarray, *, axes: tuple[int, ...]) -> Any:
+        if x.size == 0:
+            return ufunc.reduce(x, axis=axes, initial=identity(x.dtype))
+        return ufunc.reduce(x, axis=axes)
+    return reduce
+
+
 def _reduce_xor(x: np.ndarray, *, axes: tuple[int, ...]) -> np.ndarray:
     if x.dtype == np.bool_:
         return np.logical_xor.reduce(x, axis=tuple(axes))
@@ -406,9 +416,10 @@ def _scatter_with(combine: Callable[..., Any] | None) -> Impl:
         starts, in_bounds = _window_starts(operand.shape, indices, dn.scatter_dims_to_operand_dims, batching,
                                            tuple(sizes), clip=clip)
         index = _window_index(starts, window_axes, window_shape, len(scatter_axes))
-        keep = np.broadcast_to(in_bounds.reshape(in_bounds.shape + (1,) * len(window_shape)), updates.shape)
-        if not clip:
-            keep = keep & np.all([(i >= 0) & (i < n) for i, n in zip(index, operand.shape)], axis=0)
+        if clip:  # every window lands, moved inside the operand
+            keep = np.ones(updates.shape, bool)
+        else:  # a window that does not fit is dropped whole
+            keep = np.broadcast_to(in_bounds.reshape(in_bounds.shape + (1,) * len(window_shape)), updates.shape)
         out = operand.copy()
         chosen = tuple(i[keep] for i in index)
         if combine is None and update_jaxpr is None:
@@ -492,13 +503,15 @@ def _reduce_precision(x: np.ndarray, *, exponent_bits: int, mantissa_bits: int) 
     return np.where(np.isnan(x), x, result) if mantissa_bits < source_mantissa else result
 
 
-def _max_identity(dtype: np.dtype) -> Any:
+def max_identity(dtype: np.dtype) -> Any:
+    """The value no maximum is below: -inf, the least integer, False."""
     if _is_float(dtype):
         return -np.inf
     return False if dtype == np.bool_ else np.iinfo(dtype).min
 
 
-def _min_identity(dtype: np.dtype) -> Any:
+def min_identity(dtype: np.dtype) -> Any:
+    """The value no minimum is above: +inf, the greatest integer, True."""
     if _is_float(dtype):
         return np.inf
     return True if dtype == np.bool_ else np.iinfo(dtype).max
@@ -511,6 +524,10 @@ def _windows(x: np.ndarray, fill: Any, window_dimensions: tuple[int, ...], windo
     config = tuple((lo, hi, d - 1) for (lo, hi), d in zip(padding, base_dilation))
     padded = _pad(x, np.asarray(fill, x.dtype), padding_config=config)
     extent = tuple((w - 1) * d + 1 for w, d in zip(window_dimensions, window_dilation))
+    if any(size < span for size, span in zip(padded.shape, extent)):  # no window fits along some axis
+        out = tuple(max(0, (size - span) // stride + 1)
+                    for size, span, stride in zip(padded.shape, extent, window_strides))
+        return np.empty(out + tuple(window_dimensions), x.dtype)
     view = sliding_window_view(padded, extent)
     strided = tuple(slice(None, None, s) for s in window_strides)
     return view[strided + tuple(slice(None, None, d) for d in window_dilation)]
@@ -529,16 +546,23 @@ def _reduce_window(reduce: Callable[..., Any], identity: Callable[[np.dtype], An
 def _select_and_scatter_add(source: np.ndarray, operand: np.ndarray, *, select_prim: Any,
                             window_dimensions: tuple[int, ...], window_strides: tuple[int, ...],
                             padding: tuple[tuple[int, int], ...]) -> np.ndarray:
-    """The gradient of a max (or min) pool: each window's source value goes to its first selected element."""
+    """The gradient of a max (or min) pool: each window's source value goes to the element it selects. As
+    XLA does, a window is scanned in order and its current choice kept while ``choice >= candidate`` (``<=``
+    for min): the first of equal values wins, and a NaN is chosen only where nothing follows it."""
     pick_max = select_prim is lax.ge_p
     if not pick_max and select_prim is not lax.le_p:
         raise NotImplementedError(f"select_and_scatter_add with select_prim {select_prim}")
-    fill = _max_identity(operand.dtype) if pick_max else _min_identity(operand.dtype)
+    fill = max_identity(operand.dtype) if pick_max else min_identity(operand.dtype)
+    keep = np.greater_equal if pick_max else np.less_equal
     ones = (1,) * operand.ndim
     view = _windows(operand, fill, window_dimensions, window_strides, padding, ones, ones)
     out_shape = view.shape[:operand.ndim]
-    flat = view.reshape(*out_shape, -1)
-    chosen = (np.argmax if pick_max else np.argmin)(flat, axis=-1)
+    flat = view.reshape(*out_shape, math.prod(window_dimensions))
+    best, chosen = flat[..., 0], np.zeros(out_shape, np.intp)
+    for number in range(1, flat.shape[-1]):
+        switch = ~keep(best, flat[..., number])
+        best = np.where(switch, flat[..., number], best)
+        chosen[switch] = number
     offsets = np.unravel_index(chosen, window_dimensions)
     positions = tuple(np.arange(n).reshape([-1 if a == axis else 1 for a in range(len(out_shape))]) * s + o
                       for axis, (n, s, o) in enumerate(zip(out_shape, window_strides, offsets)))
@@ -592,6 +616,9 @@ FFT_FUNCTIONS: dict[str, Callable[..., Any]] = {
 
 
 def _fft(x: np.ndarray, *, fft_type: Any, fft_lengths: tuple[int, ...]) -> np.ndarray:
+    if x.size == 0:  # numpy refuses a transform of no points; XLA's result is as empty
+        result = jax.eval_shape(functools.partial(lax.fft, fft_type=fft_type, fft_lengths=fft_lengths), x)
+        return np.zeros(result.shape, result.dtype)
     axes = tuple(range(x.ndim - len(fft_lengths), x.ndim))
     return FFT_FUNCTIONS[lax.FftType(fft_type).name](x, s=fft_lengths, axes=axes)
 
@@ -982,8 +1009,8 @@ PRIMITIVES: dict[str, Impl] = {
     # reductions and scans
     "reduce_sum": _reduction(np.add),
     "reduce_prod": _reduction(np.multiply),
-    "reduce_max": _reduction(np.maximum, keep_dtype=False),
-    "reduce_min": _reduction(np.minimum, keep_dtype=False),
+    "reduce_max": _extremum(np.maximum, max_identity),
+    "reduce_min": _extremum(np.minimum, min_identity),
     "reduce_and": _reduction(np.logical_and, keep_dtype=False),
     "reduce_or": _reduction(np.logical_or, keep_dtype=False),
     "reduce_xor": _reduce_xor,
@@ -995,8 +1022,8 @@ PRIMITIVES: dict[str, Impl] = {
     "cummin": _cumulative(lambda x, axis, dtype: np.minimum.accumulate(x, axis=axis)),
     "cumlogsumexp": _cumulative(lambda x, axis, dtype: np.logaddexp.accumulate(x, axis=axis)),
     "reduce_window_sum": _reduce_window(np.sum, lambda dtype: 0),
-    "reduce_window_max": _reduce_window(np.max, _max_identity),
-    "reduce_window_min": _reduce_window(np.min, _min_identity),
+    "reduce_window_max": _reduce_window(np.max, max_identity),
+    "reduce_window_min": _reduce_window(np.min, min_identity),
     "select_and_scatter_add": _select_and_scatter_add,
     "dot_general": _dot_general,
     "conv_general_dilated": _conv_general_dilated,

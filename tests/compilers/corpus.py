@@ -111,6 +111,14 @@ case("reduce/sum_int", lambda i: jnp.sum(i, axis=1), I)
 case("reduce/softmax", lambda x: jax.nn.softmax(x, axis=-1), X)
 case("reduce/layer_norm", lambda x: (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5), X)
 
+# reductions over no elements: the identity, as XLA gives it
+EMPTY = np.zeros((0, 3), np.float32)
+case("reduce/empty_max_min", lambda z: (lax.reduce_max(z, (0,)), lax.reduce_min(z.astype(jnp.int8), (0,)),
+                                        z.max(initial=-1.0), jnp.all(z > 0, axis=0)), EMPTY)
+case("reduce/empty_dot", lambda z: (z.T @ z, jnp.einsum("ij,ij->j", z, z)), EMPTY)
+case("reduce/empty_fft", lambda z: jnp.fft.fft(z.astype(jnp.complex64), axis=0), EMPTY)
+case("reduce/window_larger_than_input", lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (9, 2), (1, 1), "VALID"), X)
+
 # broadcasting
 case("broadcast/row_col", lambda a, b: a + b, f32(4, 1), f32(1, 5))
 case("broadcast/scalar", lambda a: a * 3.0 + 1, X)
@@ -170,7 +178,10 @@ case("scatter/mul_out_of_range", lambda v, i: v.at[i].multiply(3.0), V, IDX_OUT)
 case("scatter/min_out_of_range", lambda v, i: v.at[i].min(-5.0), V, IDX_OUT)
 case("scatter/max_out_of_range", lambda v, i: v.at[i].max(5.0), V, IDX_OUT)
 case("scatter/rows_out_of_range", lambda e, i: e.at[i].set(1.0), E, IDX_OUT)
-case("scatter/clip", lambda v, i: v.at[i].set(7.0, mode="clip"), V, IDX_OUT)
+IDX_CLIPPED = np.array([5, 100, -20, 2**30], np.int32)  # 100 and 2**30 land on 15, -20 (-4) on 0
+case("scatter/clip", lambda v, i: v.at[i].set(7.0, mode="clip"), V, IDX_CLIPPED)
+case("scatter/add_clip", lambda v, i: v.at[i].add(1.0, mode="clip"), V, IDX_CLIPPED)
+case("scatter/rows_clip", lambda e, i, u: e.at[i].max(u, mode="clip"), E, IDX_CLIPPED, f32(4, 4))
 case("scatter/drop", lambda v, i: v.at[i].add(2.0, mode="drop"), V, IDX_OUT)
 case("scatter/duplicates_add", lambda v, i: v.at[i].add(1.0), V, np.array([1, 1, 1, 4], np.int32))
 case("scatter/2d", lambda x, r, c: x.at[r, c].set(0.0), X, np.array([0, 3, 9], np.int32), np.array([1, 4, 2], np.int32))
@@ -320,6 +331,16 @@ case("grad/softmax_xent", jax.grad(lambda logits, y: -jnp.sum(jax.nn.log_softmax
 case("grad/value_and_grad", jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x) * x)), X)
 case("grad/conv", jax.grad(lambda w, x: jnp.sum(lax.conv_general_dilated(x, w, (1, 1), "SAME") ** 2)), KER, IMG)
 case("grad/max_pool", jax.grad(lambda x: jnp.sum(lax.reduce_window(x, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID"))), IMG)
+POOLED = f32(2, 3, 7, 7)
+POOLED[0, 0, 1, 1], POOLED[1, 2, 3:5, 3:5] = np.nan, 2.0  # a NaN and a block of ties inside overlapping windows
+case("grad/max_pool_overlapping_nan_ties",
+     jax.grad(lambda x: jnp.sum(lax.reduce_window(x, -jnp.inf, lax.max, (1, 1, 3, 3), (1, 1, 2, 2), "SAME") * 1.5)),
+     POOLED)
+case("grad/min_pool_stride_1",
+     jax.grad(lambda x: jnp.sum(lax.reduce_window(x, jnp.inf, lax.min, (1, 1, 3, 3), (1, 1, 1, 1), "SAME") ** 2)),
+     POOLED)
+case("grad/max_pool_window_larger_than_input",
+     jax.grad(lambda x: jnp.sum(lax.reduce_window(x, -jnp.inf, lax.max, (1, 1, 9, 1), (1, 1, 1, 1), "VALID"))), POOLED)
 case("grad/gather", jax.grad(lambda e, i: jnp.sum(e[i] ** 2)), E, IDX_IN)
 case("grad/hessian", jax.hessian(lambda x: jnp.sum(x ** 3)), V[:4])
 case("grad/jacfwd", jax.jacfwd(lambda x: jnp.sin(x) * x[0]), V[:4])
@@ -346,6 +367,9 @@ case("fft/irfft_pow2", lambda z: jnp.fft.irfft(z, n=16), jnp.fft.rfft(V))
 case("fft/fft2", jnp.fft.fft2, f32(4, 8))
 case("fft/fft_odd_length", jnp.fft.fft, f32(10))
 case("fft/rfft_odd_length", jnp.fft.rfft, f32(7))
+case("fft/irfft_odd_length", lambda z: jnp.fft.irfft(z, n=9), jnp.fft.rfft(f32(9)))
+case("fft/fftn_mixed_lengths", jnp.fft.fftn, (f32(3, 4, 5) + 1j * f32(3, 4, 5)).astype(np.complex64))
+case("fft/stft_400_hann", lambda v: jnp.abs(jnp.fft.rfft(v.reshape(-1, 400) * jnp.hanning(400))) ** 2, f32(2000))
 case("fft/power_spectrum", lambda v: jnp.abs(jnp.fft.rfft(v)) ** 2, V)
 
 assert len({c.name for c in CASES}) == len(CASES), "case names must be unique"

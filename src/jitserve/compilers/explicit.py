@@ -26,7 +26,13 @@ meaning survives any lowering:
   lowest and gives ties the highest index first; XLA ranks NaN highest, the
   lowest index first);
 - a dot or convolution of 16-bit floats accumulates in float32 and rounds
-  once, as XLA's CPU does (IREE accumulates in the 16-bit type).
+  once, as XLA's CPU does (IREE accumulates in the 16-bit type); a dot over
+  an axis of length 0 is zeros (IREE does not compile it);
+- the gradient of a max or min pool chooses within each window by slices and
+  selects, and puts each choice back by padding (IREE compiles
+  ``select_and_scatter`` only for windows that neither overlap nor are padded);
+- an FFT is taken one axis at a time, lengths that are not powers of two by
+  Bluestein's algorithm (IREE lowers one axis of a power-of-two length).
 
 Still IREE's own, and documented rather than rewritten: float32 ``sin``,
 ``cos`` and ``tan`` lose accuracy from about 3e4 (a relative error of 1e-3
@@ -84,7 +90,7 @@ INLINED: dict[str, str] = {
 
 
 def explicit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with gathers, scatters and stable sorts rewritten as above (same inputs, same outputs)."""
+    """``fn`` with the nodes above rewritten (same inputs, same outputs)."""
     def rewritten(*args: Any) -> Any:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         flat = _evaluate(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args))
@@ -320,9 +326,121 @@ def _wide_accumulator(primitive: Any) -> Callable[..., list[Any]]:
     return run
 
 
+def _select_and_scatter_add(source: Any, operand: Any, *, select_prim: Any, window_dimensions: Sequence[int],
+                            window_strides: Sequence[int], padding: Sequence[tuple[int, int]]) -> list[Any]:
+    """The gradient of a max (or min) pool. IREE compiles ``select_and_scatter`` only where windows neither
+    overlap nor are padded (not a 3 x 3 pool of stride 1 or 2). Here each window's choice is made over its
+    offsets in order (the first of equal values wins, as in XLA's scan of a window) on strided slices of the
+    padded operand, and each offset's share of ``source`` is put back in place by an interior padding."""
+    if source.size == 0:  # no window fits: nothing is selected
+        return [lax.full(operand.shape, 0, source.dtype)]
+    pick_max = select_prim is lax.ge_p
+    keep = lax.ge if pick_max else lax.le
+    fill = primitives.max_identity(operand.dtype) if pick_max else primitives.min_identity(operand.dtype)
+    padded = lax.pad(operand, np.array(fill, operand.dtype), [(lo, hi, 0) for lo, hi in padding])
+    out_shape = source.shape
+    offsets = list(np.ndindex(*window_dimensions))
+    candidates = [lax.slice(padded, offset, [o + (n - 1) * s + 1 for o, n, s in zip(offset, out_shape, window_strides)],
+                            window_strides) for offset in offsets]
+    best, chosen = candidates[0], lax.full(out_shape, 0, np.int32)
+    for number, candidate in enumerate(candidates[1:], 1):
+        switch = lax.bitwise_not(keep(best, candidate))
+        best = lax.select(switch, candidate, best)
+        chosen = lax.select(switch, lax.full(out_shape, number, np.int32), chosen)
+    zero = np.zeros((), source.dtype)
+    total = lax.full(padded.shape, zero, source.dtype)
+    for number, offset in enumerate(offsets):
+        share = lax.select(chosen == number, source, lax.full_like(source, zero))
+        placement = [(o, size - o - ((n - 1) * s + 1), s - 1)
+                     for o, size, n, s in zip(offset, padded.shape, out_shape, window_strides)]
+        total = lax.add(total, lax.pad(share, zero, placement))
+    return [lax.slice(total, [lo for lo, _ in padding], [lo + d for (lo, _), d in zip(padding, operand.shape)])]
+
+
+def _chirp(length: int) -> np.ndarray:
+    """exp(-i pi m^2 / length) for m < length, its phase reduced exactly (m^2 mod 2 length) in integers."""
+    m = np.arange(length, dtype=np.int64)
+    return np.exp(-1j * np.pi * ((m * m) % (2 * length)) / length)
+
+
+def _fft_last_axis(x: Any, inverse: bool) -> Any:
+    """A complex FFT (or inverse) along the last axis. IREE lowers a power-of-two length itself; any other
+    length N goes through Bluestein's algorithm, its chirp convolution done by FFTs of the power of two
+    M >= 2N - 1 (the chirp and the transform of its conjugate are constants computed in float64)."""
+    length = x.shape[-1]
+    if length & (length - 1) == 0:
+        return lax.fft(x, lax.FftType.IFFT if inverse else lax.FftType.FFT, (length,))
+    if inverse:  # ifft(x) = conj(fft(conj(x))) / N
+        return lax.conj(_fft_last_axis(lax.conj(x), False)) / np.array(length, x.real.dtype)
+    padded = 1 << (2 * length - 2).bit_length()
+    chirp = _chirp(length)
+    kernel = np.zeros(padded, np.complex128)
+    kernel[:length], kernel[padded - length + 1:] = chirp.conj(), chirp.conj()[1:][::-1]
+    chirp, kernel = chirp.astype(x.dtype), np.fft.fft(kernel).astype(x.dtype)
+    chirped = x * chirp
+    margin = [(0, 0, 0)] * (x.ndim - 1) + [(0, padded - length, 0)]
+    zero = np.zeros((), chirped.real.dtype)  # (iree-compile crashes padding a complex tensor)
+    spread = lax.complex(lax.pad(lax.real(chirped), zero, margin), lax.pad(lax.imag(chirped), zero, margin))
+    convolved = lax.fft(lax.fft(spread, lax.FftType.FFT, (padded,)) * kernel, lax.FftType.IFFT, (padded,))
+    return lax.slice_in_dim(convolved, 0, length, axis=x.ndim - 1) * chirp
+
+
+def _along(x: Any, axis: int, transform: Callable[[Any], Any]) -> Any:
+    return jnp.moveaxis(transform(jnp.moveaxis(x, axis, -1)), -1, axis)
+
+
+def _fft(x: Any, *, fft_type: Any, fft_lengths: Sequence[int]) -> list[Any]:
+    """IREE lowers only a one-axis FFT of a power-of-two length in single precision (a 10-point FFT and
+    ``fft2`` did not compile). Here each axis is transformed on its own, by :func:`_fft_last_axis`; a real
+    transform of a length IREE cannot take is a complex one of the real input (RFFT: its first N // 2 + 1
+    terms; IRFFT: of the Hermitian spectrum completed from them, its real part)."""
+    if x.dtype not in (np.float32, np.complex64):
+        raise CompileError(f"compiler 'iree' cannot compile an FFT of {x.dtype}: IREE lowers FFTs of float32 "
+                           "and complex64 only; transform in single precision, or use compiler='xla' or "
+                           "compiler='evaluator'")
+    kind = lax.FftType(fft_type)
+    *outer, last = range(x.ndim - len(fft_lengths), x.ndim)
+    length = fft_lengths[-1]
+    power_of_two = length & (length - 1) == 0
+    if kind in (lax.FftType.FFT, lax.FftType.IFFT):
+        for axis in (*outer, last):
+            x = _along(x, axis, lambda v: _fft_last_axis(v, kind is lax.FftType.IFFT))
+        return [x]
+    if kind is lax.FftType.RFFT:
+        if power_of_two:
+            x = lax.fft(x, kind, (length,))
+        else:
+            spectrum = _fft_last_axis(lax.complex(x, lax.full_like(x, 0)), False)
+            x = lax.slice_in_dim(spectrum, 0, length // 2 + 1, axis=last)
+        for axis in outer:
+            x = _along(x, axis, lambda v: _fft_last_axis(v, False))
+        return [x]
+    for axis in outer:
+        x = _along(x, axis, lambda v: _fft_last_axis(v, True))
+    if power_of_two:
+        return [lax.fft(x, kind, (length,))]
+    mirrored = lax.conj(lax.rev(lax.slice_in_dim(x, 1, length - x.shape[last] + 1, axis=last), (last,)))
+    return [lax.real(_fft_last_axis(lax.concatenate([x, mirrored], last), True))]
+
+
+def _dot_general(lhs: Any, rhs: Any, *, dimension_numbers: Any, **params: Any) -> list[Any]:
+    """A dot that contracts an axis of length 0 is zeros, which IREE does not compile (``x.T @ x`` for an
+    ``x`` of no rows); any other goes on to the 16-bit accumulator above."""
+    (lhs_contracting, _), _ = dimension_numbers
+    if any(lhs.shape[axis] == 0 for axis in lhs_contracting):
+        out = jax.eval_shape(lambda a, b: lax.dot_general_p.bind(a, b, dimension_numbers=dimension_numbers,
+                                                                 **params), lhs, rhs)
+        return [lax.full(out.shape, 0, out.dtype)]
+    return _WIDE_DOT(lhs, rhs, dimension_numbers=dimension_numbers, **params)
+
+
+_WIDE_DOT = _wide_accumulator(lax.dot_general_p)
+
 REWRITES: dict[str, Callable[..., list[Any]]] = {
+    "select_and_scatter_add": _select_and_scatter_add,
+    "fft": _fft,
     "atan2": _atan2,
-    "dot_general": _wide_accumulator(lax.dot_general_p),
+    "dot_general": _dot_general,
     "conv_general_dilated": _wide_accumulator(lax.conv_general_dilated_p),
     "sin": _odd(lax.sin_p),
     "tan": _odd(lax.tan_p),
