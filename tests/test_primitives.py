@@ -213,10 +213,14 @@ CASES: dict[str, list[tuple]] = {
             (lambda x: jnp.fft.irfft(x, n=6), ((X + 1j * POS).astype(np.complex64),))],
     "lu": [(lambda x: jax.scipy.linalg.lu_factor(x), (f32(2, 4, 4),)), (lambda x: jnp.linalg.det(x), (X[:3, :3],)),
            (lambda x: jax.scipy.linalg.lu(x), (f32(4, 3),))],
+    "lu_pivots_to_permutation": [(lambda p: lax.linalg.lu_pivots_to_permutation(p, 5),
+                                  (np.array([[2, 2, 4], [0, 3, 3]], np.int32),))],
     "cholesky": [(lambda x: jnp.linalg.cholesky(x @ x.T + 3 * jnp.eye(3)), (X,)), (jnp.linalg.cholesky, (-np.eye(2, dtype=np.float32),))],
     "triangular_solve": [(lambda a, b: jax.scipy.linalg.solve_triangular(a @ a.T + 3 * jnp.eye(3), b, lower=lower, trans=trans), (X, f32(3, 2)))
                          for lower in (True, False) for trans in (0, 1)]
-                        + [(lambda a, b: lax.linalg.triangular_solve(a + 3 * jnp.eye(3), b, left_side=False, lower=True), (f32(3, 3), f32(2, 3)))],
+                        + [(lambda a, b: lax.linalg.triangular_solve(a + 3 * jnp.eye(3), b, left_side=False, lower=True), (f32(3, 3), f32(2, 3)))]
+                        + [(lambda a, b: lax.linalg.triangular_solve(a, b, left_side=True, lower=False),  # a zero pivot: inf, NaN
+                            (np.array([[1, 2], [0, 0]], np.float32), f32(2, 2)))],
     "svd": [(lambda x: jnp.linalg.svd(x, compute_uv=False), (X,)),
             (lambda x: (lambda u, s, vt: (jnp.abs(u), s, jnp.abs(vt), (u * s) @ vt))(*jnp.linalg.svd(x, full_matrices=False)), (X,))],
     "eigh": [(lambda x: (lambda w, v: (w, jnp.abs(v)))(*jnp.linalg.eigh(x + x.T)), (X[:3, :3] * 2,))],

@@ -441,7 +441,7 @@ def _total_order(x: np.ndarray) -> np.ndarray:
     """Integer keys ordering floats totally as XLA does: -NaN < -inf < ... < -0 < +0 < ... < inf < NaN."""
     if not _is_float(x.dtype):
         return x
-    signed = np.ascontiguousarray(x).view(np.dtype(f"int{_bits(x)}"))
+    signed = np.ascontiguousarray(x).view(np.dtype(f"int{_bits(x)}")).reshape(np.shape(x))  # 0-d stays 0-d
     magnitude = np.array(np.iinfo(signed.dtype).max, signed.dtype)
     return np.where(signed < 0, signed ^ magnitude, signed)
 
@@ -637,16 +637,22 @@ def _lu(x: np.ndarray) -> list[np.ndarray]:
     *batch, m, n = x.shape
     lu = np.empty_like(x)
     pivots = np.empty((*batch, min(m, n)), np.int32)
-    permutation = np.empty((*batch, m), np.int32)
     for index in _per_matrix(x):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", sla.LinAlgWarning)  # singular: XLA returns the factors as they are
             lu[index], pivots[index] = sla.lu_factor(x[index], check_finite=False)
-        order = np.arange(m)
+    return [lu, pivots, _lu_pivots_to_permutation(pivots, permutation_size=m)]
+
+
+def _lu_pivots_to_permutation(pivots: np.ndarray, *, permutation_size: int) -> np.ndarray:
+    """The row order that LAPACK's swaps (row i with row pivots[i], in turn) make of 0, 1, ..."""
+    permutation = np.empty((*pivots.shape[:-1], permutation_size), np.int32)
+    for index in np.ndindex(*pivots.shape[:-1]):
+        order = np.arange(permutation_size, dtype=np.int32)
         for row, pivot in enumerate(pivots[index]):
             order[[row, pivot]] = order[[pivot, row]]
         permutation[index] = order
-    return [lu, pivots, permutation]
+    return permutation
 
 
 def _cholesky(x: np.ndarray, *, symmetrize_input: bool = False) -> np.ndarray:
@@ -665,19 +671,19 @@ def _cholesky(x: np.ndarray, *, symmetrize_input: bool = False) -> np.ndarray:
 
 def _triangular_solve(a: np.ndarray, b: np.ndarray, *, left_side: bool, lower: bool, transpose_a: bool,
                       conjugate_a: bool, unit_diagonal: bool) -> np.ndarray:
-    """Solve op(a) x = b (``left_side``) or x op(a) = b, op being the requested transpose / conjugate."""
+    """Solve op(a) x = b (``left_side``) or x op(a) = b by BLAS's trsm, which as XLA divides by a zero on the
+    diagonal (inf and NaN) where scipy's ``solve_triangular`` raises."""
     a, b = _lapack_dtype(a), _lapack_dtype(b)
-    out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + b.shape[-2:], np.result_type(a, b))
+    dtype = np.result_type(a, b)
+    out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + b.shape[-2:], dtype)
+    if conjugate_a and not transpose_a:
+        a = np.conj(a)
+    trsm = sla.blas.get_blas_funcs("trsm", dtype=dtype)
     for index in np.ndindex(*out.shape[:-2]):
         matrix = a[index[len(index) - (a.ndim - 2):]] if a.ndim > 2 else a
         rhs = b[index[len(index) - (b.ndim - 2):]] if b.ndim > 2 else b
-        matrix = np.conj(matrix) if conjugate_a else matrix
-        op_lower = lower != transpose_a
-        matrix = matrix.T if transpose_a else matrix
-        if left_side:
-            out[index] = sla.solve_triangular(matrix, rhs, lower=op_lower, unit_diagonal=unit_diagonal)
-        else:
-            out[index] = sla.solve_triangular(matrix.T, rhs.T, lower=not op_lower, unit_diagonal=unit_diagonal).T
+        out[index] = trsm(1.0, matrix, rhs.astype(dtype), side=0 if left_side else 1, lower=int(lower),
+                          trans_a=(2 if conjugate_a else 1) if transpose_a else 0, diag=int(unit_diagonal))
     return out
 
 
@@ -1030,6 +1036,7 @@ PRIMITIVES: dict[str, Impl] = {
     "fft": _fft,
     # linear algebra (LAPACK through numpy / scipy)
     "lu": _lu,
+    "lu_pivots_to_permutation": _lu_pivots_to_permutation,
     "cholesky": _cholesky,
     "triangular_solve": _triangular_solve,
     "svd": _svd,

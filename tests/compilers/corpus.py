@@ -358,6 +358,11 @@ case("linalg/eigvalsh", jnp.linalg.eigvalsh, SPD)
 case("linalg/lstsq", lambda a, b: jnp.linalg.lstsq(a, b)[0], f32(6, 3), f32(6))
 case("linalg/pinv", jnp.linalg.pinv, X)
 case("linalg/solve_triangular", lambda a, b: jax.scipy.linalg.solve_triangular(jnp.tril(a) + 4 * jnp.eye(4), b, lower=True), SPD, f32(4, 2))
+case("linalg/lu_factor_lu_solve", lambda a, b: jax.scipy.linalg.lu_solve(jax.scipy.linalg.lu_factor(a), b), X[:, :4], f32(4))
+case("linalg/solve_singular", jnp.linalg.solve, np.array([[1, 2, 3], [2, 4, 6], [1, 0, 1]], np.float32), f32(3))
+case("linalg/cholesky_not_positive_definite", jnp.linalg.cholesky, -SPD)
+case("linalg/expm", jax.scipy.linalg.expm, SPD / 8)
+case("sort/searchsorted_scan_scalar", lambda a, v: jnp.searchsorted(a, v, method="scan"), np.sort(V), np.float32(0.3))
 
 # FFT
 case("fft/fft_pow2", jnp.fft.fft, V)
