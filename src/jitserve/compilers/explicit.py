@@ -361,6 +361,11 @@ def _select_and_scatter_add(source: Any, operand: Any, *, select_prim: Any, wind
     return [lax.slice(total, [lo for lo, _ in padding], [lo + d for (lo, _), d in zip(padding, operand.shape)])]
 
 
+def _power_of_two(length: int) -> bool:
+    """Whether IREE lowers an FFT of ``length`` itself (0 and 1 included: nothing to transform)."""
+    return length & (length - 1) == 0
+
+
 def _chirp(length: int) -> np.ndarray:
     """exp(-i pi m^2 / length) for m < length, its phase reduced exactly (m^2 mod 2 length) in integers."""
     m = np.arange(length, dtype=np.int64)
@@ -372,7 +377,7 @@ def _fft_last_axis(x: Any, inverse: bool) -> Any:
     length N goes through Bluestein's algorithm, its chirp convolution done by FFTs of the power of two
     M >= 2N - 1 (the chirp and the transform of its conjugate are constants computed in float64)."""
     length = x.shape[-1]
-    if length & (length - 1) == 0:
+    if _power_of_two(length):
         return lax.fft(x, lax.FftType.IFFT if inverse else lax.FftType.FFT, (length,))
     if inverse:  # ifft(x) = conj(fft(conj(x))) / N
         return lax.conj(_fft_last_axis(lax.conj(x), False)) / np.array(length, x.real.dtype)
@@ -405,13 +410,12 @@ def _fft(x: Any, *, fft_type: Any, fft_lengths: Sequence[int]) -> list[Any]:
     kind = lax.FftType(fft_type)
     *outer, last = range(x.ndim - len(fft_lengths), x.ndim)
     length = fft_lengths[-1]
-    power_of_two = length & (length - 1) == 0
     if kind in (lax.FftType.FFT, lax.FftType.IFFT):
         for axis in (*outer, last):
             x = _along(x, axis, lambda v: _fft_last_axis(v, kind is lax.FftType.IFFT))
         return [x]
     if kind is lax.FftType.RFFT:
-        if power_of_two:
+        if _power_of_two(length):
             x = lax.fft(x, kind, (length,))
         else:
             spectrum = _fft_last_axis(lax.complex(x, lax.full_like(x, 0)), False)
@@ -421,7 +425,7 @@ def _fft(x: Any, *, fft_type: Any, fft_lengths: Sequence[int]) -> list[Any]:
         return [x]
     for axis in outer:
         x = _along(x, axis, lambda v: _fft_last_axis(v, True))
-    if power_of_two:
+    if _power_of_two(length):
         return [lax.fft(x, kind, (length,))]
     mirrored = lax.conj(lax.rev(lax.slice_in_dim(x, 1, length - x.shape[last] + 1, axis=last), (last,)))
     return [lax.real(_fft_last_axis(lax.concatenate([x, mirrored], last), True))]
@@ -520,6 +524,9 @@ def _cholesky(a: Any, *, symmetrize_input: bool = False) -> list[Any]:
     return [jnp.where(failed, jnp.full_like(low, np.nan), low)]
 
 
+_WIDE_DOT = _wide_accumulator(lax.dot_general_p)
+
+
 def _dot_general(lhs: Any, rhs: Any, *, dimension_numbers: Any, **params: Any) -> list[Any]:
     """A dot that contracts an axis of length 0 is zeros, which IREE does not compile (``x.T @ x`` for an
     ``x`` of no rows); any other goes on to the 16-bit accumulator above."""
@@ -529,9 +536,6 @@ def _dot_general(lhs: Any, rhs: Any, *, dimension_numbers: Any, **params: Any) -
                                                                  **params), lhs, rhs)
         return [lax.full(out.shape, 0, out.dtype)]
     return _WIDE_DOT(lhs, rhs, dimension_numbers=dimension_numbers, **params)
-
-
-_WIDE_DOT = _wide_accumulator(lax.dot_general_p)
 
 REWRITES: dict[str, Callable[..., list[Any]]] = {
     "select_and_scatter_add": _select_and_scatter_add,
