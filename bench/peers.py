@@ -24,6 +24,11 @@ precomputed (no decoding, batching, model or encoding). What it reaches is
 the most any server on this stack can, here; the script prints it next to
 twice the best peer (the goal) and jitserve.
 
+Asked for only (``--peers ... jitserve-x2``), an experiment: two complete
+jitserve processes sharing the HTTP port (``SO_REUSEPORT``), which bounds
+what several front processes sharing one batching process could reach; the
+script prints it over jitserve.
+
 The peers batch up to 64 *requests* (LitServe, Ray Serve, MLServer) or 64
 *rows* (Triton, jitserve); every peer pads the rows it runs to a power of two
 and compiled those sizes before the run, as jitserve does, so nobody compiles
@@ -107,6 +112,10 @@ def __getattr__(name: str):
         return lit_api_class()
     if name != "serving":
         raise AttributeError(name)
+    return jitserve_serving()
+
+
+def jitserve_serving():
     import jax.numpy as jnp
 
     import jitserve as js
@@ -316,6 +325,52 @@ def serve_floor(http_port: int, grpc_port: int) -> None:
                 access_log=False, log_level="warning")
 
 
+def serve_jitserve_processes(http_port: int, grpc_port: int) -> None:
+    """Not a peer: an experiment. Two complete ``jitserve serve`` processes (each its own HTTP front and
+    batching, XLA's CPU computations inline as there) on one HTTP port (``SO_REUSEPORT``: the kernel gives each
+    new connection to one of them). What it reaches bounds what several front processes sharing one batching
+    process could: they would run the same fronts, and pass each request to the batching process and its answer
+    back on top. Both have compiled before either listens. HTTP only: the load generator's gRPC channels share
+    one connection (gRPC's global subchannel pool), which the kernel would give to one process."""
+    children = [subprocess.Popen([sys.executable, "-P", str(HERE), "--serve", "jitserve-process", str(http_port),
+                                  str(grpc_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for _ in range(2)]
+    for child in children:
+        if child.stdout.readline() != "compiled\n":
+            raise RuntimeError(f"a jitserve process exited with status {child.wait()} before it compiled")
+    for child in children:
+        child.stdin.write("listen\n")
+        child.stdin.flush()
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})  # stop() signals the whole group: the children too
+    for child in children:
+        child.wait()
+
+
+def serve_jitserve_process(http_port: int, grpc_port: int) -> None:
+    """One of :func:`serve_jitserve_processes`'s: says "compiled", waits for "listen", then serves HTTP on a
+    port it shares."""
+    import gc
+
+    import uvicorn
+
+    from jitserve.compilers.xla import run_cpu_computations_inline
+    from jitserve.protocol.app import event_loop_factory, http_config
+    from jitserve.protocol.service import InferenceService
+    from jitserve.serving.registry import serve
+
+    run_cpu_computations_inline()
+    service = InferenceService({"mlp": serve(jitserve_serving(), name="mlp")})
+    print("compiled", flush=True)
+    sys.stdin.readline()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    listener.bind(("127.0.0.1", http_port))
+    gc.collect()
+    gc.freeze()  # as jitserve serve does
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(uvicorn.Server(http_config(service, "127.0.0.1", http_port)).serve(sockets=[listener]))
+
+
 SERVERS = {"jitserve": serve_jitserve, "pytriton": serve_pytriton, "mlserver": serve_mlserver,
            "litserve": serve_litserve, "ray": serve_ray, "floor": serve_floor}
 PROTOCOLS = {  # peer -> (protocol, the path it answers on) it is measured with
@@ -326,7 +381,11 @@ PROTOCOLS = {  # peer -> (protocol, the path it answers on) it is measured with
     "ray": [("lit-json", "/predict")],
     "floor": [("http-json", "/v2/models/mlp/infer"), ("http-binary", "/v2/models/mlp/infer"), ("grpc", "")],
 }
-NOT_PEERS = {"jitserve", "floor"}  # what the peers are compared with, and the floor of jitserve's own stack
+EXPERIMENTS = {"jitserve-x2": serve_jitserve_processes}  # measured when asked for (--peers), never by default
+HELPERS = {"jitserve-process": serve_jitserve_process}  # what an experiment starts
+PROTOCOLS["jitserve-x2"] = PROTOCOLS["jitserve"][:2]
+NOT_PEERS = {"jitserve", "floor", *EXPERIMENTS}  # what the peers are compared with, the floor of jitserve's own
+#                                                  stack, and experiments with it
 READY_PATHS = {"litserve": "/health", "ray": "/-/healthz"}
 FAMILY = {"http-json": "HTTP JSON", "lit-json": "HTTP JSON", "http-binary": "HTTP binary", "grpc": "gRPC"}
 
@@ -611,6 +670,21 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
                 print(f"| {sizes} | {callers} | {family} | {ours['rows_per_s']:,.0f} | {best['peer']} "
                       f"| {best['rows_per_s']:,.0f} | {ours['rows_per_s'] / best['rows_per_s']:.2f}x "
                       f"| {ours['p99'] * 1e3:.1f} / {best['p99'] * 1e3:.1f} |")
+    experiments = [r for r in results if r["peer"] in EXPERIMENTS]
+    if experiments:
+        print()
+        print("experiments on jitserve's stack, against jitserve as it serves (jitserve-x2: two processes on one port):")
+        print("| experiment | sizes | callers | protocol | its rows/s | jitserve rows/s | ratio | p99 ms, it / jitserve "
+              "| server CPU us/request, it / jitserve |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(experiments, key=lambda r: (r["peer"], r["sizes"], r["callers"], r["protocol"])):
+            ours = next((o for o in results if o["peer"] == "jitserve" and all(
+                o[key] == r[key] for key in ("sizes", "callers", "protocol"))), None)
+            if ours is not None:
+                print(f"| {r['peer']} | {r['sizes']} | {r['callers']} | {r['protocol']} | {r['rows_per_s']:,.0f} "
+                      f"| {ours['rows_per_s']:,.0f} | {r['rows_per_s'] / ours['rows_per_s']:.2f}x "
+                      f"| {r['p99'] * 1e3:.1f} / {ours['p99'] * 1e3:.1f} "
+                      f"| {r['server_cpu_us']:,.0f} / {ours['server_cpu_us']:,.0f} |")
     floors = [r for r in results if r["peer"] == "floor"]
     if not floors:
         return
@@ -680,13 +754,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="length of each measured run")
     parser.add_argument("--callers", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--sizes", nargs="+", default=["1-row", "mixed"], choices=["1-row", "mixed"])
-    parser.add_argument("--peers", nargs="+", default=list(SERVERS), choices=list(SERVERS))
+    parser.add_argument("--peers", nargs="+", default=list(SERVERS),
+                        choices=[*SERVERS, *EXPERIMENTS])
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--load", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         peer, http_port, grpc_port = args.serve
-        SERVERS[peer](int(http_port), int(grpc_port))
+        {**SERVERS, **EXPERIMENTS, **HELPERS}[peer](int(http_port), int(grpc_port))
         return
     if args.load:
         print(json.dumps(load(json.loads(args.load))))

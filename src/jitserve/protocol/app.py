@@ -126,6 +126,18 @@ def fit_connections(limits: Limits, open_files: int) -> Limits:
     return dataclasses.replace(limits, max_connections=fitting)
 
 
+def http_config(service: InferenceService, host: str, port: int, limits: Limits = Limits(), access: Access = Access(),
+                tls: Tls | None = None, grace: float = 30.0) -> uvicorn.Config:
+    """uvicorn's configuration of jitserve's HTTP front: the connection guards of ``limits``, no access log, no
+    lifespan or proxy headers; at shutdown requests in flight have ``grace`` seconds."""
+    return uvicorn.Config(HttpFront(service, limits, access), host=host, port=port, lifespan="off",
+                          proxy_headers=False, http=GuardedHttpProtocol.factory(limits), server_header=False,
+                          ssl_certfile=None if tls is None else tls.cert, ssl_keyfile=None if tls is None else tls.key,
+                          access_log=False, log_level="warning", log_config=None,
+                          # seconds as a float work (uvicorn waits with asyncio); its annotation says int
+                          timeout_graceful_shutdown=grace)  # type: ignore[arg-type]
+
+
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
         grpc_port: int | None = 8001, request_timeout: float | None = None, limits: Limits = Limits(),
         on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None, access: Access = Access(),
@@ -150,14 +162,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
             grpc_server.start()
             log.info("gRPC%s: %s:%d (inference.GRPCInferenceService)", " over TLS" if tls else "", host,
                      grpc_server.port)
-        config = uvicorn.Config(HttpFront(service, limits, access), host=host, port=port, lifespan="off",
-                                proxy_headers=False,
-                                http=GuardedHttpProtocol.factory(limits), server_header=False,
-                                ssl_certfile=None if tls is None else tls.cert,
-                                ssl_keyfile=None if tls is None else tls.key,
-                                access_log=False, log_level="warning", log_config=None,
-                                # seconds as a float work (uvicorn waits with asyncio); its annotation says int
-                                timeout_graceful_shutdown=grace)  # type: ignore[arg-type]
+        config = http_config(service, host, port, limits, access, tls, grace)
 
         def stop_accepting() -> None:
             service.draining = True
