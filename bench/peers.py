@@ -348,7 +348,7 @@ def serve_jitserve_processes(http_port: int, grpc_port: int) -> None:
 
 def serve_jitserve_process(http_port: int, grpc_port: int) -> None:
     """One of :func:`serve_jitserve_processes`'s: says "compiled", waits for "listen", then serves HTTP on a
-    port it shares."""
+    port it shares; ends instead if its parent has gone."""
     import gc
 
     import uvicorn
@@ -361,7 +361,8 @@ def serve_jitserve_process(http_port: int, grpc_port: int) -> None:
     run_cpu_computations_inline()
     service = InferenceService({"mlp": serve(jitserve_serving(), name="mlp")})
     print("compiled", flush=True)
-    sys.stdin.readline()
+    if sys.stdin.readline() != "listen\n":  # the experiment's process has gone (its sibling failed): no orphan
+        return
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     listener.bind(("127.0.0.1", http_port))
