@@ -381,10 +381,10 @@ PROTOCOLS = {  # peer -> (protocol, the path it answers on) it is measured with
     "litserve": [("lit-json", "/predict")],
     "ray": [("lit-json", "/predict")],
     "floor": [("http-json", "/v2/models/mlp/infer"), ("http-binary", "/v2/models/mlp/infer"), ("grpc", "")],
+    "jitserve-x2": [("http-json", "/v2/models/mlp/infer"), ("http-binary", "/v2/models/mlp/infer")],
 }
 EXPERIMENTS = {"jitserve-x2": serve_jitserve_processes}  # measured when asked for (--peers), never by default
 HELPERS = {"jitserve-process": serve_jitserve_process}  # what an experiment starts
-PROTOCOLS["jitserve-x2"] = PROTOCOLS["jitserve"][:2]
 NOT_PEERS = {"jitserve", "floor", *EXPERIMENTS}  # what the peers are compared with, the floor of jitserve's own
 #                                                  stack, and experiments with it
 READY_PATHS = {"litserve": "/health", "ray": "/-/healthz"}

@@ -537,6 +537,7 @@ def _dot_general(lhs: Any, rhs: Any, *, dimension_numbers: Any, **params: Any) -
         return [lax.full(out.shape, 0, out.dtype)]
     return _WIDE_DOT(lhs, rhs, dimension_numbers=dimension_numbers, **params)
 
+
 REWRITES: dict[str, Callable[..., list[Any]]] = {
     "select_and_scatter_add": _select_and_scatter_add,
     "lu": _lu,
