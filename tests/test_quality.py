@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE_BUDGET = 9_000  # lines of src/jitserve, comments and docstrings included
+LINE_BUDGET = 9_500  # lines of src/jitserve, comments and docstrings included (+500: weights as params)
 
 
 def source_lines() -> int:
@@ -41,7 +41,7 @@ def test_mypy_is_clean():
 
 # DESIGN.md's layers, bottom up: a module may import from its own layer and those below, never above.
 LAYERS = (
-    ("errors", "template", "defaults", "device", "version"),
+    ("errors", "template", "defaults", "device", "version", "params"),
     ("graph",),
     ("interpreter", "primitives"),
     ("iree",),

@@ -10,6 +10,7 @@ from .defn import Compiled, MLIRModule, compile, defn, devices, jit, to_mlir
 from .errors import (
     BatchError,
     BatchSizeError,
+    CheckpointError,
     CompileError,
     DefnError,
     EvaluationError,
@@ -27,6 +28,7 @@ from .errors import (
 )
 from .graph import Graph, trace
 from .interpreter import Interpreter, Node
+from .params import load_params
 from .serving import (
     BatchReport,
     Server,
@@ -45,6 +47,7 @@ __all__ = [
     "BatchError",
     "BatchReport",
     "BatchSizeError",
+    "CheckpointError",
     "CompileError",
     "Compiled",
     "Compiler",
@@ -79,6 +82,7 @@ __all__ = [
     "defn",
     "devices",
     "jit",
+    "load_params",
     "options",
     "register_compiler",
     "serve",

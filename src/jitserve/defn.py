@@ -10,9 +10,12 @@ raise :class:`DefnError` instead of JAX's tracer errors.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import jax
 
 from . import compilers
 from . import defaults as _defaults
@@ -20,7 +23,44 @@ from .compilers.base import COMMON_OPTIONS, Device, Executable
 from .compilers.xla import MLIRModule as MLIRModule  # public here; the lowering lives with the xla compiler
 from .compilers.xla import to_mlir as to_mlir
 from .errors import TRACER_ERRORS, defn_error, defn_errors
-from .template import Template
+from .template import Template, abstract_tree
+
+log = logging.getLogger("jitserve.defn")
+
+LARGE_CONSTANTS_BYTES = 16 * 2**20  # captured arrays above this are worth a warning: see warn_large_constants
+_warned: set[int] = set()
+
+
+def captured_constant_bytes(fn: Callable[..., Any], args: Sequence[Any]) -> int:
+    """How many bytes of arrays ``fn`` captures as constants (closed over, not passed) when traced for
+    arguments shaped like ``args``: what XLA and IREE would compile into every executable."""
+    closed = jax.make_jaxpr(fn)(*abstract_tree(tuple(args)))
+    return sum(getattr(c, "nbytes", 0) for c in closed.consts)
+
+
+def warn_large_constants(fn: Callable[..., Any], args: Sequence[Any], what: str, owner: Any = None) -> None:
+    """Log one warning per ``owner`` (default ``fn``) when ``fn`` captures more than
+    ``LARGE_CONSTANTS_BYTES`` of arrays as constants: each executable would embed its own copy (compile
+    time and memory grow with them, once per batch size); weights belong in ``params``."""
+    key = id(fn if owner is None else owner)
+    if key in _warned:
+        return
+    _warned.add(key)
+    size = captured_constant_bytes(fn, args)
+    if size > LARGE_CONSTANTS_BYTES:
+        log.warning("%s captures %.1f MB of arrays as constants, which every compiled executable embeds "
+                    "(the limit for this warning is %d MB): pass them as params instead "
+                    "(js.Serving(fn, params=tree) calls fn(params, batch); a definition takes them as an argument)",
+                    what, size / 2**20, LARGE_CONSTANTS_BYTES // 2**20)
+
+
+def _checking_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, which on its first trace checks what it captures (:func:`warn_large_constants`)."""
+    def traced(*args: Any) -> Any:
+        warn_large_constants(fn, args, f"definition {getattr(fn, '__name__', fn)!r}")
+        return fn(*args)
+
+    return functools.update_wrapper(traced, fn)
 
 
 def resolve_options(explicit: Mapping[str, Any]) -> tuple[compilers.Compiler, dict[str, Any]]:
@@ -69,7 +109,8 @@ class _JitState:
         with self.lock:
             dispatch = self.dispatchers.get(scope)
             if dispatch is None:
-                dispatch = self.dispatchers[scope] = compiler.dispatcher(self.fn, opts, self.count_compile)
+                fn = _checking_constants(self.fn) if compiler.compiles else self.fn
+                dispatch = self.dispatchers[scope] = compiler.dispatcher(fn, opts, self.count_compile)
         return dispatch
 
     def count_compile(self) -> None:
@@ -139,6 +180,8 @@ def compile(fn: Callable[..., Any], templates: Sequence[Any], compiler: str | No
     """Compile ``fn`` now for positional arguments shaped like ``templates``."""
     chosen, opts = resolve_options(_explicit(compiler, device, options))
     with defn_errors():
+        if chosen.compiles:
+            warn_large_constants(fn, list(templates), f"definition {getattr(fn, '__name__', fn)!r}")
         return Compiled(chosen.compile(fn, list(templates), opts))
 
 

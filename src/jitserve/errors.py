@@ -90,6 +90,10 @@ class OutputShapeError(JitserveError, ValueError):
     """A serving function returned outputs that are not batch-major (axis 0 = the batch's rows)."""
 
 
+class CheckpointError(JitserveError, ValueError):
+    """A weights file cannot be read: not a .safetensors or .npz file, damaged, or of a dtype numpy lacks."""
+
+
 TRACER_ERRORS = (
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerArrayConversionError,

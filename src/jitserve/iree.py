@@ -144,6 +144,12 @@ def hal_device(device: Device | str | None) -> Any:
     return found
 
 
+def to_device(array: Any, device: Device | str | None = None) -> Any:
+    """``array`` copied once into a buffer of ``device`` (an IREE DeviceArray, which calls take as it is,
+    without uploading it again)."""
+    return iree_runtime.asdevicearray(hal_device(device), np.asarray(array))
+
+
 def target_backend(device: Device | str | None) -> str:
     driver = device_uri(device).split("://", 1)[0]
     if driver not in TARGET_BACKENDS:

@@ -7,7 +7,7 @@ A template is what a compiler needs to know about an input ahead of time
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,33 @@ def abstract_tree(tree: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda leaf: template_of(leaf).abstract(), tree, is_leaf=is_template
     )
+
+
+def params_template(params: Any) -> Any:
+    """The templates of a pytree of weights (arrays of any kind: numpy, memory-mapped, jax)."""
+    return templates_of(params)
+
+
+def check_params(params: Any, expected: Any, root: str = "params") -> Any:
+    """``params`` if it has the structure of ``expected`` (a pytree of templates) and each leaf its shape
+    and dtype; else a TemplateMismatchError naming the leaf by its path (``params['layers'][3]['w']``)."""
+    given, given_tree = jax.tree_util.tree_flatten_with_path(params)
+    wanted, wanted_tree = jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_template)
+    given_tree = cast(Any, given_tree)  # jaxlib's PyTreeDef compares by value; its stubs do not say so
+    if given_tree != wanted_tree:
+        given_paths = {jax.tree_util.keystr(path) for path, _ in given}
+        wanted_paths = {jax.tree_util.keystr(path) for path, _ in wanted}
+        missing = sorted(wanted_paths - given_paths)
+        unexpected = sorted(given_paths - wanted_paths)
+        differences = [f"missing {root}{path}" for path in missing[:3]] + \
+            [f"unexpected {root}{path}" for path in unexpected[:3]]
+        raise TemplateMismatchError(f"{root}: expected the structure of the serving's weights, got another "
+                                    f"({'; '.join(differences) or f'{given_tree} instead of {wanted_tree}'})")
+    for (path, leaf), (_, want) in zip(given, wanted):
+        got = template_of(leaf)
+        if got != want:
+            raise TemplateMismatchError(f"{root}{jax.tree_util.keystr(path)}: expected {want}, got {got}")
+    return params
 
 
 def _argument_name(path: tuple[Any, ...]) -> str:

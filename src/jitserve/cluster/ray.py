@@ -83,7 +83,7 @@ class Replica:
 
     def info(self) -> dict[str, Any]:
         """What routers need: the serving (its configuration travels to callers), capacity and place."""
-        return {"serving": self.serving, "partitions": self.server.partitions, "weight": self.weight,
+        return {"serving": self.serving.without_params(), "partitions": self.server.partitions, "weight": self.weight,
                 "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     async def run(self, rows: Any, batch_key: Any = None) -> tuple[Any, int]:
@@ -428,7 +428,8 @@ class _Dispatch:
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def execute(self, batch: Batch) -> Any:
+    def execute(self, batch: Batch, params: Any) -> Any:
+        """``params`` is ``()``: the replicas hold the weights."""
         return self.router.send(batch.materialize(), batch.size, batch.user_key)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
+import numpy as np
 
 from ..device import Device as Device  # part of the compiler contract; defined below iree
 from ..errors import OptionError
@@ -85,6 +86,12 @@ class Compiler(abc.ABC):
     def partitions(self, options: Mapping[str, Any]) -> list[dict[str, Any]]:
         """One option set per device: the given device, or every device of the default kind."""
         return [dict(options)]
+
+    def place(self, tree: Any, options: Mapping[str, Any]) -> Any:
+        """``tree``'s arrays resident on the device of this option set, once (a serving's weights), in the
+        form its executables take without a copy per call: here host numpy arrays (a memory-mapped array
+        stays mapped, not read)."""
+        return jax.tree_util.tree_map(np.asarray, tree)
 
     def output_shapes(self, fn: Callable[..., Any], templates: Sequence[Any]) -> Any:
         """The shapes and dtypes ``fn`` returns for arguments shaped like ``templates`` (JAX's abstract

@@ -68,6 +68,10 @@ class IreeCompiler(Compiler):
         flat, tree = flat_templates(templates)
         return Executable(run, flat, tree, lowered.output_container)
 
+    def place(self, tree: Any, options: Mapping[str, Any]) -> Any:
+        device = _device(options)
+        return jax.tree_util.tree_map(lambda leaf: iree.to_device(leaf, device), tree)
+
     def devices(self) -> list[Device]:
         return [device for driver in iree.list_drivers() for device in iree.list_devices(driver)]
 

@@ -104,6 +104,10 @@ class XlaCompiler(Compiler):
 
         return self._jit(traced, options)
 
+    def place(self, tree: Any, options: Mapping[str, Any]) -> Any:
+        device = options.get("device")
+        return jax.device_put(tree, resolve_device(device) if device is not None else jax.devices()[0])
+
     def devices(self) -> list[Device]:
         found = []
         for device in jax.devices():

@@ -10,7 +10,6 @@ Input names are the dict keys of an entry, else ``input`` (``input_0``,
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -257,8 +256,8 @@ class ModelSpec:
         serving = self.server.serving
         one_row = jax.tree_util.tree_map(lambda t: Template((1, *t.shape), t.dtype), serving.input_template,
                                          is_leaf=is_template)
-        fn = serving.fn if serving.batch_keys is None else functools.partial(serving.fn, serving.batch_keys[0])
-        shapes = compilers.get(serving.compiler_name).output_shapes(fn, [one_row])
+        fn = serving.batch_function(None if serving.batch_keys is None else serving.batch_keys[0])
+        shapes = compilers.get(serving.compiler_name).output_shapes(fn, serving.arguments(one_row))
         if serving.streaming:  # a generator of steps: each step is shaped like the first
             shapes = next(iter(shapes))
         leaves = jax.tree_util.tree_leaves(shapes)

@@ -64,10 +64,11 @@ class Request:
     finishes); an asyncio caller awaits ``future``, resolved on its own ``loop``; a streaming caller reads
     its ``stream``. ``parts`` collects ``(row offset, outputs)`` as batches finish (``(step, outputs)`` for
     a serving that yields steps), ``reports`` the report of each batch that ran some of its rows;
-    ``error`` is set instead when the request failed. ``level`` is its priority level."""
+    ``error`` is set instead when the request failed. ``level`` is its priority level; ``weights`` the
+    version of a serving's weights its first rows ran with, which all its rows run with (None before)."""
 
     __slots__ = ("rows", "rows_left", "parts", "reports", "error", "started", "done", "loop", "future", "level",
-                 "stream")
+                 "stream", "weights")
 
     def __init__(self, rows: int, loop: asyncio.AbstractEventLoop | None, level: int = 1,
                  stream: bool = False) -> None:
@@ -81,6 +82,7 @@ class Request:
         self.level = level
         self.stream = Stream(loop) if stream else None
         self.future: asyncio.Future[None] | None = None
+        self.weights: Any = None
         if loop is None:
             self.done = threading.Lock()
             self.done.acquire()

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..batch import Batch
-from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, ServerStoppedError
+from ..errors import BatchSizeError, OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError
 from .queue import END, BatchPolicy, Piece, Queues, Request
 from .serving import Executor, Serving, concatenate_outputs, optional_seconds
 from .worker import ProcessExecutor
@@ -56,9 +56,21 @@ class BatchReport:
 
 
 class BatchExecutor(Protocol):
-    """What a partition runs batches with."""
+    """What a partition runs batches with: ``params`` is what its ``place`` made of the serving's weights
+    (``()`` for a serving without any, and for executors that send batches elsewhere)."""
 
-    def execute(self, batch: Batch) -> Any: ...
+    def execute(self, batch: Batch, params: Any) -> Any: ...
+
+
+class Weights:
+    """One version of a serving's weights, resident on every partition (``placed[i]`` on partition ``i``'s
+    device). A request is pinned to the version its first rows ran with, so that all of its rows see the
+    same weights; a version is freed once neither the server nor any request pinned to it holds it."""
+
+    __slots__ = ("placed",)
+
+    def __init__(self, placed: list[Any]) -> None:
+        self.placed = placed
 
 
 def _resolve_futures(requests: list[Request]) -> None:
@@ -110,10 +122,15 @@ class Server:
                                                    reuse_inputs=serving.compiles)  # user code sees no buffer
                          for index, options in enumerate(serving.partition_options())]
         self._partitions = [_Partition(self, i, executor) for i, executor in enumerate(executors)]
+        self._swappable = self._compiles_own and serving.has_params  # batches pin a version of weights
+        self._weights = Weights([()] * len(self._partitions))
+        self._update_lock = threading.Lock()
 
     # lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> Self:
+        if self._swappable:
+            self._weights = self._place(self.serving.params)
         self.warm_up()
         for partition in self._partitions:
             partition.thread.start()
@@ -139,6 +156,25 @@ class Server:
                 log.info("server %s: partition %d compiled batch size %d%s in %.3fs", self.name, partition.index,
                          size, "" if key is None else f" for batch key {key!r}", time.perf_counter() - started)
                 progress.update(1)
+
+    def _place(self, params: Any) -> Weights:
+        return Weights([partition.executor.place(params)  # type: ignore[attr-defined]
+                        for partition in self._partitions])
+
+    def update_params(self, params: Any) -> None:
+        """Serve with new weights from the next batch on, compiling nothing: ``params`` must have the
+        structure, shapes and dtypes of the serving's (else a TemplateMismatchError naming the leaf, and the
+        old weights keep serving). Returns once they are live, on every partition: a batch formed after it
+        runs with them. No batch sees a mix, and every request is answered entirely by the old or entirely
+        by the new weights (a request whose first rows ran with the old ones runs the rest with them too);
+        the old ones are freed when the last such request ends. Concurrent updates apply one at a time."""
+        self.serving.check_params(params)
+        if not self._swappable:
+            raise OptionError(f"server {self.name!r} runs its batches elsewhere; update the weights where it runs")
+        with self._update_lock:
+            weights = self._place(params)
+            with self._lock:
+                self._weights = weights
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests and end the threads once the work left is done; returns when it is.
@@ -390,8 +426,9 @@ class Server:
 
     # partitions ------------------------------------------------------------------------------
 
-    def _next_batch(self) -> tuple[list[Piece], Batch, float] | None:
-        """Wait for a queue to be ready and take a batch from it; None once stopped and drained."""
+    def _next_batch(self) -> tuple[list[Piece], Batch, Weights | None, float] | None:
+        """Wait for a queue to be ready and take a batch from it, with the weights it runs with (None: its
+        requests are pinned to different versions); None once stopped and drained."""
         queues = self._queues
         with self._lock:
             while True:
@@ -402,10 +439,31 @@ class Server:
                     return None
                 self._cond.wait(wait)
             pieces, batch = queues.take(signature, time.monotonic())
+            weights = self._pin(pieces) if self._swappable else self._weights
             self._in_flight += 1
             if queues:
                 self._cond.notify()  # more rows are waiting: another free partition may take them
-        return pieces, batch, time.monotonic()
+        return pieces, batch, weights, time.monotonic()
+
+    def _pin(self, pieces: list[Piece]) -> Weights | None:
+        """Under the lock: the weights a batch runs with: those a request among it already ran with (the
+        rest of its rows must see them too), else the current ones, to which its new requests are pinned.
+        None when its requests are pinned to different versions (rare: updates while a split request of a
+        lower priority waits); the batch then runs once per version."""
+        chosen = None
+        mixed = False
+        for piece in pieces:
+            pinned = piece.request.weights
+            if pinned is not None and pinned is not chosen:
+                mixed = chosen is not None
+                if mixed:
+                    break
+                chosen = pinned
+        chosen = chosen or self._weights
+        for piece in pieces:
+            if piece.request.weights is None:
+                piece.request.weights = chosen
+        return None if mixed else chosen
 
     # workers ---------------------------------------------------------------------------------
 
@@ -413,23 +471,19 @@ class Server:
         while (work := self._next_batch()) is not None:
             self._execute(partition, *work)
 
-    def _execute(self, partition: _Partition, pieces: list[Piece], batch: Batch, formed: float) -> None:
+    def _execute(self, partition: _Partition, pieces: list[Piece], batch: Batch, weights: Weights | None,
+                 formed: float) -> None:
         started = time.perf_counter()
-        error: BaseException | None = None
-        outputs: Any = None
-        try:
-            outputs = partition.executor.execute(batch)
-            if self.serving.streaming:  # each step reaches the callers as soon as the serving yields it
-                for step, step_outputs in enumerate(outputs):
-                    with self._lock:
-                        self._deliver_step(pieces, step, step_outputs)
-                outputs = None
-        except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
-            error = failure
-        outcomes = [(pieces, outputs, error)]
+        outcomes: list[tuple[list[Piece], Any, BaseException | None]] = []
         reruns = 0
-        if error is not None and self.serving.isolate_failures and not self.serving.streaming:
-            outcomes, reruns = self._bisect(partition, pieces, error)
+        error: BaseException | None = None
+        runs = [(pieces, batch, weights)] if weights is not None else self._runs_by_weights(pieces)
+        for run_pieces, run_batch, run_weights in runs:
+            run_outcomes, run_reruns, run_error = self._run(partition, run_pieces, run_batch,
+                                                            run_weights.placed[partition.index])
+            outcomes += run_outcomes
+            reruns += run_reruns
+            error = error or run_error
         elapsed = time.perf_counter() - started
         padded = batch.size + batch.padding
         wait = sum(formed - piece.enqueued for piece in pieces)
@@ -459,7 +513,32 @@ class Server:
                 except Exception:
                     log.exception("server %s: batch listener %r failed", self.name, listener)
 
-    def _bisect(self, partition: _Partition, pieces: list[Piece], error: BaseException
+    def _runs_by_weights(self, pieces: list[Piece]) -> list[tuple[list[Piece], Batch, Weights]]:
+        """A batch's pieces as one batch per version of the weights their requests are pinned to."""
+        groups: dict[int, tuple[list[Piece], Weights]] = {}
+        for piece in pieces:
+            groups.setdefault(id(piece.request.weights), ([], piece.request.weights))[0].append(piece)
+        return [(group, self._queues.policy.join(group), weights) for group, weights in groups.values()]
+
+    def _run(self, partition: _Partition, pieces: list[Piece], batch: Batch, params: Any
+             ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int, BaseException | None]:
+        """Run one batch with ``params``: the outcomes per group of pieces (one group, unless a failure was
+        bisected), the re-runs that took, and the batch's error if it failed."""
+        outputs: Any = None
+        try:
+            outputs = partition.executor.execute(batch, params)
+            if self.serving.streaming:  # each step reaches the callers as soon as the serving yields it
+                for step, step_outputs in enumerate(outputs):
+                    with self._lock:
+                        self._deliver_step(pieces, step, step_outputs)
+                outputs = None
+        except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
+            if self.serving.isolate_failures and not self.serving.streaming:
+                return *self._bisect(partition, pieces, failure, params), failure
+            return [(pieces, None, failure)], 0, failure
+        return [(pieces, outputs, None)], 0, None
+
+    def _bisect(self, partition: _Partition, pieces: list[Piece], error: BaseException, params: Any
                 ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int]:
         """A batch failed: re-run its requests in halves so that only requests whose own rows fail get an
         error. Each request's pieces stay together. If both halves of the first split fail too, the function
@@ -486,7 +565,8 @@ class Server:
             for half in (part[:middle], part[middle:]):
                 reruns += 1
                 try:
-                    halves.append((half, self._run_pieces(partition, flat(half)), None))
+                    halves.append((half, partition.executor.execute(self._queues.policy.join(flat(half)), params),
+                                   None))
                 except BaseException as half_failure:  # noqa: BLE001 - sorted below
                     halves.append((half, None, half_failure))
             if top and all(half_error is not None for _, _, half_error in halves):
@@ -500,9 +580,6 @@ class Server:
 
         split(requests, error, top=True)
         return outcomes, reruns
-
-    def _run_pieces(self, partition: _Partition, pieces: list[Piece]) -> Any:
-        return partition.executor.execute(self._queues.policy.join(pieces))
 
     @staticmethod
     def _pieces_of(pieces: list[Piece], outputs: Any) -> Iterator[tuple[Piece, Any]]:

@@ -21,9 +21,9 @@ import numpy as np
 
 from .. import compilers
 from ..batch import Batch, RowSignature
-from ..defn import defn_errors, resolve_options
+from ..defn import defn_errors, resolve_options, warn_large_constants
 from ..errors import BatchError, OptionError, OutputShapeError
-from ..template import Template, is_template, template_of
+from ..template import Template, check_params, is_template, params_template, template_of
 from .queue import BatchPolicy
 
 OVERSIZE_MODES = ("split", "error")
@@ -111,15 +111,16 @@ class Executor:
     def __init__(self, serving: Serving, options: Mapping[str, Any], on_compile: Callable[[], None],
                  reuse_inputs: bool = False) -> None:
         self.serving = serving
+        self.compiler = compilers.get(serving.compiler_name)
         self.options = dict(options)
         self._on_compile = on_compile
-        self._compiled: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
+        self._compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._lock = threading.Lock()
         self._reuse_inputs = reuse_inputs
         self._input_buffers: list[np.ndarray] = []
 
     def compiled(self, rows: int, tree: Any, row_signature: RowSignature,
-                 batch_key: Any = None) -> Callable[[Any], Any]:
+                 batch_key: Any = None) -> Callable[..., Any]:
         key = (rows, tree, row_signature, batch_key)
         run = self._compiled.get(key)
         if run is None:
@@ -129,24 +130,35 @@ class Executor:
                     run = self._compiled[key] = self._compile(rows, tree, row_signature, batch_key)
         return run
 
-    def _compile(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any) -> Callable[[Any], Any]:
+    def _compile(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any) -> Callable[..., Any]:
         serving = self.serving
         templates = jax.tree_util.tree_unflatten(tree, [Template((rows, *shape), dtype)
                                                         for shape, dtype in row_signature])
-        compiler = compilers.get(serving.compiler_name)
-        fn = serving.fn if serving.batch_keys is None else functools.partial(serving.fn, batch_key)
+        compiler = self.compiler
+        fn = serving.batch_function(batch_key)
+        arguments = serving.arguments(templates)
         with defn_errors():
-            executable = compiler.compile(fn, [templates], self.options)
+            if compiler.compiles:
+                warn_large_constants(fn, arguments, f"serving function {getattr(serving.fn, '__name__', serving.fn)!r}",
+                                     owner=serving.fn)
+            executable = compiler.compile(fn, arguments, self.options)
         if compiler.compiles:
             self._on_compile()
         return executable.run
 
-    def execute(self, batch: Batch) -> Any:
-        """Run one batch (``batch.size`` rows padded by ``batch.padding``); outputs cut to the real rows, as numpy."""
+    def place(self, params: Any) -> Any:
+        """The serving's weights (a pytree shaped like ``params_template``) resident on this partition's
+        device, to give every :meth:`execute`."""
+        return self.compiler.place(params, self.options)
+
+    def execute(self, batch: Batch, params: Any) -> Any:
+        """Run one batch (``batch.size`` rows padded by ``batch.padding``) with ``params`` as :meth:`place`
+        gave them; outputs cut to the real rows, as numpy."""
         rows = batch.size + batch.padding
         run = self.compiled(rows, batch.tree, batch.rows, batch.user_key)
         buffers = self._input_buffers  # empty unless reused: then outputs are checked against them
-        outputs = run(batch.materialize(self._input_buffer if self._reuse_inputs else None))
+        inputs = batch.materialize(self._input_buffer if self._reuse_inputs else None)
+        outputs = run(params, inputs) if self.serving.has_params else run(inputs)
         if self.serving.streaming:  # a generator of steps, each cut as it comes
             return (cut_rows(step, rows, batch.size, buffers) for step in outputs)
         return cut_rows(outputs, rows, batch.size, buffers)
@@ -207,8 +219,9 @@ class Serving:
 
     def __init__(
         self,
-        fn: Callable[[Any], Any],
+        fn: Callable[..., Any],
         *,
+        params: Any = None,
         batch_size: int = 1,
         batch_timeout: float = 0.1,
         batch_sizes: Sequence[int] | None = None,
@@ -235,6 +248,9 @@ class Serving:
         if not callable(fn):
             raise OptionError(f"a Serving needs a function to serve, got {type(fn).__name__} {fn!r:.80}")
         self.fn = fn
+        self.params = params
+        self.has_params = params is not None  # stays True in a copy without them (``without_params``)
+        self.params_template = None if params is None else params_template(params)
         self.batch_sizes = _check_batch_sizes(batch_size, batch_sizes)
         self.batch_size = int(batch_size)
         self.batch_timeout = seconds_option("batch_timeout", batch_timeout)
@@ -273,7 +289,7 @@ class Serving:
                                 for level, policy in (priority_queues or {}).items()}
         self.adaptive = bool(adaptive)
         self.isolate_failures = bool(isolate_failures)
-        self._inline: Executor | None = None
+        self._inline: tuple[Executor, Any] | None = None
         self._inline_lock = threading.Lock()
 
     def replace(self, **changes: Any) -> Serving:
@@ -282,6 +298,36 @@ class Serving:
         if "batch_size" in changes and "batch_sizes" not in changes:
             arguments["batch_sizes"] = None
         return Serving(**arguments)
+
+    def batch_function(self, batch_key: Any = None) -> Callable[..., Any]:
+        """The served function with a declared batch key bound: ``f(params, batch)`` for a serving with
+        weights, ``f(batch)`` without; called with :meth:`arguments`."""
+        fn, key = self.fn, batch_key
+        if self.batch_keys is None:
+            return fn
+        return (lambda params, batch: fn(params, key, batch)) if self.has_params else functools.partial(fn, key)
+
+    def arguments(self, batch: Any, params: Any = None) -> list[Any]:
+        """The positional arguments of :meth:`batch_function` around ``batch`` (arrays or templates):
+        ``params`` (default: their templates) first for a serving with weights."""
+        if not self.has_params:
+            return [batch]
+        return [self.params_template if params is None else params, batch]
+
+    def check_params(self, params: Any) -> Any:
+        """``params`` if it has the structure, shapes and dtypes of the serving's weights, else a
+        TemplateMismatchError naming the first leaf that differs (``params['w']: expected ...``)."""
+        if not self.has_params:
+            raise OptionError("this serving was built without params=; it has no weights to update")
+        return check_params(params, self.params_template)
+
+    def without_params(self) -> Serving:
+        """A copy that shares everything but the weights (their templates stay): what a worker process or a
+        cluster's caller needs, which get the weights another way or not at all."""
+        copy = Serving.__new__(Serving)
+        copy.__setstate__({**self.__getstate__(), "params": None,
+                           "_arguments": {**self._arguments, "params": None}})
+        return copy
 
     @functools.cached_property
     def policy(self) -> BatchPolicy:
@@ -366,10 +412,12 @@ class Serving:
         if self._inline is None:
             with self._inline_lock:
                 if self._inline is None:
-                    self._inline = Executor(self, self.partition_options()[0], lambda: None)
+                    executor = Executor(self, self.partition_options()[0], lambda: None)
+                    self._inline = executor, executor.place(self.params) if self.params is not None else ()
+        executor, params = self._inline
         parts = []
         for chunk in batch.chunks(self.batch_size):
-            parts.append(self._inline.execute(chunk.pad_to(self.policy.padded_size(chunk.size))))
+            parts.append(executor.execute(chunk.pad_to(self.policy.padded_size(chunk.size)), params))
         return self.finish(concatenate_outputs(parts), info)
 
     def __getstate__(self) -> dict[str, Any]:

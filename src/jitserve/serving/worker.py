@@ -13,17 +13,22 @@ has one); the server keeps serving.
 The child is a fresh interpreter running :func:`main` (it never re-runs the
 caller's main module). The serving, and its compiler when it was registered
 at run time, travel with cloudpickle (as with Ray), so lambdas, closures and
-compilers defined in a script work.
+compilers defined in a script work. A serving's weights do not travel with it:
+each version is sent once (:meth:`ProcessExecutor.place`), kept by the worker
+until the server lets go of it, and sent again only to a worker that replaced
+a crashed one.
 """
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
@@ -61,13 +66,26 @@ def _signal_name(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
+class WorkerWeights:
+    """A version of the weights that lives in the worker process, by number; when the server lets go of
+    it, the worker is told to drop it with the next message."""
+
+    __slots__ = ("version", "__weakref__")
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+
 class ProcessExecutor:
     """A partition's executor whose executables live in a child process, restarted after a crash."""
 
     def __init__(self, serving: Serving, options: Mapping[str, Any], on_compile: Callable[[], None],
                  label: str = "serving") -> None:
         compiler = compilers.get(serving.compiler_name)
-        self._payload = cloudpickle.dumps((serving, _transportable(options), compiler))
+        self._payload = cloudpickle.dumps((serving.without_params(), _transportable(options), compiler))
+        self._versions = itertools.count()
+        self._live: dict[int, Any] = {}  # the weights the worker holds, by version: sent again after a crash
+        self._dropped: list[int] = []  # versions let go of, to tell the worker with the next message
         self._on_compile = on_compile
         self._label = label
         self._warm: dict[tuple[int, Any, RowSignature, Any], None] = {}  # compiled in the worker, in order
@@ -91,6 +109,8 @@ class ProcessExecutor:
         if status == "error":
             raise value
         self._connection = connection
+        for version, params in list(self._live.items()):  # what the crashed worker had been sent
+            self._call(("params", version, params), 0)
         for rows, tree, row_signature, batch_key in self._warm:  # what the crashed worker had compiled
             self._call(("compile", rows, tree, row_signature, batch_key), rows)
         return connection
@@ -120,11 +140,27 @@ class ProcessExecutor:
                 self._on_compile()
             self._warm[(rows, tree, row_signature, batch_key)] = None
 
-    def execute(self, batch: Batch) -> Any:
-        rows = batch.size + batch.padding
+    def place(self, params: Any) -> WorkerWeights:
+        """Send a version of the weights to the worker, once."""
         with self._lock:
+            version = next(self._versions)
+            self._live[version] = params
+            self._call(("params", version, params), 0)
+        weights = WorkerWeights(version)
+        weakref.finalize(weights, self._forget, version)
+        return weights
+
+    def _forget(self, version: int) -> None:
+        self._live.pop(version, None)
+        self._dropped.append(version)
+
+    def execute(self, batch: Batch, params: WorkerWeights | tuple[()]) -> Any:
+        rows = batch.size + batch.padding
+        version = params.version if isinstance(params, WorkerWeights) else None
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
             compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.rows, batch.user_key,
-                                            batch.materialize()), rows)
+                                            batch.materialize(), version, dropped), rows)
             if compiled:
                 self._on_compile()
                 self._warm[(rows, batch.tree, batch.rows, batch.user_key)] = None
@@ -167,6 +203,7 @@ def main(fd: int) -> None:
         compiles += 1
 
     executor = Executor(serving, options, count)
+    weights: dict[int | None, Any] = {None: None}  # by version; None: a serving without weights
     while True:
         try:
             message = connection.recv()
@@ -174,13 +211,19 @@ def main(fd: int) -> None:
             return
         before = compiles
         try:
-            if message[0] == "compile":
+            value: Any = None
+            if message[0] == "params":
+                weights[message[1]] = executor.place(message[2])
+            elif message[0] == "compile":
                 executor.compiled(*message[1:])
-                value: Any = compiles > before
+                value = compiles > before
             else:
-                rows, keep, tree, row_signature, batch_key, inputs = message[1:]
-                outputs = cut_rows(executor.compiled(rows, tree, row_signature, batch_key)(inputs), rows, keep)
-                value = (compiles > before, outputs)
+                rows, keep, tree, row_signature, batch_key, inputs, version, dropped = message[1:]
+                for old in dropped:
+                    weights.pop(old, None)
+                run = executor.compiled(rows, tree, row_signature, batch_key)
+                outputs = run(*serving.arguments(inputs, weights[version]))
+                value = (compiles > before, cut_rows(outputs, rows, keep))
         except Exception as error:  # noqa: BLE001 - the caller's batch fails with it, the worker goes on
             _reply(connection, "error", error)
             continue

@@ -1,0 +1,290 @@
+"""Weights as resident runtime params: served on every compiler, swapped atomically without a compile,
+never compiled in; ``load_params``; the warning for large captured constants."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zipfile
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jitserve as js
+from jitserve import iree
+from jitserve.params import save_params
+
+ROW = js.template((8,), "float32")
+
+
+def dense(params, x):
+    for layer in params["layers"]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x
+
+
+def dense_numpy(params, x):
+    for layer in params["layers"]:
+        x = np.tanh(x @ layer["w"] + layer["b"])
+    return x
+
+
+def weights(seed, layers=3, width=8):
+    rng = np.random.default_rng(seed)
+    return {"layers": [{"w": rng.standard_normal((width, width), np.float32) / np.float32(3),
+                        "b": rng.standard_normal(width, np.float32)} for _ in range(layers)]}
+
+
+@pytest.mark.parametrize("compiler", ["xla", "evaluator", "iree", "eager"])
+def test_a_serving_with_params_agrees_with_numpy_run_and_served(compiler):
+    params = weights(0)
+    serving = js.Serving(dense_numpy if compiler == "eager" else dense, params=params, batch_size=4,
+                         input_template=ROW, compiler=compiler)
+    x = np.random.default_rng(1).standard_normal((6, 8), np.float32)
+    expected = dense_numpy(params, x)
+    np.testing.assert_allclose(serving.run(js.Batch.concatenate([x])), expected, rtol=1e-5, atol=1e-6)
+    with js.serve(serving, name=f"params-{compiler}") as server:
+        served = js.batched_run(f"params-{compiler}", js.Batch.concatenate([x]))
+        np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+        compiles = server.stats()["compiles"]
+        assert compiles == (0 if compiler == "eager" else 3)  # batch sizes 1, 2, 4
+        other = weights(2)
+        server.update_params(other)
+        np.testing.assert_allclose(js.batched_run(f"params-{compiler}", js.Batch.concatenate([x])),
+                                   dense_numpy(other, x), rtol=1e-5, atol=1e-6)
+        assert server.stats()["compiles"] == compiles, "new weights of the same shapes compile nothing"
+
+
+def test_batch_keys_come_after_the_params():
+    serving = js.Serving(lambda params, key, x: x * params["scale"] + key, params={"scale": np.float32(3)},
+                         batch_size=2, batch_keys=[10, 20])
+    with js.serve(serving, name="params-keys"):
+        batch = js.Batch.stack([np.ones(2, np.float32)]).key(20)
+        assert js.batched_run("params-keys", batch).tolist() == [[23, 23]]
+
+
+def test_the_weights_are_not_compiled_into_iree_modules(monkeypatch):
+    compiled_texts = []
+    real_compile = iree.compile
+
+    def recording(mlir_text, *args, **kwargs):
+        compiled_texts.append(mlir_text)
+        return real_compile(mlir_text, *args, **kwargs)
+
+    monkeypatch.setattr(iree, "compile", recording)
+    params = weights(0, layers=2, width=256)  # 512 KB of weights
+    serving = js.Serving(dense, params=params, batch_size=2, input_template=js.template((256,), "float32"),
+                         compiler="iree")
+    with js.serve(serving, name="params-iree-mlir"):
+        pass
+    assert len(compiled_texts) == 2
+    assert all(len(text) < 20_000 for text in compiled_texts), [len(text) for text in compiled_texts]
+
+
+def test_a_mismatched_update_names_the_leaf_and_the_old_weights_keep_serving():
+    params = weights(0)
+    serving = js.Serving(dense, params=params, batch_size=2, input_template=ROW)
+    x = np.ones((1, 8), np.float32)
+    with js.serve(serving, name="params-mismatch") as server:
+        wrong_shape = weights(1)
+        wrong_shape["layers"][2]["w"] = np.zeros((8, 4), np.float32)
+        with pytest.raises(js.TemplateMismatchError) as info:
+            server.update_params(wrong_shape)
+        assert str(info.value) == "params['layers'][2]['w']: expected float32(8, 8), got float32(8, 4)"
+        wrong_dtype = weights(1)
+        wrong_dtype["layers"][0]["b"] = wrong_dtype["layers"][0]["b"].astype(np.float16)
+        with pytest.raises(js.TemplateMismatchError) as info:
+            server.update_params(wrong_dtype)
+        assert str(info.value) == "params['layers'][0]['b']: expected float32(8), got float16(8)"
+        missing = weights(1)
+        del missing["layers"][1]["b"]
+        with pytest.raises(js.TemplateMismatchError) as info:
+            server.update_params(missing)
+        assert str(info.value) == ("params: expected the structure of the serving's weights, got another "
+                                   "(missing params['layers'][1]['b'])")
+        np.testing.assert_allclose(js.batched_run("params-mismatch", js.Batch.concatenate([x])),
+                                   dense_numpy(params, x), rtol=1e-5, atol=1e-6)
+    plain = js.Serving(lambda x: x, batch_size=2)
+    with js.serve(plain, name="params-none") as server, pytest.raises(js.OptionError) as info:
+        server.update_params(params)
+    assert str(info.value) == "this serving was built without params=; it has no weights to update"
+
+
+def _offset_model(params, x):
+    return x + params["offset"]
+
+
+def test_20_swaps_under_8_callers_every_answer_from_exactly_one_weight_set():
+    """Requests of 1..12 rows with batch_size 8: many are split over two batches, and still see one set."""
+    serving = js.Serving(_offset_model, params={"offset": np.zeros(4, np.float32)}, batch_size=8,
+                         batch_timeout=0.001, input_template=js.template((4,), "float32"))
+    answers: list[np.ndarray] = []
+    failures: list[BaseException] = []
+    with js.serve(serving, name="params-swaps") as server:
+        compiles = server.stats()["compiles"]
+        deadline = time.monotonic() + 2.0
+
+        def caller(seed):
+            rng = np.random.default_rng(seed)
+            while time.monotonic() < deadline:
+                rows = int(rng.integers(1, 13))
+                try:
+                    answers.append(js.batched_run("params-swaps", js.Batch.concatenate([np.zeros((rows, 4),
+                                                                                                np.float32)])))
+                except BaseException as error:
+                    failures.append(error)
+
+        threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for version in range(1, 21):
+            time.sleep(0.08)
+            server.update_params({"offset": np.full(4, version, np.float32)})
+        for thread in threads:
+            thread.join()
+        assert server.stats()["compiles"] == compiles
+        assert js.batched_run("params-swaps", js.Batch.concatenate([np.zeros((1, 4), np.float32)])).tolist() == \
+            [[20.0] * 4], "update_params returns once the new weights are live"
+    assert not failures
+    assert len(answers) > 100
+    seen = set()
+    for answer in answers:
+        values = set(answer.ravel().tolist())
+        assert len(values) == 1 and values <= set(map(float, range(21))), values
+        seen |= values
+    assert len(seen) > 10, "the swaps happened while the callers ran"
+
+
+def test_a_batch_of_requests_pinned_to_two_weight_sets_runs_once_per_set():
+    """A low-priority request split over batches keeps its weights while an urgent one started on the new."""
+    started = threading.Event()
+
+    def slow(params, x):
+        started.set()
+        time.sleep(0.3)
+        return x + params["offset"]
+
+    serving = js.Serving(slow, params={"offset": np.zeros(1, np.float32)}, batch_size=4, batch_timeout=0,
+                         priority_levels=2, compiler="eager")
+    results = {}
+    with js.serve(serving, name="params-pinned") as server:
+        low = threading.Thread(target=lambda: results.setdefault("low", js.batched_run(
+            "params-pinned", js.Batch.concatenate([np.zeros((6, 1), np.float32)]), priority=2)))
+        low.start()
+        started.wait(5)  # the first 4 rows of the low-priority request run with offset 0
+        server.update_params({"offset": np.ones(1, np.float32)})
+        high = threading.Thread(target=lambda: results.setdefault("high", js.batched_run(
+            "params-pinned", js.Batch.concatenate([np.zeros((6, 1), np.float32)]), priority=1)))
+        high.start()
+        low.join()
+        high.join()
+        stats = server.stats()
+    assert results["low"].ravel().tolist() == [0.0] * 6
+    assert results["high"].ravel().tolist() == [1.0] * 6
+    assert stats["batches"] == 3  # 4 low; 4 high; 2 high + 2 low, run as one batch of two runs
+
+
+def test_process_isolation_sends_the_weights_once_and_swaps_them():
+    params = weights(0, layers=2, width=512)  # 2 MB
+    serving = js.Serving(dense, params=params, batch_size=2, input_template=js.template((512,), "float32"),
+                         isolation="process")
+    x = np.random.default_rng(3).standard_normal((3, 512), np.float32)
+    with js.serve(serving, name="params-process") as server:
+        executor = server._partitions[0].executor
+        assert len(executor._payload) < 100_000, "the serving travels without its weights"
+        np.testing.assert_allclose(js.batched_run("params-process", js.Batch.concatenate([x])),
+                                   dense_numpy(params, x), rtol=1e-4, atol=1e-5)
+        other = weights(5, layers=2, width=512)
+        server.update_params(other)
+        np.testing.assert_allclose(js.batched_run("params-process", js.Batch.concatenate([x])),
+                                   dense_numpy(other, x), rtol=1e-4, atol=1e-5)
+        assert list(executor._live) == [1], "the first version was dropped once nothing held it"
+
+
+# load_params ------------------------------------------------------------------------------------
+
+def test_load_params_maps_safetensors_and_npz_into_nested_trees(tmp_path):
+    params = weights(0)
+    save_params(tmp_path / "model.safetensors", params)
+    loaded = js.load_params(tmp_path / "model.safetensors")
+    assert isinstance(loaded["layers"], list) and len(loaded["layers"]) == 3
+    for got, want in zip(loaded["layers"], params["layers"]):
+        np.testing.assert_array_equal(got["w"], want["w"])
+        np.testing.assert_array_equal(got["b"], want["b"])
+        assert isinstance(got["w"].base, np.memmap) and not got["w"].flags.writeable
+    np.savez(tmp_path / "model.npz", **{"encoder.scale": np.float32(2), "encoder.layer.0.w": np.eye(2),
+                                        "encoder.layer.1.w": np.ones((2, 3), order="F")})
+    loaded = js.load_params(tmp_path / "model.npz")
+    assert isinstance(loaded["encoder"]["layer"][1]["w"], np.memmap)
+    np.testing.assert_array_equal(loaded["encoder"]["layer"][1]["w"], np.ones((2, 3)))
+    assert loaded["encoder"]["scale"] == 2
+    np.savez_compressed(tmp_path / "small.npz", x=np.arange(3))
+    assert js.load_params(tmp_path / "small.npz")["x"].tolist() == [0, 1, 2]
+
+
+def test_a_loaded_checkpoint_serves(tmp_path):
+    params = weights(4)
+    save_params(tmp_path / "w.safetensors", params)
+    serving = js.Serving(dense, params=js.load_params(tmp_path / "w.safetensors"), batch_size=2, input_template=ROW)
+    x = np.ones((2, 8), np.float32)
+    with js.serve(serving, name="params-loaded"):
+        np.testing.assert_allclose(js.batched_run("params-loaded", js.Batch.concatenate([x])),
+                                   dense_numpy(params, x), rtol=1e-5, atol=1e-6)
+
+
+def test_load_params_errors(tmp_path):
+    with pytest.raises(js.CheckpointError) as info:
+        js.load_params(tmp_path / "w.bin")
+    assert str(info.value) == f"cannot load weights from {str(tmp_path / 'w.bin')!r}: expected a .safetensors or .npz file"
+    with pytest.raises(js.CheckpointError) as info:
+        js.load_params(tmp_path / "none.safetensors")
+    assert str(info.value).endswith("none.safetensors': no such file")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(js.CheckpointError) as info:
+        js.load_params(tmp_path / "bad.safetensors")
+    assert "bad.safetensors' is not a readable .safetensors file: " in str(info.value)
+    (tmp_path / "bad.npz").write_bytes(b"PK not a zip")
+    with pytest.raises(js.CheckpointError) as info:
+        js.load_params(tmp_path / "bad.npz")
+    assert "bad.npz' is not a readable .npz file: " in str(info.value)
+    np.savez(tmp_path / "clash.npz", **{"a": np.ones(1), "a.b": np.ones(1)})
+    with pytest.raises(js.CheckpointError) as info:
+        js.load_params(tmp_path / "clash.npz")
+    assert str(info.value).endswith("clash.npz': 'a' is an array and also the prefix of 'a.b'")
+    with zipfile.ZipFile(tmp_path / "objects.npz", "w") as archive:
+        with archive.open("x.npy", "w") as member:
+            np.save(member, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(js.CheckpointError) as info:
+        js.load_params(tmp_path / "objects.npz")
+    assert str(info.value).endswith("objects.npz': x.npy holds Python objects, not numbers; it is not loaded")
+
+
+# the warning for weights compiled in as constants ----------------------------------------------
+
+def test_large_captured_constants_are_flagged_once_and_params_are_not(caplog):
+    big = np.ones((4096, 1025), np.float32)  # 16.02 MB
+
+    def closed_over(x):
+        return x @ big
+
+    caplog.set_level(logging.WARNING, logger="jitserve.defn")
+    serving = js.Serving(closed_over, batch_size=2, input_template=js.template((4096,), "float32"))
+    with js.serve(serving, name="params-closure"):
+        pass
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [
+        "serving function 'closed_over' captures 16.0 MB of arrays as constants, which every compiled executable "
+        "embeds (the limit for this warning is 16 MB): pass them as params instead (js.Serving(fn, params=tree) "
+        "calls fn(params, batch); a definition takes them as an argument)"]
+    caplog.clear()
+    jitted = js.jit(lambda x: x @ big)
+    jitted(np.ones((1, 4096), np.float32))
+    jitted(np.ones((2, 4096), np.float32))
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith("definition '<lambda>' captures")
+    caplog.clear()
+    with js.serve(js.Serving(lambda p, x: x @ p, params=big, batch_size=2,
+                             input_template=js.template((4096,), "float32")), name="params-no-warning"):
+        pass
+    assert caplog.records == []
