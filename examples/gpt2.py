@@ -1,0 +1,125 @@
+"""A GPT-2-style decoder in plain ``jax.numpy`` over a params pytree, served with its weights as params.
+
+The weights carry the names Hugging Face's ``GPT2LMHeadModel`` gives them
+(``transformer.h.0.attn.c_attn.weight``, ...), so the same ``.safetensors``
+file loads into both; ``tests/examples`` checks the two against each other.
+Nothing is downloaded: the weights are made from a fixed seed and saved under
+``examples/weights/`` on first use.
+
+    jitserve serve examples/gpt2.py:serving     # model "gpt2": tokens + length in, next-token logits out
+
+``serving`` takes a batch of prompts as token ids padded to ``CONTEXT`` and
+their lengths, and returns the logits of the next token and the greedy choice.
+Set ``JITSERVE_GPT2=full`` for GPT-2's own size (124 M parameters, 500 MB).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jitserve as js
+from jitserve.params import save_params
+
+CONFIGS = {
+    "small": {"vocab_size": 512, "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 4},
+    "full": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12},
+}
+SIZE = os.environ.get("JITSERVE_GPT2", "small")
+CONFIG = CONFIGS[SIZE]
+CONTEXT = 32  # the prompt length the serving is compiled for
+WEIGHTS = Path(__file__).resolve().parent / "weights" / f"gpt2-{SIZE}.safetensors"
+LAYER_NORM_EPS = 1e-5
+
+
+def init_params(config: dict, seed: int = 0) -> dict:
+    """GPT-2's parameters, random from ``seed`` (normal, std 0.02 as GPT-2 initialises; biases and layer
+    norms random too, so that every parameter matters in the comparison with the reference)."""
+    rng = np.random.default_rng(seed)
+    d, vocab = config["n_embd"], config["vocab_size"]
+
+    def normal(*shape, std=0.02):
+        return (rng.standard_normal(shape, np.float32) * np.float32(std)).astype(np.float32)
+
+    def norm():
+        return {"weight": 1 + normal(d, std=0.1), "bias": normal(d)}
+
+    def linear(n_in, n_out):  # GPT-2's Conv1D: weight (in, out)
+        return {"weight": normal(n_in, n_out), "bias": normal(n_out)}
+
+    blocks = [{"ln_1": norm(), "attn": {"c_attn": linear(d, 3 * d), "c_proj": linear(d, d)},
+               "ln_2": norm(), "mlp": {"c_fc": linear(d, 4 * d), "c_proj": linear(4 * d, d)}}
+              for _ in range(config["n_layer"])]
+    return {"transformer": {"wte": {"weight": normal(vocab, d)}, "wpe": {"weight": normal(config["n_positions"], d)},
+                            "h": blocks, "ln_f": norm()}}
+
+
+def load(config: dict = CONFIG, path: Path = WEIGHTS) -> dict:
+    """The weights from ``path``, made and saved there first if it does not exist."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_params(path, init_params(config))
+    return js.load_params(path)
+
+
+def layer_norm(x, p):
+    mean = x.mean(-1, keepdims=True)
+    variance = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(variance + LAYER_NORM_EPS) * p["weight"] + p["bias"]
+
+
+def gelu(x):  # GPT-2's tanh approximation ("gelu_new")
+    return 0.5 * x * (1 + jnp.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def linear(x, p):
+    return x @ p["weight"] + p["bias"]
+
+
+def heads(x, n_head):
+    """(..., S, D) -> (..., H, S, D / H)."""
+    *lead, s, d = x.shape
+    return jnp.swapaxes(x.reshape(*lead, s, n_head, d // n_head), -2, -3)
+
+
+def attend(q, k, v, mask):
+    """Scaled dot-product attention; ``mask`` True where a query may see a key."""
+    scores = q @ jnp.swapaxes(k, -1, -2) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    return jax.nn.softmax(scores, axis=-1) @ v
+
+
+def block(p, x, n_head, attention):
+    """One transformer block; ``attention(q, k, v)`` (heads split) says what the queries see."""
+    q, k, v = jnp.split(linear(layer_norm(x, p["ln_1"]), p["attn"]["c_attn"]), 3, axis=-1)
+    mixed = attention(heads(q, n_head), heads(k, n_head), heads(v, n_head))
+    x = x + linear(jnp.swapaxes(mixed, -2, -3).reshape(x.shape), p["attn"]["c_proj"])
+    return x + linear(gelu(linear(layer_norm(x, p["ln_2"]), p["mlp"]["c_fc"])), p["mlp"]["c_proj"])
+
+
+def forward(params, tokens, n_head=CONFIG["n_head"]):
+    """The logits of every position of one sequence of token ids (causal)."""
+    t = params["transformer"]
+    positions = jnp.arange(tokens.shape[0])
+    x = t["wte"]["weight"][tokens] + t["wpe"]["weight"][positions]
+    causal = positions[None, :] <= positions[:, None]
+    for p in t["h"]:
+        x = block(p, x, n_head, lambda q, k, v: attend(q, k, v, causal))
+    return layer_norm(x, t["ln_f"]) @ t["wte"]["weight"].T
+
+
+def next_token(params, entry):
+    """The served function: per prompt (token ids padded to ``CONTEXT``, and its length) the logits of the
+    token after it and the greedy choice. Padding after the prompt is never attended to (causal)."""
+    logits = jax.vmap(forward, in_axes=(None, 0))(params, entry["tokens"])
+    last = jnp.take_along_axis(logits, (entry["length"] - 1)[:, None, None], axis=1)[:, 0]
+    return {"logits": last, "next_token": jnp.argmax(last, axis=-1).astype(jnp.int32)}
+
+
+serving = js.Serving(next_token, params=load(), batch_size=8, batch_timeout=0.002,
+                     input_template={"tokens": js.template((CONTEXT,), "int32"), "length": js.template((), "int32")})

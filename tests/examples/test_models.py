@@ -1,0 +1,84 @@
+"""The real architectures of examples/ against the reference implementations no one here wrote: Hugging
+Face ``transformers``' PyTorch ``GPT2LMHeadModel`` and ``BertForSequenceClassification``, built from a config
+and loaded with the same ``.safetensors`` weights (small configs; the README has a full-size run)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+import jitserve as js
+from jitserve.params import flatten
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def example(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def loaded(model, params):
+    """``model`` with ``params`` (the example's tree, as saved) loaded; every parameter must be set."""
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in flatten(params).items()},
+                                                strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # lm_head is tied to wte
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    module = example("gpt2")
+    c = module.CONFIG
+    config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["n_positions"], n_embd=c["n_embd"],
+                        n_layer=c["n_layer"], n_head=c["n_head"], activation_function="gelu_new",
+                        layer_norm_epsilon=module.LAYER_NORM_EPS, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                        bos_token_id=0, eos_token_id=0)
+    return module, loaded(GPT2LMHeadModel(config), module.load())
+
+
+@pytest.fixture(scope="module")
+def bert():
+    module = example("bert")
+    config = BertConfig(**module.CONFIG, num_labels=len(module.LABELS), hidden_act="gelu", hidden_dropout_prob=0,
+                        attention_probs_dropout_prob=0, layer_norm_eps=module.LAYER_NORM_EPS)
+    return module, loaded(BertForSequenceClassification(config), module.load())
+
+
+@pytest.mark.parametrize("compiler", ["xla", "iree"])
+def test_gpt2_served_agrees_with_transformers(gpt2, compiler):
+    module, reference = gpt2
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, module.CONFIG["vocab_size"], (5, module.CONTEXT)).astype(np.int32)
+    lengths = np.array([1, 5, 17, 31, 32], np.int32)
+    with torch.no_grad():
+        expected = np.stack([reference(torch.from_numpy(tokens[i:i + 1, :n]).long()).logits[0, -1].numpy()
+                             for i, n in enumerate(lengths)])
+    name = f"gpt2-{compiler}"
+    with js.serve(module.serving.replace(compiler=compiler), name=name):
+        served = js.batched_run(name, js.Batch.concatenate([{"tokens": tokens, "length": lengths}]))
+    np.testing.assert_allclose(served["logits"], expected, rtol=1e-4, atol=1e-4)
+    assert served["next_token"].tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("compiler", ["xla", "iree"])
+def test_bert_served_from_text_agrees_with_transformers(bert, compiler):
+    module, reference = bert
+    texts = ["a great film", "terrible, just terrible", "ok", "é ünïcode 文字", "x" * 200]
+    tokens = module.tokenize(texts)
+    with torch.no_grad():
+        logits = reference(input_ids=torch.from_numpy(tokens["input_ids"]).long(),
+                           attention_mask=torch.from_numpy(tokens["attention_mask"]).long()).logits.numpy()
+    expected = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    name = f"bert-{compiler}"
+    with js.serve(module.serving.replace(compiler=compiler), name=name):
+        served = js.batched_run(name, texts)
+    np.testing.assert_allclose(served["probabilities"], expected, rtol=1e-4, atol=1e-5)
+    assert served["label"].tolist() == [module.LABELS[i].encode() for i in logits.argmax(-1)]
