@@ -35,3 +35,18 @@ def slow_serving(max_queue: int | None, batch_size: int = 1) -> js.Serving:
         return x * 2 + 1
 
     return js.Serving(slow, batch_size=batch_size, batch_timeout=0, max_queue=max_queue, compiler="eager")
+
+
+def _lengths(texts):
+    """preprocess: a list of texts -> (their lengths as a batch, how many there were)."""
+    return js.Batch.concatenate([np.array([[len(t)] for t in texts], np.float32)]), len(texts)
+
+
+def _labelled(result, count):
+    """postprocess with info: ((outputs, batch reports), info) -> outputs with the info and the reports."""
+    outputs, reports = result
+    return {"doubled": outputs, "count": count, "batches": len(reports)}
+
+
+text_serving = js.Serving(lambda x: x * 2, batch_size=4, batch_timeout=0.002, preprocess=_lengths,
+                          postprocess=_labelled, input_template=js.template((1,), "float32"))

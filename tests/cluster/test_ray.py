@@ -306,6 +306,18 @@ def test_local_server_of_the_same_name_comes_first(ray_cluster):
         handle.stop()
 
 
+def test_preprocess_and_postprocess_run_once_in_the_caller_not_in_the_replica(ray_cluster):
+    """The caller's coalescer runs them; the replica runs the batch as it comes (a replica that ran
+    ``preprocess`` again would get a Batch instead of texts and fail)."""
+    handle = js.serve(ray_models.text_serving, name="texts", cluster="ray", replicas=1)
+    try:
+        got = js.batched_run(("ray", "texts"), ["ab", "", "abcde"])
+        assert got["doubled"].tolist() == [[4.0], [0.0], [10.0]]
+        assert got["count"] == 3 and got["batches"] == 1
+    finally:
+        handle.stop()
+
+
 def test_readme_scale_out_example_runs_in_another_driver(ray_cluster):
     import re
 

@@ -88,6 +88,25 @@ def dispatch(x):
     return x * 0 + float(jax.config.values["jax_cpu_enable_async_dispatch"])
 
 
+def letters(texts):
+    """preprocess: texts (a BYTES tensor over the network, a list in process) -> (a batch of their lengths,
+    the texts in capitals as info for postprocess)."""
+    texts = [t if isinstance(t, bytes) else t.encode() for t in np.asarray(texts, dtype=object).reshape(-1)]
+    if not texts:
+        raise js.BatchError("send at least one text")
+    return js.Batch.concatenate([np.array([[len(t)] for t in texts], np.float32)]), [t.upper() for t in texts]
+
+
+def shout(result, info):
+    """postprocess with info: ((outputs, batch reports), info) -> text out, numbers out."""
+    outputs, reports = result
+    return {"text": np.array([t + b"!" for t in info], dtype=object), "doubled": outputs,
+            "batches": np.full(len(info), len(reports), np.int32)}
+
+
+text_serving = js.Serving(lambda x: x * 2, batch_size=4, batch_timeout=0.001, preprocess=letters, postprocess=shout,
+                          input_template=js.template((1,), "float32"))
+
 models = {
     "mlp": example.serving,
     "affine": js.Serving(affine, batch_size=8, batch_timeout=0.002,
@@ -113,4 +132,5 @@ models = {
     "reciprocal": js.Serving(lambda x: 1.0 / x, batch_size=2, batch_timeout=0.001,
                              input_template=js.template((2,), "float32")),
     "dispatch": js.Serving(dispatch, batch_size=2, batch_timeout=0.001, input_template=js.template((1,), "float32")),
+    "text": text_serving,
 }

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 pytest.importorskip("uvicorn")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
+import network_models  # noqa: E402
 from network_models import example  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
@@ -98,6 +99,54 @@ def test_tritonclient_dict_inputs_and_outputs(server, client_module):
     result = client.infer("affine", inputs)
     np.testing.assert_allclose(result.as_numpy("y"), x * scale[:, None] + 1)
     np.testing.assert_allclose(result.as_numpy("norm"), np.linalg.norm(x, axis=-1), rtol=1e-6)
+
+
+TEXTS = np.array([b"hello", "w\u00f6rld".encode(), b""], dtype=object)
+
+
+@pytest.mark.parametrize(("client_module", "binary"), [(httpclient, True), (httpclient, False), (grpcclient, True)],
+                         ids=["http-binary", "http-json", "grpc"])
+def test_text_in_and_out_through_the_servings_preprocess_and_postprocess(server, client_module, binary):
+    """BYTES tensors reach ``preprocess`` as the request sent them; its (batch, info) reaches ``postprocess``
+    with the batch reports, as in process; BYTES outputs come back."""
+    port = server.port if client_module is httpclient else server.grpc_port
+    client = client_module.InferenceServerClient(f"127.0.0.1:{port}")
+    tensor = client_module.InferInput("text", [3], "BYTES")
+    names = ("text", "doubled", "batches")
+    if client_module is httpclient:
+        tensor.set_data_from_numpy(TEXTS, binary_data=binary)
+        outputs = [httpclient.InferRequestedOutput(name, binary_data=binary) for name in names]
+    else:
+        tensor.set_data_from_numpy(TEXTS)
+        outputs = [grpcclient.InferRequestedOutput(name) for name in names]
+    result = client.infer("text", [tensor], outputs=outputs)
+    texts = [t if isinstance(t, bytes) else t.encode() for t in result.as_numpy("text").tolist()]  # JSON: str
+    assert texts == [b"HELLO!", "W\u00f6RLD!".encode(), b"!"]
+    assert result.as_numpy("doubled").tolist() == [[10.0], [12.0], [0.0]]
+    assert result.as_numpy("batches").tolist() == [1, 1, 1]
+    assert network_models.text_serving.run(list(TEXTS))["text"].tolist() == texts, "over the network as in process"
+
+
+def test_bytes_over_json_and_its_errors(server):
+    status, body = server.infer_json("text", {"inputs": [{"name": "t", "datatype": "BYTES", "shape": [2, 1],
+                                                          "data": [["ab"], ["\u00e9"]]}]})
+    assert status == 200, body
+    assert {"name": "text", "datatype": "BYTES", "shape": [2], "data": ["AB!", "\u00e9!"]} in body["outputs"]
+    status, body = server.infer_json("mlp", {"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1],
+                                                         "data": ["x"]}]})
+    assert status == 400 and body["error"] == "input 'input' has datatype BYTES, but model 'mlp' expects FP32"
+    status, body = server.infer_json("text", {"inputs": [{"name": "t", "datatype": "BYTES", "shape": [2],
+                                                          "data": ["ab", 3]}]})
+    assert status == 400 and body["error"] == "input 't': BYTES data must be strings, got 3"
+    blob = (2).to_bytes(4, "little") + b"ab" + (9).to_bytes(4, "little") + b"c"
+    header = json.dumps({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [2],
+                                     "parameters": {"binary_data_size": len(blob)}}]}).encode()
+    status, headers, data = server.request("POST", "/v2/models/text/infer", header + blob,
+                                           headers={"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and json.loads(data)["error"] == "input 't': BYTES element 1 says 9 bytes, but 1 are left"
+    metadata = json.loads(server.request("GET", "/v2/models/text")[2])
+    assert metadata["inputs"] == [] and metadata["outputs"] == [], "a preprocess decides what it takes"
+    server.assert_healthy()
 
 
 @pytest.mark.parametrize("client_module", [httpclient, grpcclient], ids=["http", "grpc"])
@@ -207,7 +256,7 @@ BAD_REQUESTS = [
     (b"[1, 2]", 400, "the request must be a JSON object with an 'inputs' list"),
     ({"inputs": []}, 400, "the request needs a non-empty 'inputs' list"),
     (mlp_input(datatype="FP64"), 400, "input 'input' has datatype FP64, but model 'mlp' expects FP32"),
-    (mlp_input(datatype="BYTES"), 400, "input 'input': BYTES tensors are not supported"),
+    (mlp_input(datatype="BYTES"), 400, "input 'input': BYTES data must be strings, got 0.5"),
     (mlp_input(datatype="FLOAT"), 400, "input 'input': unknown datatype 'FLOAT'"),
     (mlp_input(shape=[1, 15], data=[0.5] * 15), 400, "input 'input' has shape [1, 15], but model 'mlp' expects [-1, 16]"),
     (mlp_input(shape=[2, 16]), 400, "input 'input': 16 values, expected 32 for shape [2, 16]"),
@@ -378,7 +427,7 @@ def test_client_text_cannot_forge_log_lines(server):
 
 def test_unknown_model_and_endpoint(server):
     status, body = server.infer_json("nope", mlp_input())
-    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide, versioned, reciprocal, dispatch"
+    assert status == 404 and body["error"] == "unknown model 'nope'; this server has: mlp, affine, ints, fragile, slow, lookup, crashing, ordered, chunked, steps, wide, versioned, reciprocal, dispatch, text"
     status, _, data = server.request("GET", "/v2/models/nope")
     assert status == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     status, _, data = server.request("GET", "/v3/anything")
@@ -692,7 +741,8 @@ def test_fuzz_infer_never_5xx_never_hangs(server, body, model):
 
 
 binary_inputs = st.lists(st.fixed_dictionaries(
-    {"name": st.sampled_from(["input", "x", "scale"]), "datatype": st.sampled_from(["FP32", "INT32", "BOOL", "FP64"]),
+    {"name": st.sampled_from(["input", "x", "scale"]),
+     "datatype": st.sampled_from(["FP32", "INT32", "BOOL", "FP64", "BYTES"]),
      "shape": st.lists(st.integers(-1, 17), max_size=3) | st.lists(st.sampled_from([0, 2**62, 2**63 - 1]), max_size=3),
      "blob": st.binary(max_size=80), "declared": st.none() | st.integers(-3, 100)}), min_size=1, max_size=3)
 
@@ -716,7 +766,8 @@ def test_fuzz_binary_bodies_never_5xx_never_hang(server, inputs, trailing, heade
 GRPC_ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 grpc_tensors = st.lists(st.fixed_dictionaries(
-    {"name": st.sampled_from(["input", "x", ""]), "datatype": st.sampled_from(["FP32", "INT32", "BOOL", "INT64", "??"]),
+    {"name": st.sampled_from(["input", "x", ""]),
+     "datatype": st.sampled_from(["FP32", "INT32", "BOOL", "INT64", "BYTES", "??"]),
      "shape": st.lists(st.integers(-2, 17) | st.sampled_from([2**62, 2**63 - 1]), max_size=3),
      "fp32": st.lists(st.floats(width=32), max_size=20), "ints": st.lists(st.integers(-2**31, 2**31 - 1), max_size=20),
      "raw": st.none() | st.binary(max_size=80)}), max_size=3)

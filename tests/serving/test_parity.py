@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jitserve as js
-from jitserve.serving.queue import BatchPolicy, Queues, Request
+from jitserve.serving.queue import BatchPolicy, Queues
+from jitserve.serving.request import Request
 
 
 def rows(*values, dtype=np.float32):

@@ -79,7 +79,8 @@ class Replica:
         self.name = f"{name}/{index}"
         self.serving = serving
         self.weight = weight
-        self.server = Server(serving, self.name).start()
+        # preprocess and postprocess run in the callers (their coalescers), never twice
+        self.server = Server(serving.replace(preprocess=None, postprocess=None), self.name).start()
 
     def info(self) -> dict[str, Any]:
         """What routers need: the serving (its configuration travels to callers), capacity and place."""
@@ -89,10 +90,8 @@ class Replica:
     async def run(self, rows: Any, batch_key: Any = None) -> tuple[Any, int]:
         """Run one coalesced batch (a pytree of arrays, rows on axis 0, under its batch key); the outputs
         and the queue depth."""
-        server = self.server
-        request = server.submit(Batch.concatenate([rows]).key(batch_key), asyncio.get_running_loop())
-        outputs = await server.result_async(request, None)
-        return outputs, server.queue_depth
+        outputs = await self.server.call_async(Batch.concatenate([rows]).key(batch_key))
+        return outputs, self.server.queue_depth
 
     async def stats(self) -> dict[str, Any]:
         return self.server.stats()

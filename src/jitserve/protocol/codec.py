@@ -1,5 +1,10 @@
 """Tensors on the wire: Open Inference Protocol datatypes, names and checks.
 
+Numbers travel little-endian; ``BYTES`` tensors (text) travel as Triton sends
+them: JSON strings, or each element as a 4-byte little-endian length and its
+bytes (the binary extension's and gRPC's raw form), and reach the serving as
+numpy object arrays of ``bytes``.
+
 A :class:`ModelSpec` says what a served model looks like over the network:
 its input names, datatypes and per-row shapes (from the serving's
 ``input_template``; -1 for the batch axis) and its outputs. It turns decoded
@@ -34,22 +39,85 @@ DATATYPES: dict[str, np.dtype] = {
 }
 DATATYPE_OF: dict[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
 _LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items()}  # how binary data holds them
+BYTES = "BYTES"
+_TEXT_KINDS = "OSU"  # numpy kinds that travel as BYTES: objects (bytes or str), fixed-size bytes and str
+_LENGTH = np.dtype("<u4")  # the length before each element of a binary BYTES tensor
 
 
 def datatype_of(dtype: Any) -> str:
-    name = DATATYPE_OF.get(np.dtype(dtype))
+    dtype = np.dtype(dtype)
+    name = DATATYPE_OF.get(dtype)
     if name is None:
-        raise ProtocolError(f"dtype {np.dtype(dtype).name} has no Open Inference Protocol datatype")
+        if dtype.kind in _TEXT_KINDS:
+            return BYTES
+        raise ProtocolError(f"dtype {dtype.name} has no Open Inference Protocol datatype")
     return name
 
 
 def dtype_of(tensor: str, datatype: str) -> np.dtype:
     dtype = DATATYPES.get(datatype)
     if dtype is None:
-        if datatype == "BYTES":
-            raise ProtocolError(f"input '{tensor}': BYTES tensors are not supported; send numeric tensors")
-        raise ProtocolError(f"input '{tensor}': unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}")
+        if datatype == BYTES:
+            return np.dtype(object)
+        raise ProtocolError(f"input '{tensor}': unknown datatype {datatype!r}; expected one of "
+                            f"{', '.join(DATATYPES)}, {BYTES}")
     return dtype
+
+
+def _element_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def raw_contents(array: np.ndarray) -> bytes:
+    """A tensor's binary contents: numbers little-endian; BYTES elements each after its 4-byte length."""
+    if array.dtype.kind not in _TEXT_KINDS:
+        return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
+    parts = []
+    for value in array.reshape(-1).tolist():
+        data = _element_bytes(value)
+        parts += [len(data).to_bytes(4, "little"), data]
+    return b"".join(parts)
+
+
+def _decode_bytes(tensor: str, dims: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:
+    """A BYTES tensor from its binary contents (4-byte little-endian lengths, each before its element)."""
+    view = memoryview(raw)
+    count = math.prod(dims)
+    elements = np.empty(count, dtype=object)
+    at = 0
+    for index in range(count):
+        if at + 4 > len(view):
+            raise ProtocolError(f"input '{tensor}': binary BYTES data ends after {index} of {count} elements "
+                                f"(each is a 4-byte little-endian length, then that many bytes)")
+        size = int(np.frombuffer(view[at:at + 4], _LENGTH)[0])
+        if at + 4 + size > len(view):
+            raise ProtocolError(f"input '{tensor}': BYTES element {index} says {size} bytes, but "
+                                f"{len(view) - at - 4} are left")
+        elements[index] = bytes(view[at + 4:at + 4 + size])
+        at += 4 + size
+    if at != len(view):
+        raise ProtocolError(f"input '{tensor}': {len(view) - at} bytes of binary data after the {count} BYTES "
+                            f"elements of shape {list(dims)}")
+    return elements.reshape(dims)
+
+
+def _decode_texts(tensor: str, dims: tuple[int, ...], values: Any) -> np.ndarray:
+    """A BYTES tensor from a (flat or nested) list of JSON strings (or gRPC's bytes_contents)."""
+    flat: list[Any] = []
+    stack = [values]
+    while stack:  # depth first, in order
+        value = stack.pop()
+        if type(value) is list:
+            stack.extend(reversed(value))
+        elif isinstance(value, (str, bytes)):
+            flat.append(value)
+        else:
+            raise ProtocolError(f"input '{tensor}': BYTES data must be strings, got {_short(value)}")
+    if len(flat) != math.prod(dims):
+        raise ProtocolError(f"input '{tensor}': {len(flat)} values, expected {math.prod(dims)} for shape {list(dims)}")
+    elements = np.empty(len(flat), dtype=object)
+    elements[:] = [_element_bytes(value) for value in flat]
+    return elements.reshape(dims)
 
 
 MAX_RANK = 32
@@ -105,6 +173,8 @@ def _holds_bool(values: Any, array: np.ndarray) -> bool:
 def decode_raw(tensor: str, datatype: str, shape: Any, raw: bytes | memoryview) -> np.ndarray:
     """A tensor from its little-endian binary contents."""
     dtype, dims = dtype_of(tensor, datatype), check_shape(tensor, shape)
+    if datatype == BYTES:
+        return _decode_bytes(tensor, dims, raw)
     expected = math.prod(dims) * dtype.itemsize
     if len(raw) != expected:
         raise ProtocolError(f"input '{tensor}': {len(raw)} bytes of binary data, expected {expected} "
@@ -131,8 +201,15 @@ def _with_non_finite(tensor: str, values: Any) -> Any:
 
 
 def json_values(array: np.ndarray) -> list[Any]:
-    """A tensor's values for a JSON body: NaN and infinities as the strings above, never bare tokens."""
+    """A tensor's values for a JSON body: NaN and infinities as the strings above, never bare tokens; BYTES
+    elements as text (UTF-8; other bytes need the binary form)."""
     flat = array.reshape(-1)
+    if flat.dtype.kind in _TEXT_KINDS:
+        try:
+            return [value if isinstance(value, str) else bytes(value).decode() for value in flat.tolist()]
+        except UnicodeDecodeError:
+            raise ProtocolError("a BYTES output holds bytes that are not UTF-8 text, which JSON cannot carry; "
+                                "ask for it as binary data (binary_data_output)") from None
     if flat.dtype.kind != "f" or np.isfinite(flat).all():
         return flat.tolist()
     return [value if math.isfinite(value) else ("NaN" if value != value else "Infinity" if value > 0 else "-Infinity")
@@ -142,6 +219,8 @@ def json_values(array: np.ndarray) -> list[Any]:
 def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.ndarray:
     """A tensor from a (flat or nested) list of JSON values."""
     dtype, dims = dtype_of(tensor, datatype), check_shape(tensor, shape)
+    if datatype == BYTES:
+        return _decode_texts(tensor, dims, values)
     array = _array(tensor, values)
     if dtype.kind == "f" and array.dtype.kind in "UO":  # strings among the numbers: non-finite floats?
         values = _with_non_finite(tensor, values)
@@ -236,7 +315,8 @@ class ModelSpec:
         serving = server.serving
         self._input_tree: Any = None
         self.inputs: list[TensorSpec] = []
-        if serving.input_template is not None:
+        self._preprocess = serving.preprocess is not None  # it takes the request's tensors as they come
+        if serving.input_template is not None and not self._preprocess:
             leaves, self._input_tree = jax.tree_util.tree_flatten(serving.input_template)
             self.inputs = [TensorSpec(n, datatype_of(_computed_dtype(serving, t.dtype)), t.shape)
                            for n, t in zip(_tensor_names(serving.input_template, "input"), leaves)]
@@ -249,7 +329,8 @@ class ModelSpec:
     def outputs(self) -> list[TensorSpec]:
         """Output names, datatypes and per-row shapes, worked out once from a batch of one row."""
         if self._outputs is None:
-            self._outputs = [] if self._input_tree is None else self._infer_outputs()
+            known = self._input_tree is not None and self.server.serving.postprocess is None
+            self._outputs = self._infer_outputs() if known else []
         return self._outputs
 
     def _infer_outputs(self) -> list[TensorSpec]:
@@ -280,6 +361,16 @@ class ModelSpec:
                 "max_batch_size": serving.batch_size, "input": [t.config() for t in self.inputs],
                 "output": [t.config() for t in self.outputs], "dynamic_batching": batching}
 
+    def value(self, tensors: Mapping[str, np.ndarray]) -> Any:
+        """What a request's tensors give the serving: for one with ``preprocess``, the tensors as they came
+        (one array, or a dict by name when there are several), which ``preprocess`` checks and batches;
+        else one batch (:meth:`to_batch`)."""
+        if not self._preprocess:
+            return self.to_batch(tensors)
+        if not tensors:
+            raise ProtocolError(f"the request has no inputs; model '{self.name}' expects at least one")
+        return next(iter(tensors.values())) if len(tensors) == 1 else dict(tensors)
+
     def to_batch(self, tensors: Mapping[str, np.ndarray]) -> Batch:
         """The request's tensors (by name, batch on axis 0) as one batch, checked against the inputs."""
         if not tensors:
@@ -296,7 +387,7 @@ class ModelSpec:
                 array = tensors[name]
                 if array.dtype != dtype:
                     narrowed = " (it computes without 64-bit types: run the server with JAX_ENABLE_X64=1 for them)" \
-                        if array.dtype.itemsize == 8 and dtype.itemsize == 4 else ""
+                        if array.dtype.kind in "iuf" and array.dtype.itemsize == 8 and dtype.itemsize == 4 else ""
                     raise ProtocolError(f"input '{name}' has datatype {datatype_of(array.dtype)}, "
                                         f"but model '{self.name}' expects {spec.datatype}{narrowed}")
                 if array.ndim == 0 or array.shape[1:] != spec.row_shape:
@@ -306,6 +397,9 @@ class ModelSpec:
             entry = arrays[0] if self._one_array else jax.tree_util.tree_unflatten(self._input_tree, arrays)
         if any(a.ndim == 0 for a in arrays):
             raise ProtocolError("inputs need a batch axis (axis 0 holds the rows); got a scalar")
+        if any(a.dtype.kind == "O" for a in arrays):
+            raise ProtocolError(f"model '{self.name}' computes on numbers and has no preprocess to turn BYTES "
+                                f"inputs into them; send numeric tensors")
         rows = {a.shape[0] for a in arrays}
         if len(rows) != 1:
             raise ProtocolError(f"all inputs must have the same batch size (axis 0); got {sorted(rows)}")

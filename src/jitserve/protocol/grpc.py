@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from ..errors import ProtocolError
 from .access import Access, ApiKeyInterceptor
-from .codec import datatype_of, decode_raw, decode_values, dtype_of
+from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents
 from .limits import Limits, Tls
 from .logs import REQUEST_ID, request_id
 from .service import InferenceService, status_of
@@ -63,7 +63,7 @@ MESSAGES = _message_classes(POOL)
 CONTENTS_FIELDS: dict[str, str] = {
     "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
 
 
@@ -196,7 +196,7 @@ def _infer_response(model: str, version: str, request_id: str, outputs: list[tup
     response = MESSAGES["ModelInferResponse"](model_name=model, model_version=version, id=request_id)
     for name, array in outputs:
         response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
-        response.raw_output_contents.append(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
+        response.raw_output_contents.append(raw_contents(array))
     return response
 
 

@@ -34,7 +34,7 @@ import simdjson
 
 from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access
-from .codec import DATATYPES, datatype_of, decode_numbers, decode_raw, decode_values, json_values
+from .codec import DATATYPES, datatype_of, decode_numbers, decode_raw, decode_values, json_values, raw_contents
 from .limits import Limits
 from .logs import REQUEST_ID, request_id
 from .metrics import CONTENT_TYPE
@@ -506,7 +506,7 @@ def _encode_response(model: str, version: str, request_id: Any, outputs: list[tu
         entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
         as_binary = binary_requested.get(name)
         if as_binary if as_binary is not None else binary_all:
-            blob = np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
+            blob = raw_contents(array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:

@@ -1,13 +1,13 @@
 """What the HTTP and gRPC fronts share: the models, inference, and errors as statuses.
 
-Every network request goes through the model's server (``submit`` and
-``result_async``), so HTTP and gRPC callers share batches with each other and
-with in-process callers.
+Every network request takes the model's server's corridor (``call_async``,
+``open_stream_async``: the serving's ``preprocess`` and ``postprocess`` run
+as for an in-process caller), so HTTP and gRPC callers share batches with
+each other and with in-process callers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -171,15 +171,14 @@ class InferenceService:
         """Run one request's tensors on ``model`` (at ``version``) at ``priority`` (the request's ``priority``
         parameter, as tritonclient sends it); the version that ran it and the named outputs it asked for."""
         spec = self.model(model, version)
-        batch = spec.to_batch(tensors)
+        value = spec.value(tensors)
         server = spec.server
         serving = server.serving
         if serving.streaming:
             raise ProtocolError(f"model '{model}' streams its results: call it with ModelStreamInfer (gRPC) or "
                                 f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
         with self._tallied(spec):
-            request = server.submit(batch, asyncio.get_running_loop(), priority)
-            outputs = serving.finish(await server.result_async(request, self._timeout(serving, priority)))
+            outputs = await server.call_async(value, self._timeout(serving, priority), priority)
         return spec.version, select_outputs(spec.named_outputs(outputs), requested, model)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
@@ -190,18 +189,16 @@ class InferenceService:
         raise here, before anything is sent); a consumer that stops early frees its queued rows. Returns the
         version that runs it with the outputs to come."""
         spec = self.model(model, version)
-        batch = spec.to_batch(tensors)
         server = spec.server
-        request = server.submit(batch, asyncio.get_running_loop(), priority, stream=True)
-        return spec.version, self._stream(spec, request, requested, self._timeout(server.serving, priority))
+        items = server.open_stream_async(spec.value(tensors), self._timeout(server.serving, priority), priority)
+        return spec.version, self._stream(spec, items, requested)
 
-    async def _stream(self, spec: ModelSpec, request: Any, requested: Sequence[str] | None,
-                      timeout: float | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+    async def _stream(self, spec: ModelSpec, items: AsyncIterator[Any], requested: Sequence[str] | None
+                      ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """The stream's outputs; tallied in the statistics once it ends or fails (not when the client leaves)."""
-        server = spec.server
         with self._tallied(spec):
-            async for outputs in server.stream_async(request, timeout):
-                yield select_outputs(spec.named_outputs(server.serving.finish(outputs)), requested, spec.name)
+            async for outputs in items:
+                yield select_outputs(spec.named_outputs(outputs), requested, spec.name)
 
     def _tallied(self, spec: ModelSpec) -> _Tallied:
         """Count what a ``with`` block runs in the model's statistics (see :class:`_Tallied`)."""

@@ -1,6 +1,6 @@
 """Serving with dynamic batching: ``Serving``, the in-process ``Server``, its queues and the registry of names."""
 
-from .queue import BatchPolicy, Request
+from .queue import BatchPolicy
 from .registry import (
                        batched_run,
                        batched_run_async,
@@ -11,6 +11,7 @@ from .registry import (
                        serve,
                        servers,
 )
+from .request import Request
 from .server import BatchReport, Server
 from .serving import Serving
 

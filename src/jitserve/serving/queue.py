@@ -1,9 +1,8 @@
-"""The whole batching policy in one place: request handles, the queues per batch signature, and what runs next.
+"""The whole batching policy in one place: the queues per batch signature, and what runs next.
 
-A :class:`Request` is one caller's rows in flight; local servers, the cluster
-coalescer and the network fronts all hand out and wait on this one type. A
-request's rows are queued as :class:`Piece` s of at most ``batch_size`` rows on
-the queue of their batch signature (key, structure, per-row shapes and
+A request's rows (a :class:`~jitserve.serving.request.Request`) are queued as
+:class:`Piece` s of at most ``batch_size`` rows on the queue of their batch
+signature (key, structure, per-row shapes and
 dtypes), at their priority level. :class:`Queues` decides which queue is
 ready (full, its oldest row has waited ``batch_timeout``, the server is
 draining, or, with the adaptive window, the arrival rate says it will not fill
@@ -21,83 +20,19 @@ at most (L - 1) x ``priority_aging`` seconds: no level starves.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import math
-import queue as thread_queue
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..batch import Batch
 
+if TYPE_CHECKING:
+    from .request import Request
+
 Signature = tuple[Any, ...]
-
-
-END = object()  # the last item of a stream
-
-
-class Stream:
-    """Where a streaming request's items go as batches finish: ``(row offset or step, outputs)``, an
-    exception, then ``END``; a thread-safe queue for a sync caller, an asyncio one on the caller's loop."""
-
-    __slots__ = ("loop", "items")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        self.loop = loop
-        self.items: Any = thread_queue.SimpleQueue() if loop is None else asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        if self.loop is None:
-            self.items.put(item)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is reading any more
-            pass
-
-
-class Request:
-    """One caller's rows in flight. A sync caller waits on ``done`` (a held lock released when the request
-    finishes); an asyncio caller awaits ``future``, resolved on its own ``loop``; a streaming caller reads
-    its ``stream``. ``parts`` collects ``(row offset, outputs)`` as batches finish (``(step, outputs)`` for
-    a serving that yields steps), ``reports`` the report of each batch that ran some of its rows;
-    ``error`` is set instead when the request failed. ``level`` is its priority level; ``weights`` the
-    version of a serving's weights its first rows ran with, which all its rows run with (None before)."""
-
-    __slots__ = ("rows", "rows_left", "parts", "reports", "error", "started", "done", "loop", "future", "level",
-                 "stream", "weights")
-
-    def __init__(self, rows: int, loop: asyncio.AbstractEventLoop | None, level: int = 1,
-                 stream: bool = False) -> None:
-        self.rows = rows
-        self.rows_left = rows
-        self.parts: list[tuple[int, Any]] = []
-        self.reports: list[Any] = []
-        self.error: BaseException | None = None
-        self.started = False
-        self.loop = loop
-        self.level = level
-        self.stream = Stream(loop) if stream else None
-        self.future: asyncio.Future[None] | None = None
-        self.weights: Any = None
-        if loop is None:
-            self.done = threading.Lock()
-            self.done.acquire()
-        else:
-            self.future = loop.create_future()
-
-    def fail(self, error: BaseException) -> bool:
-        """Finish the request with ``error`` unless it already failed; True if this call finished it."""
-        if self.error is not None:
-            return False
-        self.error = error
-        self.rows_left = 0
-        if self.stream is not None:
-            self.stream.put(error)
-        return True
 
 
 class Piece:

@@ -10,15 +10,13 @@ front (the cluster's caller-side coalescer) by name.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
-from .queue import Request
 from .server import Server
-from .serving import Serving, optional_seconds
+from .serving import Serving
 
 LOCAL = "local"
 
@@ -115,33 +113,18 @@ def servers() -> dict[str, Server]:
     return dict(_servers)
 
 
-def _submitted(name: str | tuple[str, str], value: Any, timeout: float | None, priority: int | None,
-               loop: asyncio.AbstractEventLoop | None = None, stream: bool = False
-               ) -> tuple[Server, Request, Any, float | None]:
-    """What every caller does first: find the server, ``preprocess`` here, queue the rows. Returns the
-    server, the request, ``preprocess``'s info and the timeout to wait with (the level's default if none)."""
-    optional_seconds("timeout", timeout)
-    server = lookup(name)
-    serving = server.serving
-    batch, info = serving.prepare(value)
-    request = server.submit(batch, loop, priority, stream)
-    return server, request, info, serving.default_timeout(priority) if timeout is None else timeout
-
-
 def batched_run(name: str | tuple[str, str], value: Any, timeout: float | None = None,
                 priority: int | None = None) -> Any:
     """Run ``value`` (a Batch, or what the serving's ``preprocess`` takes) on server ``name``, batched
     with concurrent callers, at ``priority`` (1 the most urgent level; None: the default); returns exactly
     this caller's rows. ``preprocess`` and ``postprocess`` run here, in the caller."""
-    server, request, info, timeout = _submitted(name, value, timeout, priority)
-    return server.serving.finish(server.result(request, timeout), info, request.reports)
+    return lookup(name).call(value, timeout, priority)
 
 
 async def batched_run_async(name: str | tuple[str, str], value: Any, timeout: float | None = None,
                             priority: int | None = None) -> Any:
     """``batched_run`` for asyncio callers: awaits the rows without blocking the event loop."""
-    server, request, info, timeout = _submitted(name, value, timeout, priority, asyncio.get_running_loop())
-    return server.serving.finish(await server.result_async(request, timeout), info, request.reports)
+    return await lookup(name).call_async(value, timeout, priority)
 
 
 def batched_stream(name: str | tuple[str, str], value: Any, timeout: float | None = None,
@@ -150,14 +133,11 @@ def batched_stream(name: str | tuple[str, str], value: Any, timeout: float | Non
     batch that ran some of them (the first rows while later ones still run), or one item per step of a
     serving that yields steps (``Serving(..., streaming=True)``). ``postprocess`` runs on each item.
     Closing the iterator early takes the rows that have not started off the queue."""
-    server, request, info, timeout = _submitted(name, value, timeout, priority, stream=True)
-    for outputs in server.stream(request, timeout):
-        yield server.serving.finish(outputs, info, request.reports)
+    yield from lookup(name).open_stream(value, timeout, priority)
 
 
 async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout: float | None = None,
                                priority: int | None = None) -> AsyncIterator[Any]:
     """``batched_stream`` for asyncio callers (``async for``)."""
-    server, request, info, timeout = _submitted(name, value, timeout, priority, asyncio.get_running_loop(), stream=True)
-    async for outputs in server.stream_async(request, timeout):
-        yield server.serving.finish(outputs, info, request.reports)
+    async for outputs in lookup(name).open_stream_async(value, timeout, priority):
+        yield outputs

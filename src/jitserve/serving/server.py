@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue as thread_queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
@@ -33,8 +32,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..batch import Batch
 from ..errors import BatchSizeError, OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError
-from .queue import END, BatchPolicy, Piece, Queues, Request
-from .serving import Executor, Serving, concatenate_outputs, optional_seconds
+from .queue import BatchPolicy, Piece, Queues
+from .request import END, Corridor, Request
+from .serving import Executor, Serving, optional_seconds
 from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
@@ -90,7 +90,7 @@ class _Partition:
                                        daemon=True)
 
 
-class Server:
+class Server(Corridor):
     """A named, running server of one :class:`Serving`. Use :func:`jitserve.serve` to start one.
 
     ``executors`` (one per partition) replace the compiled executors of the serving's own partitions;
@@ -318,91 +318,6 @@ class Server:
                 self._stats["rejected"] += 1
                 raise RequestTooLargeError(f"a request of {size} rows can never fit server {self.name!r}'s "
                                            f"queue: {which} is {limit} rows")
-
-    def result(self, request: Request, timeout: float | None) -> Any:
-        """Wait for the request's outputs (before ``postprocess``); on ``timeout`` before its rows
-        started, withdraw it and raise TimeoutError."""
-        if not request.done.acquire(timeout=-1 if timeout is None else timeout):
-            if self._withdraw(request, timed_out=True):
-                raise self._timeout_error(timeout)
-            request.done.acquire()
-        return self._outcome(request)
-
-    async def result_async(self, request: Request, timeout: float | None) -> Any:
-        """``result`` for a request submitted with its event loop. A caller cancelled before its rows
-        started (a client that went away) takes them off the queue."""
-        future = request.future
-        if future is None:
-            raise TypeError("result_async needs a request submitted with its event loop")
-        try:
-            if timeout is None:
-                await future
-            else:
-                try:
-                    await asyncio.wait_for(asyncio.shield(future), timeout)
-                except TimeoutError:
-                    if self._withdraw(request, timed_out=True):
-                        raise self._timeout_error(timeout) from None
-                    await future
-        except asyncio.CancelledError:  # the caller went away: none of its queued rows run for nobody
-            self._abandon(request)
-            raise
-        return self._outcome(request)
-
-    def _timeout_error(self, timeout: float | None) -> TimeoutError:
-        return TimeoutError(f"request to server {self.name!r} timed out after {timeout}s before its rows started")
-
-    def _outcome(self, request: Request) -> Any:
-        if request.error is not None:
-            raise request.error
-        parts = request.parts
-        if len(parts) > 1:
-            parts.sort(key=lambda part: part[0])
-        if self.serving.streaming:  # one output per step the serving yielded
-            return [outputs for _, outputs in parts]
-        return concatenate_outputs([outputs for _, outputs in parts])
-
-    def stream(self, request: Request, timeout: float | None) -> Iterator[Any]:
-        """The outputs of a ``stream=True`` request as they come: consecutive row ranges in order (each
-        step, for a serving that yields steps). Closing the iterator early takes unstarted rows off the
-        queues; ``timeout`` as for :meth:`result`."""
-        items = request.stream.items  # type: ignore[union-attr]
-        order = _StreamOrder(self.serving.streaming)
-        try:
-            while True:
-                try:
-                    ready = order.take(items.get(timeout=None if request.started else timeout))
-                except thread_queue.Empty:
-                    self._expire(request, timeout)
-                    continue
-                if ready is None:
-                    return
-                yield from ready
-        finally:
-            self._abandon(request)
-
-    async def stream_async(self, request: Request, timeout: float | None) -> AsyncIterator[Any]:
-        """:meth:`stream` for a request submitted with its event loop and ``stream=True``."""
-        items = request.stream.items  # type: ignore[union-attr]
-        order = _StreamOrder(self.serving.streaming)
-        try:
-            while True:
-                try:
-                    ready = order.take(await asyncio.wait_for(items.get(), None if request.started else timeout))
-                except TimeoutError:
-                    self._expire(request, timeout)
-                    continue
-                if ready is None:
-                    return
-                for outputs in ready:
-                    yield outputs
-        finally:
-            self._abandon(request)
-
-    def _expire(self, request: Request, timeout: float | None) -> None:
-        """A streaming request's timeout passed: withdrawn with TimeoutError unless its rows started."""
-        if self._withdraw(request, timed_out=True):
-            raise self._timeout_error(timeout) from None
 
     def _abandon(self, request: Request) -> None:
         """A streaming caller stopped reading: its queued rows leave the queues (a running batch finishes,
@@ -643,32 +558,3 @@ class Server:
                 loop.call_soon_threadsafe(_resolve_futures, requests)
             except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
                 pass
-
-
-class _StreamOrder:
-    """Puts a stream's items in order: row ranges by offset (they may finish out of order on several
-    partitions), steps as they come."""
-
-    __slots__ = ("steps", "waiting", "next_offset")
-
-    def __init__(self, steps: bool) -> None:
-        self.steps = steps
-        self.waiting: dict[int, Any] = {}
-        self.next_offset = 0
-
-    def take(self, item: Any) -> list[Any] | None:
-        """The outputs now ready to hand out after ``item``; None at the end; a failure raises."""
-        if item is END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        key, outputs = item
-        if self.steps:
-            return [outputs]
-        self.waiting[key] = outputs
-        ready = []
-        while self.next_offset in self.waiting:
-            outputs = self.waiting.pop(self.next_offset)
-            self.next_offset += len(jax.tree_util.tree_leaves(outputs)[0])
-            ready.append(outputs)
-        return ready
