@@ -108,6 +108,12 @@ def test_a_target_that_does_not_load_is_one_line_and_exit_2(tmp_path, source, ex
     (["--request-timeout", "-1"], "jitserve serve: request_timeout must be a finite number of seconds >= 0 or None, "
                                   "got -1.0"),
     (["--read-timeout", "inf"], "jitserve serve: limit read_timeout must be a finite positive number, got inf"),
+    (["--api-key", ""], "jitserve serve: the API key is empty, which would admit every caller; give a key, or none "
+                        "for an open server (an unset variable in --api-key \"$KEY\"?)"),
+    (["--api-key", "  "], "jitserve serve: the API key is empty, which would admit every caller; give a key, or "
+                          "none for an open server (an unset variable in --api-key \"$KEY\"?)"),
+    (["--api-key", "cl\u00e9"], "jitserve serve: the API key must be printable ASCII without spaces at either end: "
+                                 "HTTP headers carry no other characters, so no caller could present it"),
 ])
 def test_a_bad_timeout_flag_is_one_line_and_exit_2_before_anything_starts(flags, expected):
     done = run_cli("serve", "examples/mlp.py:serving", "--port", "0", "--no-grpc", *flags, timeout=120)

@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 
+from ..errors import OptionError
+
 OPEN_HTTP_PREFIX = "/v2/health/"
 OPEN_GRPC_PREFIX = "/grpc.health.v1."
 UNAUTHORIZED = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
@@ -28,6 +30,19 @@ class Access:
 
     api_key: str | None = None
     cors_origins: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        """A key that no caller could present, or that every caller presents, is refused before the server
+        starts: an empty key (say ``--api-key "$KEY"`` with KEY unset) would admit anyone."""
+        key = self.api_key
+        if key is None:
+            return
+        if not key.strip():
+            raise OptionError("the API key is empty, which would admit every caller; give a key, or none for an "
+                              "open server (an unset variable in --api-key \"$KEY\"?)")
+        if not key.isascii() or not key.isprintable() or key != key.strip():
+            raise OptionError("the API key must be printable ASCII without spaces at either end: HTTP headers "
+                              "carry no other characters, so no caller could present it")
 
     def allows(self, credential: str | None) -> bool:
         """Whether a call presenting ``credential`` (its ``Authorization`` value, or an API key) may run."""
