@@ -288,3 +288,43 @@ def test_large_captured_constants_are_flagged_once_and_params_are_not(caplog):
                              input_template=js.template((4096,), "float32")), name="params-no-warning"):
         pass
     assert caplog.records == []
+
+
+CACHED_SERVING = """
+import sys, numpy as np, jax.numpy as jnp, jitserve as js
+rng = np.random.default_rng(0)
+params = [rng.standard_normal((512, 512), np.float32) for _ in range(16)]  # 16 MB
+def model(params, x):
+    for w in params:
+        x = jnp.tanh(x @ w)
+    return x
+serving = js.Serving(model, params=params, batch_size=4, input_template=js.template((512,), "float32"),
+                     cache_dir=sys.argv[1])
+with js.serve(serving, name="cached") as server:
+    out = js.batched_run("cached", js.Batch.stack([np.ones(512, np.float32)]))
+    print(server.stats()["compiles"], float(out.sum()))
+"""
+
+
+def test_the_persistent_compile_cache_holds_no_weights_and_a_second_process_reuses_it(tmp_path):
+    """Closed over, each cached executable held its own copy of the weights (1.1 GB for a 200 MB model);
+    as params, the cache holds code only, and a second process compiles nothing new into it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "cached.py"
+    script.write_text(CACHED_SERVING)
+    cache = tmp_path / "cache"
+
+    def run():
+        done = subprocess.run([sys.executable, str(script), str(cache)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    first = run()
+    files = {path: path.stat().st_size for path in cache.rglob("*") if path.is_file()}
+    assert files and sum(files.values()) < 2 * 2**20, f"{sum(files.values()):,} bytes cached for 16 MB of weights"
+    second = run()
+    assert second == first, "same answers, from the cached executables"
+    assert {path: path.stat().st_size for path in cache.rglob("*") if path.is_file()} == files, \
+        "the second process found every executable in the cache"
