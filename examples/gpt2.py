@@ -10,6 +10,9 @@ Nothing is downloaded: the weights are made from a fixed seed and saved under
 
 ``serving`` takes a batch of prompts as token ids padded to ``CONTEXT`` and
 their lengths, and returns the logits of the next token and the greedy choice.
+``generation`` (``js.Generation``) decodes with a KV cache: ``prefill`` fills a
+slot's cache row from a prompt, ``decode`` advances every slot by one greedy
+token, attending over its own cache only.
 Set ``JITSERVE_GPT2=full`` for GPT-2's own size (124 M parameters, 500 MB).
 """
 
@@ -27,19 +30,20 @@ import jitserve as js
 from jitserve.params import save_params
 
 CONFIGS = {
-    "small": {"vocab_size": 512, "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 4},
+    "small": {"vocab_size": 512, "n_positions": 512, "n_embd": 64, "n_layer": 2, "n_head": 4},
     "full": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12},
 }
 SIZE = os.environ.get("JITSERVE_GPT2", "small")
 CONFIG = CONFIGS[SIZE]
-CONTEXT = 32  # the prompt length the serving is compiled for
+CONTEXT = 32  # the prompt length the serving is compiled for, and generation's longest prompt
+MAX_LENGTH = CONFIG["n_positions"]  # prompt and generated tokens, at most (the KV cache's room)
 WEIGHTS = Path(__file__).resolve().parent / "weights" / f"gpt2-{SIZE}.safetensors"
 LAYER_NORM_EPS = 1e-5
 
 
 def init_params(config: dict, seed: int = 0) -> dict:
-    """GPT-2's parameters, random from ``seed`` (normal, std 0.02 as GPT-2 initialises; biases and layer
-    norms random too, so that every parameter matters in the comparison with the reference)."""
+    """GPT-2's parameters, random from ``seed`` (normal; biases and layer norms random too, so that every
+    parameter matters in the comparison with the reference)."""
     rng = np.random.default_rng(seed)
     d, vocab = config["n_embd"], config["vocab_size"]
 
@@ -50,7 +54,9 @@ def init_params(config: dict, seed: int = 0) -> dict:
         return {"weight": 1 + normal(d, std=0.1), "bias": normal(d)}
 
     def linear(n_in, n_out):  # GPT-2's Conv1D: weight (in, out)
-        return {"weight": normal(n_in, n_out), "bias": normal(n_out)}
+        # wider than GPT-2's 0.02, so that the blocks and not the embedding alone pick the next token:
+        # random weights then generate varied tokens rather than one token repeated
+        return {"weight": normal(n_in, n_out, std=2.4 / np.sqrt(n_in)), "bias": normal(n_out)}
 
     blocks = [{"ln_1": norm(), "attn": {"c_attn": linear(d, 3 * d), "c_proj": linear(d, d)},
                "ln_2": norm(), "mlp": {"c_fc": linear(d, 4 * d), "c_proj": linear(4 * d, d)}}
@@ -94,23 +100,37 @@ def attend(q, k, v, mask):
     return jax.nn.softmax(scores, axis=-1) @ v
 
 
-def block(p, x, n_head, attention):
-    """One transformer block; ``attention(q, k, v)`` (heads split) says what the queries see."""
+def qkv(p, x, n_head):
+    """A block's queries, keys and values for ``x`` (S, D), heads split: (H, S, D / H) each."""
     q, k, v = jnp.split(linear(layer_norm(x, p["ln_1"]), p["attn"]["c_attn"]), 3, axis=-1)
-    mixed = attention(heads(q, n_head), heads(k, n_head), heads(v, n_head))
+    return heads(q, n_head), heads(k, n_head), heads(v, n_head)
+
+
+def finish_block(p, x, mixed):
+    """The rest of a block once attention mixed the values: projection, residuals and the MLP."""
     x = x + linear(jnp.swapaxes(mixed, -2, -3).reshape(x.shape), p["attn"]["c_proj"])
     return x + linear(gelu(linear(layer_norm(x, p["ln_2"]), p["mlp"]["c_fc"])), p["mlp"]["c_proj"])
 
 
+def embed(params, tokens, positions):
+    t = params["transformer"]
+    return t["wte"]["weight"][tokens] + t["wpe"]["weight"][positions]
+
+
+def logits_of(params, x):
+    t = params["transformer"]
+    return layer_norm(x, t["ln_f"]) @ t["wte"]["weight"].T
+
+
 def forward(params, tokens, n_head=CONFIG["n_head"]):
     """The logits of every position of one sequence of token ids (causal)."""
-    t = params["transformer"]
     positions = jnp.arange(tokens.shape[0])
-    x = t["wte"]["weight"][tokens] + t["wpe"]["weight"][positions]
+    x = embed(params, tokens, positions)
     causal = positions[None, :] <= positions[:, None]
-    for p in t["h"]:
-        x = block(p, x, n_head, lambda q, k, v: attend(q, k, v, causal))
-    return layer_norm(x, t["ln_f"]) @ t["wte"]["weight"].T
+    for p in params["transformer"]["h"]:
+        q, k, v = qkv(p, x, n_head)
+        x = finish_block(p, x, attend(q, k, v, causal))
+    return logits_of(params, x)
 
 
 def next_token(params, entry):
@@ -120,6 +140,49 @@ def next_token(params, entry):
     last = jnp.take_along_axis(logits, (entry["length"] - 1)[:, None, None], axis=1)[:, 0]
     return {"logits": last, "next_token": jnp.argmax(last, axis=-1).astype(jnp.int32)}
 
+
+def prefill(params, tokens, length, n_head=CONFIG["n_head"], max_length=MAX_LENGTH):
+    """Generation's first half, for one prompt padded to a compiled length: the KV cache row (every
+    layer's keys and values, room for ``max_length`` positions) and the greedy first token."""
+    positions = jnp.arange(tokens.shape[0])
+    x = embed(params, tokens, positions)
+    causal = positions[None, :] <= positions[:, None]
+    keys, values = [], []
+    room = ((0, 0), (0, max_length - tokens.shape[0]), (0, 0))
+    for p in params["transformer"]["h"]:
+        q, k, v = qkv(p, x, n_head)
+        keys.append(jnp.pad(k, room))
+        values.append(jnp.pad(v, room))
+        x = finish_block(p, x, attend(q, k, v, causal))
+    last = logits_of(params, x[length - 1])
+    state = {"k": jnp.stack(keys), "v": jnp.stack(values), "position": length}
+    return state, jnp.argmax(last).astype(jnp.int32)
+
+
+def _decode_one(params, state, token, n_head):
+    """One step of one sequence: the token at ``position`` goes through, its keys and values into the cache."""
+    position = state["position"]
+    x = embed(params, token[None], position[None])
+    visible = (jnp.arange(state["k"].shape[-2]) <= position)[None, :]
+    keys, values = [], []
+    for layer, p in enumerate(params["transformer"]["h"]):
+        q, k, v = qkv(p, x, n_head)
+        cache_k = jax.lax.dynamic_update_slice_in_dim(state["k"][layer], k, position, axis=1)
+        cache_v = jax.lax.dynamic_update_slice_in_dim(state["v"][layer], v, position, axis=1)
+        keys.append(cache_k)
+        values.append(cache_v)
+        x = finish_block(p, x, attend(q, cache_k, cache_v, visible))
+    token = jnp.argmax(logits_of(params, x[0])).astype(jnp.int32)
+    return {"k": jnp.stack(keys), "v": jnp.stack(values), "position": position + 1}, token
+
+
+def decode(params, state, last, n_head=CONFIG["n_head"]):
+    """Generation's step, every slot at once: each slot's last token in, its next (greedy) token out."""
+    return jax.vmap(_decode_one, in_axes=(None, 0, 0, None))(params, state, last, n_head)
+
+
+generation = js.Generation(prefill, decode, params=load(), slots=8, max_length=MAX_LENGTH,
+                           prefill_lengths=[16, CONTEXT])
 
 serving = js.Serving(next_token, params=load(), batch_size=8, batch_timeout=0.002,
                      input_template={"tokens": js.template((CONTEXT,), "int32"), "length": js.template((), "int32")})

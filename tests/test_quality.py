@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE_BUDGET = 9_500  # lines of src/jitserve, comments and docstrings included (+500: weights as params)
+LINE_BUDGET = 10_500  # lines of src/jitserve, comments and docstrings included (+500: params, +1,000: generation)
 
 
 def source_lines() -> int:

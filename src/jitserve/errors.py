@@ -46,6 +46,10 @@ class BatchError(JitserveError, ValueError):
     """Entries cannot form a batch (empty, or incompatible shapes, dtypes or structure)."""
 
 
+class PromptTooLongError(BatchError):
+    """A generation prompt is longer than the longest compiled prefill length (or ``max_length``)."""
+
+
 class BatchSizeError(JitserveError, ValueError):
     """A request is larger than the server batch size and the serving does not split."""
 

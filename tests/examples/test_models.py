@@ -5,6 +5,7 @@ and loaded with the same ``.safetensors`` weights (small configs; the README has
 from __future__ import annotations
 
 import importlib.util
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ def gpt2():
     config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["n_positions"], n_embd=c["n_embd"],
                         n_layer=c["n_layer"], n_head=c["n_head"], activation_function="gelu_new",
                         layer_norm_epsilon=module.LAYER_NORM_EPS, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-                        bos_token_id=0, eos_token_id=0)
+                        bos_token_id=None, eos_token_id=None)  # no end token: plain greedy, as js.Generation's
     return module, loaded(GPT2LMHeadModel(config), module.load())
 
 
@@ -82,3 +83,36 @@ def test_bert_served_from_text_agrees_with_transformers(bert, compiler):
         served = js.batched_run(name, texts)
     np.testing.assert_allclose(served["probabilities"], expected, rtol=1e-4, atol=1e-5)
     assert served["label"].tolist() == [module.LABELS[i].encode() for i in logits.argmax(-1)]
+
+
+def test_gpt2_generation_is_transformers_greedy_generate(gpt2):
+    """js.Generation over the example's KV-cache prefill and decode: the tokens of GPT2LMHeadModel.generate
+    (greedy), alone and with the prompts sharing the decode steps."""
+    module, reference = gpt2
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, module.CONFIG["vocab_size"], n).astype(np.int32) for n in (1, 4, 9, 16, 17, 32)]
+    with torch.no_grad():
+        expected = [reference.generate(torch.from_numpy(p[None]).long(), max_new_tokens=24,
+                                       do_sample=False)[0, len(p):].tolist() for p in prompts]
+    assert len({tuple(tokens) for tokens in expected}) == len(prompts) and len(set(expected[0])) > 3, \
+        "the weights generate varied tokens, so that agreement means something"
+    with js.serve(module.generation, name="gpt2-generate") as server:
+        assert [js.generate("gpt2-generate", p, max_steps=24).tolist() for p in prompts] == expected
+        results = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, js.generate("gpt2-generate", prompts[i], max_steps=24).tolist())) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert [results[i] for i in range(len(prompts))] == expected
+        assert server.stats()["max_slots_busy"] > 1
+
+
+def test_gpt2_generation_on_iree_names_what_iree_cannot_compile(gpt2):
+    module, _ = gpt2
+    on_iree = js.Generation(module.prefill, module.decode, params=module.generation.params, slots=2,
+                            max_length=module.MAX_LENGTH, prefill_lengths=[16], compiler="iree")
+    with pytest.raises(js.CompileError) as info:
+        js.serve(on_iree, name="gpt2-iree")
+    assert "IREE could not compile operation 'stablehlo.scatter'" in str(info.value)

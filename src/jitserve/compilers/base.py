@@ -76,8 +76,11 @@ class Compiler(abc.ABC):
             )
 
     @abc.abstractmethod
-    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
-        """Compile ``fn`` for positional arguments shaped like ``templates`` (pytrees of templates)."""
+    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
+                donate: Sequence[int] = ()) -> Executable:
+        """Compile ``fn`` for positional arguments shaped like ``templates`` (pytrees of templates).
+        ``donate``: positions of arguments the caller never uses again after the call (a generation's
+        decode state), whose buffers a compiler may reuse for the results; one that cannot ignores it."""
 
     @abc.abstractmethod
     def devices(self) -> list[Device]:

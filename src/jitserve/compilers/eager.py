@@ -21,7 +21,8 @@ class EagerCompiler(Compiler):
     name = "eager"
     compiles = False
 
-    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
+    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
+                donate: Sequence[int] = ()) -> Executable:
         flat, tree = flat_templates(templates)
         return Executable(fn, flat, tree, None)
 

@@ -23,7 +23,8 @@ class EvaluatorCompiler(Compiler):
     name = "evaluator"
     options = frozenset({"device", "free_after_last_use", "checks"})
 
-    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
+    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
+                donate: Sequence[int] = ()) -> Executable:
         graph = trace(fn, *templates)
         interpreter = Interpreter(graph, free_after_last_use=options.get("free_after_last_use", True),
                                   checks=options.get("checks"))

@@ -46,7 +46,8 @@ class IreeCompiler(Compiler):
     name = "iree"
     options = frozenset({"device", "iree_compiler_flags", "iree_runtime_options"})
 
-    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
+    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
+                donate: Sequence[int] = ()) -> Executable:
         device = _device(options)
         lowered = to_mlir(explicit(fn), list(templates))
         flags = options.get("iree_compiler_flags") or iree.default_flags(device)

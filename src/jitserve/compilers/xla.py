@@ -82,16 +82,17 @@ class XlaCompiler(Compiler):
     name = "xla"
     options = frozenset({"device"})
 
-    def _jit(self, fn: Callable[..., Any], options: Mapping[str, Any]) -> Any:
+    def _jit(self, fn: Callable[..., Any], options: Mapping[str, Any], donate: Sequence[int] = ()) -> Any:
         enable_persistent_cache(options.get("cache_dir"))
         device = options.get("device")
         if device is None:
-            return jax.jit(fn)
+            return jax.jit(fn, donate_argnums=tuple(donate))
         sharding = SingleDeviceSharding(resolve_device(device))
-        return jax.jit(fn, in_shardings=sharding, out_shardings=sharding)
+        return jax.jit(fn, in_shardings=sharding, out_shardings=sharding, donate_argnums=tuple(donate))
 
-    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any]) -> Executable:
-        compiled = self._jit(fn, options).lower(*abstract_tree(tuple(templates))).compile()
+    def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
+                donate: Sequence[int] = ()) -> Executable:
+        compiled = self._jit(fn, options, donate).lower(*abstract_tree(tuple(templates))).compile()
         flat, tree = flat_templates(templates)
         return Executable(compiled, flat, tree, _output_container(compiled.out_info))
 

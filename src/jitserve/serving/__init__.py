@@ -1,11 +1,17 @@
-"""Serving with dynamic batching: ``Serving``, the in-process ``Server``, its queues and the registry of names."""
+"""Serving with dynamic batching: ``Serving``, the in-process ``Server``, its queues and the registry of names;
+``Generation``, continuous batching of decode loops."""
 
+from .generation import Generation, GenerationServer
 from .queue import BatchPolicy
 from .registry import (
                        batched_run,
                        batched_run_async,
                        batched_stream,
                        batched_stream_async,
+                       generate,
+                       generate_async,
+                       generate_stream,
+                       generate_stream_async,
                        lookup,
                        register_cluster,
                        serve,
@@ -15,5 +21,6 @@ from .request import Request
 from .server import BatchReport, Server
 from .serving import Serving
 
-__all__ = ["BatchPolicy", "BatchReport", "Request", "Server", "Serving", "batched_run", "batched_run_async",
-           "batched_stream", "batched_stream_async", "lookup", "register_cluster", "serve", "servers"]
+__all__ = ["BatchPolicy", "BatchReport", "Generation", "GenerationServer", "Request", "Server", "Serving",
+           "batched_run", "batched_run_async", "batched_stream", "batched_stream_async", "generate", "generate_async",
+           "generate_stream", "generate_stream_async", "lookup", "register_cluster", "serve", "servers"]

@@ -10,17 +10,21 @@ front (the cluster's caller-side coalescer) by name.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..errors import OptionError, ServerExistsError, UnknownServerError
+from .generation import Generation, GenerationServer
 from .server import Server
-from .serving import Serving
+from .serving import Serving, optional_seconds
 
 LOCAL = "local"
 
-_servers: dict[str, Server] = {}
+_servers: dict[str, Server | GenerationServer] = {}
 _lock = threading.Lock()
 
 
@@ -45,7 +49,8 @@ def register_cluster(kind: str, cluster: Cluster) -> None:
     _clusters[kind] = cluster
 
 
-def serve(serving: Serving, name: str | None = None, cluster: str | None = None, **cluster_options: Any) -> Any:
+def serve(serving: Serving | Generation, name: str | None = None, cluster: str | None = None,
+          **cluster_options: Any) -> Any:
     """Start a server for ``serving`` registered as ``name`` (default: the function's name).
 
     With ``input_template`` set, every batch size is compiled on every
@@ -54,12 +59,15 @@ def serve(serving: Serving, name: str | None = None, cluster: str | None = None,
     (``replicas=``, ``weight=``, ``num_cpus=``, ``num_gpus=``; see
     :mod:`jitserve.cluster.ray`) and returns the cluster's handle.
     """
-    name = name or getattr(serving.fn, "__name__", None) or "serving"
+    fn = serving.decode if isinstance(serving, Generation) else serving.fn
+    name = name or getattr(fn, "__name__", None) or "serving"
     if cluster is not None:
+        if isinstance(serving, Generation):
+            raise OptionError("a js.Generation is served in this process (cluster= is for a js.Serving)")
         return _cluster(cluster).serve(serving, name, **cluster_options)
     if cluster_options:
         raise OptionError(f"{', '.join(sorted(cluster_options))}: only for a cluster serving (cluster='ray')")
-    server = Server(serving, name)
+    server = GenerationServer(serving, name) if isinstance(serving, Generation) else Server(serving, name)
     with _lock:
         if name in _servers:
             raise ServerExistsError(f"a server named {name!r} is already running; stop it or pick another name")
@@ -79,13 +87,13 @@ def _cluster(kind: str) -> Cluster:
     return cluster
 
 
-def unregister(name: str, server: Server) -> None:
+def unregister(name: str, server: Server | GenerationServer) -> None:
     with _lock:
         if _servers.get(name) is server:
             del _servers[name]
 
 
-def lookup(name: str | tuple[str, str]) -> Server:
+def lookup(name: str | tuple[str, str]) -> Server | GenerationServer:
     """The server for ``name``: here first, then in every connected cluster; ``(kind, name)`` forces one."""
     scope, bare = name if isinstance(name, tuple) else (None, name)
     if scope not in (None, LOCAL):
@@ -108,9 +116,23 @@ def lookup(name: str | tuple[str, str]) -> Server:
     raise UnknownServerError(f"no server named {bare!r} is running here (running: {running}){where}")
 
 
-def servers() -> dict[str, Server]:
+def servers() -> dict[str, Server | GenerationServer]:
     """The running servers of this process by name."""
     return dict(_servers)
+
+
+def _batching(name: str | tuple[str, str]) -> Server:
+    server = lookup(name)
+    if isinstance(server, GenerationServer):
+        raise OptionError(f"server {server.name!r} serves a js.Generation, not a js.Serving: call js.generate")
+    return server
+
+
+def _generating(name: str | tuple[str, str]) -> GenerationServer:
+    server = lookup(name)
+    if not isinstance(server, GenerationServer):
+        raise OptionError(f"server {server.name!r} serves a js.Serving, not a js.Generation: call js.batched_run")
+    return server
 
 
 def batched_run(name: str | tuple[str, str], value: Any, timeout: float | None = None,
@@ -118,13 +140,13 @@ def batched_run(name: str | tuple[str, str], value: Any, timeout: float | None =
     """Run ``value`` (a Batch, or what the serving's ``preprocess`` takes) on server ``name``, batched
     with concurrent callers, at ``priority`` (1 the most urgent level; None: the default); returns exactly
     this caller's rows. ``preprocess`` and ``postprocess`` run here, in the caller."""
-    return lookup(name).call(value, timeout, priority)
+    return _batching(name).call(value, timeout, priority)
 
 
 async def batched_run_async(name: str | tuple[str, str], value: Any, timeout: float | None = None,
                             priority: int | None = None) -> Any:
     """``batched_run`` for asyncio callers: awaits the rows without blocking the event loop."""
-    return await lookup(name).call_async(value, timeout, priority)
+    return await _batching(name).call_async(value, timeout, priority)
 
 
 def batched_stream(name: str | tuple[str, str], value: Any, timeout: float | None = None,
@@ -133,11 +155,42 @@ def batched_stream(name: str | tuple[str, str], value: Any, timeout: float | Non
     batch that ran some of them (the first rows while later ones still run), or one item per step of a
     serving that yields steps (``Serving(..., streaming=True)``). ``postprocess`` runs on each item.
     Closing the iterator early takes the rows that have not started off the queue."""
-    yield from lookup(name).open_stream(value, timeout, priority)
+    yield from _batching(name).open_stream(value, timeout, priority)
 
 
 async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout: float | None = None,
                                priority: int | None = None) -> AsyncIterator[Any]:
     """``batched_stream`` for asyncio callers (``async for``)."""
-    async for outputs in lookup(name).open_stream_async(value, timeout, priority):
+    async for outputs in _batching(name).open_stream_async(value, timeout, priority):
         yield outputs
+
+
+def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None) -> np.ndarray:
+    """Generate from ``prompt`` (1-D integer token ids) on generation server ``name``: every output, stacked
+    on a first axis; at most ``max_steps`` of them, ending right after one equal to the serving's ``eos``.
+    ``timeout``: give up if no slot frees within that many seconds."""
+    return np.stack(list(generate_stream(name, prompt, max_steps, timeout)))
+
+
+def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int,
+                    timeout: float | None = None) -> Iterator[Any]:
+    """:func:`generate` one output at a time, each as its step finishes; closing the iterator cancels the
+    request and frees its slot at the next step."""
+    optional_seconds("timeout", timeout)
+    server = _generating(name)
+    yield from server.outputs(server.submit(prompt, max_steps), timeout)
+
+
+async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
+                         timeout: float | None = None) -> np.ndarray:
+    """:func:`generate` for asyncio callers."""
+    return np.stack([output async for output in generate_stream_async(name, prompt, max_steps, timeout)])
+
+
+async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
+                                timeout: float | None = None) -> AsyncIterator[Any]:
+    """:func:`generate_stream` for asyncio callers (``async for``)."""
+    optional_seconds("timeout", timeout)
+    server = _generating(name)
+    async for output in server.outputs_async(server.submit(prompt, max_steps, asyncio.get_running_loop()), timeout):
+        yield output

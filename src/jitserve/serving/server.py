@@ -90,7 +90,33 @@ class _Partition:
                                        daemon=True)
 
 
-class Server(Corridor):
+class Lifecycle:
+    """What every kind of server shares with the registry and ``with`` blocks: ``stop``, the callbacks run
+    once it has stopped, and whether it is stopping."""
+
+    _stopping: bool
+    _on_stop: list[Callable[[Any], None]]
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def on_stop(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(server)`` once the server has stopped (the registry forgets its name)."""
+        self._on_stop.append(callback)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop()`` was called: no new requests are taken."""
+        return self._stopping
+
+
+class Server(Corridor, Lifecycle):
     """A named, running server of one :class:`Serving`. Use :func:`jitserve.serve` to start one.
 
     ``executors`` (one per partition) replace the compiled executors of the serving's own partitions;
@@ -107,7 +133,7 @@ class Server(Corridor):
         self._stopped = threading.Event()
         self._in_flight = 0
         self._listeners: list[Callable[[BatchReport], None]] = []
-        self._on_stop: list[Callable[[Server], None]] = []
+        self._on_stop: list[Callable[[Any], None]] = []
         self._stats: dict[str, Any] = {
             "requests": 0, "batches": 0, "rows": 0, "padded_rows": 0, "compiles": 0, "errors": 0,
             "rejected": 0, "timeouts": 0, "cancelled": 0, "stopped": 0, "bisect_runs": 0, "batch_sizes": {},
@@ -224,21 +250,6 @@ class Server(Corridor):
                 finished.append(request)
         self._stats["stopped"] += len(finished)
         return finished
-
-    def on_stop(self, callback: Callable[[Server], None]) -> None:
-        """Call ``callback(server)`` once the server has stopped (the registry forgets its name)."""
-        self._on_stop.append(callback)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    @property
-    def stopping(self) -> bool:
-        """True once ``stop()`` was called: no new requests are taken."""
-        return self._stopping
 
     @property
     def partitions(self) -> int:

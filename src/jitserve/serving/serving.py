@@ -174,7 +174,7 @@ class Executor:
         return buffers[leaf][:size].view(dtype).reshape(shape)
 
 
-def _owned_host_array(value: Any) -> np.ndarray:
+def owned_host_array(value: Any) -> np.ndarray:
     """A numpy copy of a device array (jax, or IREE's, whose host view may be reused by later calls):
     callers keep slices of the outputs."""
     to_host = getattr(value, "to_host", None)
@@ -191,7 +191,7 @@ def cut_rows(outputs: Any, rows: int, keep: int, inputs: Sequence[np.ndarray] | 
     cut = []
     for leaf in leaves:
         if type(leaf) is not np.ndarray:
-            array = _owned_host_array(leaf)
+            array = owned_host_array(leaf)
         elif inputs and any(np.may_share_memory(leaf, buffer) for buffer in inputs):
             array = leaf.copy()  # a view of the input buffer, which the next batch overwrites
         else:

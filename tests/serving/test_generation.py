@@ -1,0 +1,178 @@
+"""Generation: continuous batching of decode loops over slots (js.Generation, js.generate, js.generate_stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jitserve as js
+
+VOCAB = 97
+
+
+def prefill(params, tokens, length):
+    """A toy model whose state is (position, running sum) and whose output is the next id: deterministic,
+    depending only on this sequence, so that outputs show any mix-up between slots."""
+    total = jnp.sum(jnp.where(jnp.arange(tokens.shape[0]) < length, tokens, 0)) * params["scale"]
+    state = {"position": length, "total": total}
+    return state, (total % VOCAB).astype(jnp.int32)
+
+
+def decode(params, state, last):
+    total = state["total"] + last * params["scale"] + state["position"]
+    return {"position": state["position"] + 1, "total": total}, (total % VOCAB).astype(jnp.int32)
+
+
+def expected(prompt, steps, eos=None, max_length=64):
+    total = int(np.sum(prompt))
+    position = len(prompt)
+    out = [total % VOCAB]
+    while len(out) < steps and len(prompt) + len(out) < max_length and (eos is None or out[-1] != eos):
+        total = total + out[-1] + position
+        position += 1
+        out.append(total % VOCAB)
+    return out
+
+
+PARAMS = {"scale": np.int32(1)}
+
+
+def generation(**options):
+    return js.Generation(prefill, decode, params=PARAMS, slots=options.pop("slots", 4),
+                         max_length=options.pop("max_length", 64), prefill_lengths=options.pop("prefill_lengths", [8, 16]),
+                         **options)
+
+
+@pytest.mark.parametrize("compiler", ["xla", "iree", "evaluator"])
+def test_generate_and_stream_agree_with_the_model_run_alone(compiler):
+    prompt = np.array([3, 1, 4, 1, 5], np.int32)
+    with js.serve(generation(compiler=compiler), name="gen") as server:
+        compiles = server.stats()["compiles"]
+        assert compiles == 2 * 3 + 3 + 1  # prefill per (length, prompts), update per prompts, the step
+        assert js.generate("gen", prompt, max_steps=10).tolist() == expected(prompt, 10)
+        assert [int(o) for o in js.generate_stream("gen", prompt, max_steps=4)] == expected(prompt, 4)
+        assert js.generate("gen", [7], max_steps=1).tolist() == expected([7], 1)
+        assert server.stats()["compiles"] == compiles, "nothing compiles after warm-up"
+
+
+def test_eos_max_steps_and_max_length_stop_exactly():
+    prompt = np.array([2, 7], np.int32)
+    free_run = expected(prompt, 30)
+    eos = free_run[5]
+    with js.serve(generation(eos=eos), name="gen-eos"):
+        got = js.generate("gen-eos", prompt, max_steps=30).tolist()
+    assert got == free_run[:free_run.index(eos) + 1] and got[-1] == eos, "the eos output is the last one returned"
+    with js.serve(generation(max_length=12, prefill_lengths=[12]), name="gen-max"):
+        assert len(js.generate("gen-max", np.arange(10, dtype=np.int32), max_steps=50)) == 2  # 10 + 2 = 12
+        assert len(js.generate("gen-max", [1], max_steps=3)) == 3
+
+
+def test_outputs_do_not_depend_on_the_requests_sharing_the_steps():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 50, int(rng.integers(1, 16))).astype(np.int32) for _ in range(31)]
+    steps = [int(rng.integers(1, 40)) for _ in prompts]
+    with js.serve(generation(slots=8), name="gen-mix") as server:
+        alone = [js.generate("gen-mix", prompts[0], max_steps=steps[0]).tolist()]
+        results: dict[int, list[int]] = {}
+
+        def call(i):
+            results[i] = js.generate("gen-mix", prompts[i], max_steps=steps[i]).tolist()
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        stats = server.stats()
+    assert results[0] == alone[0]
+    for i, prompt in enumerate(prompts):
+        assert results[i] == expected(prompt, steps[i]), i
+    assert stats["max_slots_busy"] <= 8
+    assert stats["max_slots_busy"] > 1, "requests shared steps"
+
+
+def slow_decode(params, state, last):
+    time.sleep(0.02)
+    return {"position": state["position"] + 1, "total": state["total"] + 1}, np.asarray(last) + 0
+
+
+def test_a_short_request_that_arrives_later_finishes_before_the_long_ones():
+    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=4, max_length=512, prefill_lengths=[8],
+                         compiler="eager")
+    finished: dict[str, float] = {}
+    with js.serve(slow, name="gen-slow") as server:
+        def call(label, steps):
+            js.generate("gen-slow", [1, 2], max_steps=steps)
+            finished[label] = time.monotonic()
+
+        long_ones = [threading.Thread(target=call, args=(f"long{i}", 60)) for i in range(3)]
+        for thread in long_ones:
+            thread.start()
+        time.sleep(0.2)  # the long ones are decoding
+        short = threading.Thread(target=call, args=("short", 3))
+        short.start()
+        for thread in [*long_ones, short]:
+            thread.join(30)
+        assert server.stats()["compiles"] == 0
+    assert all(finished["short"] < finished[f"long{i}"] for i in range(3)), finished
+
+
+def test_a_closed_stream_frees_its_slot_at_the_next_step():
+    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=1, max_length=512, prefill_lengths=[8],
+                         compiler="eager")
+    with js.serve(slow, name="gen-cancel") as server:
+        stream = js.generate_stream("gen-cancel", [1], max_steps=400)
+        next(stream)
+        next(stream)
+        stream.close()
+        started = time.monotonic()
+        assert len(js.generate("gen-cancel", [5], max_steps=2)) == 2, "the one slot was free again"
+        assert time.monotonic() - started < 5
+        assert server.stats()["cancelled"] == 1
+
+
+def test_async_forms():
+    async def main():
+        first = await js.generate_async("gen-async", np.array([4, 4], np.int32), max_steps=5)
+        streamed = [int(o) async for o in js.generate_stream_async("gen-async", np.array([4, 4], np.int32),
+                                                                   max_steps=5)]
+        return first.tolist(), streamed
+
+    with js.serve(generation(), name="gen-async"):
+        first, streamed = asyncio.run(main())
+    assert first == streamed == expected([4, 4], 5)
+
+
+def test_bad_input_is_a_clear_error_and_the_server_keeps_generating():
+    with js.serve(generation(), name="gen-bad"):
+        with pytest.raises(js.BatchError) as info:
+            js.generate("gen-bad", np.array([], np.int32), max_steps=3)
+        assert str(info.value) == "the prompt is empty; send at least one token"
+        with pytest.raises(js.PromptTooLongError) as info:
+            js.generate("gen-bad", np.zeros(17, np.int32), max_steps=3)
+        assert str(info.value) == ("the prompt has 17 tokens, more than the longest prefill length (16; "
+                                   "max_length is 64)")
+        with pytest.raises(js.BatchError) as info:
+            js.generate("gen-bad", np.array([1.5, 2.0]), max_steps=3)
+        assert str(info.value) == "a prompt must be a 1-D array of integer token ids; got float64(2)"
+        with pytest.raises(js.OptionError) as info:
+            js.generate("gen-bad", [1], max_steps=0)
+        assert str(info.value) == "max_steps must be a positive integer, got 0"
+        assert js.generate("gen-bad", [1], max_steps=2).tolist() == expected([1], 2)
+    with js.serve(js.Serving(lambda x: x), name="not-gen"), pytest.raises(js.OptionError) as info:
+        js.generate("not-gen", [1], max_steps=2)
+    assert str(info.value) == "server 'not-gen' serves a js.Serving, not a js.Generation: call js.batched_run"
+
+
+def test_options_are_checked():
+    with pytest.raises(js.OptionError) as info:
+        generation(prefill_lengths=[8, 128])
+    assert str(info.value) == "prefill_lengths must be positive and at most max_length (64), got [8, 128]"
+    with pytest.raises(js.OptionError) as info:
+        generation(slots=0)
+    assert str(info.value) == "slots must be a positive integer, got 0"
