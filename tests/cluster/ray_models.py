@@ -50,3 +50,12 @@ def _labelled(result, count):
 
 text_serving = js.Serving(lambda x: x * 2, batch_size=4, batch_timeout=0.002, preprocess=_lengths,
                           postprocess=_labelled, input_template=js.template((1,), "float32"))
+
+
+def weights_serving(side: int = 7200) -> js.Serving:
+    """A serving with 207 MB of params (float32 side x side), whose answers show they arrived:
+    x * 2 + w[0, :4] with w[0, :4] = 1, 2, 3, 4."""
+    w = np.zeros((side, side), np.float32)
+    w[0, :4] = [1, 2, 3, 4]
+    return js.Serving(lambda params, x: x * 2 + params["w"][0, :4], params={"w": w}, batch_size=8,
+                      batch_timeout=0.002, input_template=js.template((4,), "float32"))

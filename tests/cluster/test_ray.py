@@ -318,6 +318,36 @@ def test_preprocess_and_postprocess_run_once_in_the_caller_not_in_the_replica(ra
         handle.stop()
 
 
+def test_a_replica_with_200_mb_of_params_restarts_after_its_deploying_driver_exited(ray_cluster):
+    """The weights live in the object store, owned by a detached holder actor; the replica's own constructor
+    arguments are the serving without them, so Ray can restart it with no driver left."""
+    done = subprocess.run([sys.executable, str(HERE / "ray_deploy.py"), ray_cluster.address, "heavy"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["heavy/0"]
+    x = _rows(3)
+    expected = x * 2 + np.array([1, 2, 3, 4], np.float32)
+    try:
+        np.testing.assert_array_equal(js.batched_run(("ray", "heavy"), js.Batch.concatenate([x])), expected)
+        replica = ray.get_actor("heavy/0", namespace="jitserve")
+        killed = ray.get(replica.info.remote())["pid"]
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # Ray restarts the actor from its own record, and it fetches the weights again
+            try:
+                if ray.get(replica.info.remote(), timeout=10)["pid"] != killed:
+                    break
+            except Exception:
+                assert time.monotonic() < deadline, "the replica was not restarted"
+                time.sleep(0.5)
+        np.testing.assert_array_equal(js.batched_run(("ray", "heavy"), js.Batch.concatenate([x]), timeout=60),
+                                      expected)
+    finally:
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["name"].startswith("heavy/"):
+                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
+
+
 def test_readme_scale_out_example_runs_in_another_driver(ray_cluster):
     import re
 

@@ -40,6 +40,7 @@ import sys
 import sysconfig
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,31 @@ def _cause(error: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
+class WeightsHolder:
+    """A detached actor that owns a serving's weights in Ray's object store, so that they outlive the driver
+    that deployed them: a replica started or restarted later (its constructor arguments are the serving
+    without its weights, small enough to live in the actor's own record) fetches them from here, and the
+    replicas of one node map the same shared-memory copy instead of each unpickling its own."""
+
+    def __init__(self, params: Any) -> None:
+        self._ref = [ray.put(params)]  # owned by this actor, not by the driver
+
+    def ref(self) -> list[Any]:
+        """The weights' object reference, in a list so that Ray hands it over rather than resolving it."""
+        return self._ref
+
+
+_HolderActor = ray.remote(WeightsHolder)
+
+
 class Replica:
     """One replica: the in-process server of a serving, inside a Ray actor (asyncio: many calls in flight)."""
 
-    def __init__(self, serving: Serving, name: str, index: int, weight: float) -> None:
+    def __init__(self, serving: Serving, name: str, index: int, weight: float, holder: str | None = None) -> None:
         run_cpu_computations_inline()  # too late only if unpickling the serving already ran JAX (its arrays)
+        if holder is not None:  # the weights, from the object store (zero-copy, shared on this node)
+            (ref,) = ray.get(ray.get_actor(holder, namespace=NAMESPACE).ref.remote())
+            serving = serving.with_params(ray.get(ref))
         self.name = f"{name}/{index}"
         self.serving = serving
         self.weight = weight
@@ -84,7 +105,7 @@ class Replica:
 
     def info(self) -> dict[str, Any]:
         """What routers need: the serving (its configuration travels to callers), capacity and place."""
-        return {"serving": self.serving.without_params(), "partitions": self.server.partitions, "weight": self.weight,
+        return {"serving": self.serving.with_params(None), "partitions": self.server.partitions, "weight": self.weight,
                 "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     async def run(self, rows: Any, batch_key: Any = None) -> tuple[Any, int]:
@@ -161,6 +182,12 @@ class RayServing:
         self._actor_options = actor_options
         self._spread = spread
         self._actors: dict[str, Any] = {}
+        self._holder: str | None = None  # the actor that owns the weights, for a serving with params
+        if serving.has_params:
+            self._holder = f"{name}/weights-{uuid.uuid4().hex[:8]}"
+            holder = _HolderActor.options(name=self._holder, namespace=NAMESPACE, lifetime="detached", num_cpus=0)
+            ray.get(holder.remote(serving.params).ref.remote())  # created, and the weights put, before replicas
+            self.serving = serving.with_params(None)
 
     @property
     def replicas(self) -> list[str]:
@@ -188,7 +215,7 @@ class RayServing:
                 placement[node] += 1
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
             started[actor_name] = _ReplicaActor.options(name=actor_name, **options).remote(
-                self.serving, self.name, index, self.weight)
+                self.serving, self.name, index, self.weight, self._holder)
         try:
             ray.get([actor.info.remote() for actor in started.values()])  # warm-up done: ready
         except BaseException:
@@ -224,9 +251,15 @@ class RayServing:
         return {"replicas": per_replica, "total": _total(per_replica.values())}
 
     def stop(self) -> None:
-        """Stop every replica gracefully (what has not started is re-sent elsewhere by its router)."""
+        """Stop every replica gracefully (what has not started is re-sent elsewhere by its router), then
+        free the weights."""
         for actor_name in list(self._actors):
             self._stop_replica(actor_name)
+        if self._holder is not None:
+            try:
+                ray.kill(ray.get_actor(self._holder, namespace=NAMESPACE), no_restart=True)
+            except ValueError:  # already gone
+                pass
 
     def __enter__(self) -> RayServing:
         return self

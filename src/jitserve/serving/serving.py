@@ -249,7 +249,7 @@ class Serving:
             raise OptionError(f"a Serving needs a function to serve, got {type(fn).__name__} {fn!r:.80}")
         self.fn = fn
         self.params = params
-        self.has_params = params is not None  # stays True in a copy without them (``without_params``)
+        self.has_params = params is not None  # stays True in a copy without them (``with_params(None)``)
         self.params_template = None if params is None else params_template(params)
         self.batch_sizes = _check_batch_sizes(batch_size, batch_sizes)
         self.batch_size = int(batch_size)
@@ -321,12 +321,13 @@ class Serving:
             raise OptionError("this serving was built without params=; it has no weights to update")
         return check_params(params, self.params_template)
 
-    def without_params(self) -> Serving:
-        """A copy that shares everything but the weights (their templates stay): what a worker process or a
-        cluster's caller needs, which get the weights another way or not at all."""
+    def with_params(self, params: Any) -> Serving:
+        """A copy that shares everything but the weights: ``None`` strips them (their templates stay: what a
+        worker process or a cluster's caller needs, which get the weights another way or not at all);
+        a tree puts them back, checked against the templates."""
         copy = Serving.__new__(Serving)
-        copy.__setstate__({**self.__getstate__(), "params": None,
-                           "_arguments": {**self._arguments, "params": None}})
+        copy.__setstate__({**self.__getstate__(), "params": None if params is None else self.check_params(params),
+                           "_arguments": {**self._arguments, "params": params}})
         return copy
 
     @functools.cached_property

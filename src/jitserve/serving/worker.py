@@ -82,7 +82,7 @@ class ProcessExecutor:
     def __init__(self, serving: Serving, options: Mapping[str, Any], on_compile: Callable[[], None],
                  label: str = "serving") -> None:
         compiler = compilers.get(serving.compiler_name)
-        self._payload = cloudpickle.dumps((serving.without_params(), _transportable(options), compiler))
+        self._payload = cloudpickle.dumps((serving.with_params(None), _transportable(options), compiler))
         self._versions = itertools.count()
         self._live: dict[int, Any] = {}  # the weights the worker holds, by version: sent again after a crash
         self._dropped: list[int] = []  # versions let go of, to tell the worker with the next message
