@@ -133,5 +133,10 @@ def flatten(params: Any) -> dict[str, np.ndarray]:
 
 
 def save_params(path: str | os.PathLike[str], params: Any) -> None:
-    """Write a tree of weights to a ``.safetensors`` file (names as :func:`flatten` gives them)."""
-    save_file({name: np.ascontiguousarray(array) for name, array in flatten(params).items()}, os.fspath(path))
+    """Write a tree of weights to a ``.safetensors`` file (names as :func:`flatten` gives them), atomically: a
+    new file renamed over the old one, so that a server that maps the old one keeps reading it intact
+    until it reloads."""
+    path = os.fspath(path)
+    partial = f"{path}.{os.getpid()}.partial"
+    save_file({name: np.ascontiguousarray(array) for name, array in flatten(params).items()}, partial)
+    os.replace(partial, path)

@@ -97,6 +97,7 @@ class HttpFront:
             ("GET", re.compile(r"/v2/models/stats"), self.statistics),
             ("GET", re.compile(r"/v2/models"), self.model_list),
             ("POST", re.compile(r"/v2/repository/index"), self.repository_index),
+            ("POST", re.compile(r"/v2/repository/models/(?P<model>[^/]+)/load"), self.load_model),
             ("GET", re.compile(model + "/ready"), self.model_ready),
             ("GET", re.compile(model + "/config"), self.model_config),
             ("GET", re.compile(model + "/stats"), self.statistics),
@@ -189,6 +190,22 @@ class HttpFront:
         except (ProtocolError, orjson.JSONDecodeError) as error:
             return _error(400, f"the repository index request must be a JSON object: {error}")
         return _json(200, self.service.repository_index(isinstance(options, dict) and options.get("ready") is True))
+
+    async def load_model(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str) -> Response:
+        """Triton's repository load of a served model: its weights reloaded from their file (see
+        ``InferenceService.load_model``)."""
+        try:
+            body, _ = await self._read_body(headers, receive)
+            try:
+                request = orjson.loads(body) if body.strip() else {}
+            except orjson.JSONDecodeError as error:
+                raise ProtocolError(f"the load request body is not valid JSON: {error}") from None
+            if not isinstance(request, dict):
+                raise ProtocolError("the load request must be a JSON object")
+            await self.service.load_model(model, request.get("parameters"))
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            return self._failed(model, error)
+        return _json(200, {})
 
     async def model_ready(self, model: str, version: str | None) -> Response:
         try:

@@ -8,6 +8,7 @@ each other and with in-process callers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -20,6 +21,7 @@ from ..errors import (
     BatchError,
     BatchSizeError,
     BodyTooLargeError,
+    CheckpointError,
     ProtocolError,
     QueueFullError,
     ServerStoppedError,
@@ -44,6 +46,7 @@ STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
     (BatchError, 400, "INVALID_ARGUMENT"),
     (BatchSizeError, 400, "INVALID_ARGUMENT"),
     (TemplateMismatchError, 400, "INVALID_ARGUMENT"),
+    (CheckpointError, 400, "INVALID_ARGUMENT"),
     (QueueFullError, 503, "UNAVAILABLE"),
     (ServerStoppedError, 503, "UNAVAILABLE"),
     (TimeoutError, 504, "DEADLINE_EXCEEDED"),
@@ -158,6 +161,25 @@ class InferenceService:
                              "compute_infer": _duration(count, stats.get("batch_execution_s", {}).get(size, 0) * 1e9)}
                             for size, count in sorted(stats["batch_sizes"].items())],
         }
+
+    async def load_model(self, name: str, parameters: Any = None) -> None:
+        """Triton's repository ``load`` of a model that is being served: reload its weights from the file they
+        came from, in every version, without a compile (``Server.reload_params``); the old weights serve
+        until the new ones are live. Loading what is not served, or with parameters, is not something
+        jitserve does, and is refused."""
+        if parameters:
+            raise ProtocolError(f"model '{name}': jitserve reloads a model's weights from their file; load "
+                                f"parameters ({', '.join(sorted(map(str, parameters)))}) are not supported")
+        specs = self.versions.get(name)
+        if specs is None:
+            self.model(name)  # the unknown-model error
+            return
+        for spec in specs.values():
+            if spec.server.serving.params_source is None:
+                raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
+                                    f"(Serving(params=PATH)): there is nothing to reload")
+        for spec in specs.values():
+            await asyncio.to_thread(spec.server.reload_params)
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "jitserve", "version": __version__, "extensions": EXTENSIONS}

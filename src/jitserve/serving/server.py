@@ -32,6 +32,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..batch import Batch
 from ..errors import BatchSizeError, OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError
+from ..params import load_params
 from .queue import BatchPolicy, Piece, Queues
 from .request import END, Corridor, Request
 from .serving import Executor, Serving, optional_seconds
@@ -201,6 +202,16 @@ class Server(Corridor, Lifecycle):
             weights = self._place(params)
             with self._lock:
                 self._weights = weights
+
+    def reload_params(self) -> None:
+        """:meth:`update_params` with the weights read again from the file the serving was given
+        (``params=PATH``): replace that file (write a new one and rename it over the old, as
+        ``save_params`` does) and reload, compiling nothing."""
+        source = self.serving.params_source
+        if source is None:
+            raise OptionError(f"server {self.name!r} was given its weights as arrays, not as a file "
+                              f"(params=PATH), so there is no file to reload them from")
+        self.update_params(load_params(source))
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests and end the threads once the work left is done; returns when it is.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from .. import compilers
 from ..batch import Batch, RowSignature
 from ..defn import defn_errors, resolve_options, warn_large_constants
 from ..errors import BatchError, OptionError, OutputShapeError
+from ..params import load_params
 from ..template import Template, check_params, is_template, params_template, template_of
 from .queue import BatchPolicy
 
@@ -248,6 +250,9 @@ class Serving:
         if not callable(fn):
             raise OptionError(f"a Serving needs a function to serve, got {type(fn).__name__} {fn!r:.80}")
         self.fn = fn
+        self.params_source = None if params is None or not isinstance(params, (str, os.PathLike)) \
+            else os.fspath(params)  # a weights file: where a reload reads them again
+        params = params if self.params_source is None else load_params(self.params_source)
         self.params = params
         self.has_params = params is not None  # stays True in a copy without them (``with_params(None)``)
         self.params_template = None if params is None else params_template(params)
