@@ -2,8 +2,9 @@
 
 Nothing is read when a file is loaded: every array is a read-only view of the
 file, memory-mapped, so the pages come in as the weights are first copied to
-a device and can be dropped again by the kernel (they are the file's, not a
-second copy). Dotted names become nesting (``encoder.layer.0.w`` is
+a device; :func:`release_pages` then drops them from the process (they are
+the file's, read again only if something reads the arrays), so that serving
+a checkpoint does not hold it twice. Dotted names become nesting (``encoder.layer.0.w`` is
 ``params["encoder"]["layer"][0]["w"]``), and a level whose keys are
 ``0..n-1`` becomes a list, so the tree reads as the model's code indexes it.
 :func:`save_params` writes a tree back as ``.safetensors`` with the same
@@ -13,6 +14,7 @@ names.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 import zipfile
@@ -63,7 +65,7 @@ def _safetensors(path: str) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path!r} holds tensors of dtype {', '.join(unknown)}, which jitserve cannot map; "
                               f"it reads {', '.join(SAFETENSORS_DTYPES)}")
     sizes = [math.prod(shape) * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize for _, dtype, shape in layout]
-    mapped = np.memmap(path, np.uint8, mode="r")
+    mapped = np.ndarray((os.path.getsize(path),), np.uint8, buffer=_mapping(path))
     at = mapped.size - sum(sizes)  # the tensors fill the file after its header, in the order of their offsets
     arrays = {}
     for (name, dtype, shape), size in zip(layout, sizes):
@@ -96,7 +98,29 @@ def _npz_member(path: str, archive: zipfile.ZipFile, raw: Any, member: zipfile.Z
     shape, fortran_order, dtype = read_header(raw)
     if dtype.hasobject:
         raise CheckpointError(f"{path!r}: {member.filename} holds Python objects, not numbers; it is not loaded")
-    return np.memmap(path, dtype, mode="r", offset=raw.tell(), shape=shape, order="F" if fortran_order else "C")
+    return np.ndarray(shape, dtype, buffer=_mapping(path), offset=raw.tell(), order="F" if fortran_order else "C")
+
+
+def _mapping(path: str) -> mmap.mmap:
+    """The whole file, mapped read-only (the arrays viewing it keep it mapped)."""
+    with open(path, "rb") as file:
+        return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def release_pages(params: Any) -> None:
+    """Drop from this process the resident pages of the files that ``params``' arrays map, the range of each
+    array, once its contents were copied where it runs: the pages are the file's, so an array that is read
+    again reads them back, and nothing changes but the memory the process holds."""
+    for leaf in jax.tree_util.tree_leaves(params):
+        base = leaf
+        while isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        mapping = base.obj if isinstance(base, memoryview) else base
+        if not isinstance(mapping, mmap.mmap) or not isinstance(leaf, np.ndarray) or leaf.size == 0:
+            continue
+        start = leaf.ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data
+        first_page = start - start % mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_DONTNEED, first_page, start + leaf.nbytes - first_page)
 
 
 def nest(flat: dict[str, Any], source: str = "the checkpoint") -> dict[str, Any]:

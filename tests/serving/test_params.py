@@ -205,6 +205,53 @@ def test_process_isolation_sends_the_weights_once_and_swaps_them():
 
 # load_params ------------------------------------------------------------------------------------
 
+def mapped(array):
+    """Whether ``array`` views a memory-mapped file."""
+    import mmap
+
+    base = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return isinstance(getattr(base, "obj", base), mmap.mmap)
+
+
+def resident_mb(path):
+    """How much of file ``path`` this process holds resident (its mappings' Rss in /proc/self/smaps)."""
+    import re
+
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+def test_a_served_checkpoint_is_not_held_twice(tmp_path):
+    """Once the weights are on the devices, the file's pages leave the process: one host copy, not two."""
+    params = {"layers": [{"w": np.random.default_rng(i).standard_normal((1024, 1024), np.float32) / np.float32(32)}
+                         for i in range(16)]}
+    path = tmp_path / "big.safetensors"  # 64 MB
+    save_params(path, params)
+    loaded = js.load_params(path)
+    assert sum(float(layer["w"][::64].sum()) for layer in loaded["layers"]) != 0 and resident_mb(path) > 1
+    np.testing.assert_array_equal(loaded["layers"][3]["w"], params["layers"][3]["w"])
+    assert resident_mb(path) > 60, "reading every weight brought the file's pages in"
+
+    def model(p, x):
+        for layer in p["layers"]:
+            x = jnp.tanh(x @ layer["w"])
+        return x
+
+    serving = js.Serving(model, params=loaded, batch_size=2, input_template=js.template((1024,), "float32"))
+    x = np.ones((1, 1024), np.float32) / 32
+    with js.serve(serving, name="params-held-once"):
+        assert resident_mb(path) < 1, f"{resident_mb(path):.1f} MB of the file still resident after placing"
+        np.testing.assert_allclose(js.batched_run("params-held-once", js.Batch.concatenate([x])),
+                                   np.asarray(model(params, x)), rtol=1e-4, atol=1e-5)
+
 def test_load_params_maps_safetensors_and_npz_into_nested_trees(tmp_path):
     params = weights(0)
     save_params(tmp_path / "model.safetensors", params)
@@ -213,11 +260,11 @@ def test_load_params_maps_safetensors_and_npz_into_nested_trees(tmp_path):
     for got, want in zip(loaded["layers"], params["layers"]):
         np.testing.assert_array_equal(got["w"], want["w"])
         np.testing.assert_array_equal(got["b"], want["b"])
-        assert isinstance(got["w"].base, np.memmap) and not got["w"].flags.writeable
+        assert mapped(got["w"]) and not got["w"].flags.writeable
     np.savez(tmp_path / "model.npz", **{"encoder.scale": np.float32(2), "encoder.layer.0.w": np.eye(2),
                                         "encoder.layer.1.w": np.ones((2, 3), order="F")})
     loaded = js.load_params(tmp_path / "model.npz")
-    assert isinstance(loaded["encoder"]["layer"][1]["w"], np.memmap)
+    assert mapped(loaded["encoder"]["layer"][1]["w"])
     np.testing.assert_array_equal(loaded["encoder"]["layer"][1]["w"], np.ones((2, 3)))
     assert loaded["encoder"]["scale"] == 2
     np.savez_compressed(tmp_path / "small.npz", x=np.arange(3))

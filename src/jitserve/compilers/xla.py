@@ -107,7 +107,8 @@ class XlaCompiler(Compiler):
 
     def place(self, tree: Any, options: Mapping[str, Any]) -> Any:
         device = options.get("device")
-        return jax.device_put(tree, resolve_device(device) if device is not None else jax.devices()[0])
+        placed = jax.device_put(tree, resolve_device(device) if device is not None else jax.devices()[0])
+        return jax.block_until_ready(placed)  # copied now: the host arrays may be released once this returns
 
     def devices(self) -> list[Device]:
         found = []

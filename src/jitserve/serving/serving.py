@@ -24,7 +24,7 @@ from .. import compilers
 from ..batch import Batch, RowSignature
 from ..defn import defn_errors, resolve_options, warn_large_constants
 from ..errors import BatchError, OptionError, OutputShapeError
-from ..params import load_params
+from ..params import load_params, release_pages
 from ..template import Template, check_params, is_template, params_template, template_of
 from .queue import BatchPolicy
 
@@ -150,8 +150,15 @@ class Executor:
 
     def place(self, params: Any) -> Any:
         """The serving's weights (a pytree shaped like ``params_template``) resident on this partition's
-        device, to give every :meth:`execute`."""
-        return self.compiler.place(params, self.options)
+        device, to give every :meth:`execute`: one array at a time, each memory-mapped array's file pages
+        released once it is copied, so that a loaded checkpoint is never held twice, not even while it is
+        placed."""
+        return jax.tree_util.tree_map(self._place_array, params)
+
+    def _place_array(self, array: Any) -> Any:
+        placed = self.compiler.place(array, self.options)
+        release_pages(array)
+        return placed
 
     def execute(self, batch: Batch, params: Any) -> Any:
         """Run one batch (``batch.size`` rows padded by ``batch.padding``) with ``params`` as :meth:`place`
