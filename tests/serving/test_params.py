@@ -375,3 +375,16 @@ def test_the_persistent_compile_cache_holds_no_weights_and_a_second_process_reus
     assert second == first, "same answers, from the cached executables"
     assert {path: path.stat().st_size for path in cache.rglob("*") if path.is_file()} == files, \
         "the second process found every executable in the cache"
+
+
+def test_a_streaming_serving_takes_its_params_first_and_swaps_them_between_batches():
+    def steps(params, x):
+        for step in range(3):
+            yield x * params["scale"] + step
+
+    serving = js.Serving(steps, params={"scale": np.float32(2)}, batch_size=2, streaming=True)
+    with js.serve(serving, name="params-streaming") as server:
+        batch = js.Batch.stack([np.ones(1, np.float32)])
+        assert [s.tolist() for s in js.batched_stream("params-streaming", batch)] == [[[2.0]], [[3.0]], [[4.0]]]
+        server.update_params({"scale": np.float32(10)})
+        assert [s.tolist() for s in js.batched_stream("params-streaming", batch)] == [[[10.0]], [[11.0]], [[12.0]]]
