@@ -109,6 +109,10 @@ def test_tritonclient_over_https_and_grpc_tls_with_the_key(server, certificate):
         secure.infer("mlp", [tensor])
     assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
     assert "Authorization: Bearer" in refused.value.message()
+    assert secure.is_server_live() and secure.is_server_ready(), "KServe's own health calls are open, as HTTP's"
+    with pytest.raises(InferenceServerException) as refused:
+        secure.get_model_metadata("mlp")
+    assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
 
 
 def test_grpc_health_needs_no_key_and_plaintext_is_refused(server, certificate):

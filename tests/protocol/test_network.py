@@ -277,6 +277,10 @@ BAD_REQUESTS = [
                                                "3.40282e+38 (an infinity is sent as \"Infinity\" or \"-Infinity\")"),
     (mlp_input(shape=[64, 16], data=[0.5] * 1000 + [-1e60] + [0.5] * 23), 400,  # simdjson reads this one
      "input 'input': -1e+60 does not fit FP32"),
+    ({**mlp_input(), "parameters": "x"}, 400, "the request: 'parameters' must be a JSON object, got str"),
+    (mlp_input(parameters=[1]), 400, "input 'input': 'parameters' must be a JSON object, got list"),
+    ({**mlp_input(), "outputs": [{"name": "output", "parameters": 3}]}, 400,
+     "output 'output': 'parameters' must be a JSON object, got int"),
     ({**mlp_input(), "parameters": {"binary_data_output": "false"}}, 400,
      "the request: parameter 'binary_data_output' must be true or false, got 'false'"),
     ({**mlp_input(), "outputs": [{"name": "output", "parameters": {"binary_data": 1}}]}, 400,
@@ -423,6 +427,18 @@ def test_client_text_cannot_forge_log_lines(server):
     status, _, _ = server.request("POST", "/v2/models/forged%0AERROR%20fake%20line/infer",
                                   json.dumps(mlp_input()).encode())  # the model name holds a newline
     assert status == 404
+
+
+def test_a_huge_unknown_model_name_is_cut_in_the_error_and_stays_not_found(server):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    tensor = grpcclient.InferInput("input", [1, 16], "FP32")
+    tensor.set_data_from_numpy(np.zeros((1, 16), np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("m" * 20_000, [tensor])
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    assert info.value.message().startswith("unknown model '" + "m" * 100 + "...'; this server has: ")
+    assert len(info.value.message()) < 400
+    server.assert_healthy()
 
 
 def test_unknown_model_and_endpoint(server):

@@ -3,8 +3,8 @@
 Both are off unless asked for. With a key, every call carries ``Authorization:
 Bearer KEY`` (HTTP header or gRPC metadata; ``X-API-Key: KEY`` is accepted
 over HTTP too), else it is answered 401 / UNAUTHENTICATED; health checks
-(``/v2/health/*``, ``grpc.health.v1``) stay open so that probes need no
-secret. Keys are compared in constant time.
+(``/v2/health/*``, ``grpc.health.v1``, KServe's ``ServerLive`` and
+``ServerReady``) stay open so that probes need no secret. Keys are compared in constant time.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import grpc
 from ..errors import OptionError
 
 OPEN_HTTP_PREFIX = "/v2/health/"
-OPEN_GRPC_PREFIX = "/grpc.health.v1."
+OPEN_GRPC = ("/grpc.health.v1.", "/inference.GRPCInferenceService/ServerLive",
+             "/inference.GRPCInferenceService/ServerReady")  # health, as HTTP's /v2/health/*
 UNAUTHORIZED = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
 CORS_METHODS = b"GET, POST, HEAD, OPTIONS"
 
@@ -89,7 +90,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_GRPC_PREFIX):
+        if handler is None or details.method.startswith(OPEN_GRPC):
             return handler
         metadata = dict(details.invocation_metadata or ())
         if self.access.allows(metadata.get("authorization")):

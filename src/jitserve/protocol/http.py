@@ -457,8 +457,8 @@ def _decode_request(request: dict[str, Any], binary: memoryview
         datatype, shape = tensor.get("datatype"), tensor.get("shape")
         if not isinstance(datatype, str):
             raise ProtocolError(f"input '{name}' needs a string 'datatype'")
-        parameters = tensor.get("parameters") or {}
-        size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+        parameters = _parameters(tensor, f"input '{name}'")
+        size = parameters.get("binary_data_size")
         if size is not None and "data" in tensor:
             raise ProtocolError(f"input '{name}' has both 'data' and a binary_data_size parameter; send one")
         if size is not None:
@@ -474,7 +474,7 @@ def _decode_request(request: dict[str, Any], binary: memoryview
     if offset != len(binary):
         raise ProtocolError(f"the body has {len(binary) - offset} bytes after the last binary input; "
                             f"binary_data_size must account for every byte")
-    parameters = request.get("parameters") or {}
+    parameters = _parameters(request, "the request")
     binary_all = _flag(parameters, "binary_data_output", "the request")
     outputs = request.get("outputs") or []
     if not isinstance(outputs, list):
@@ -483,11 +483,22 @@ def _decode_request(request: dict[str, Any], binary: memoryview
     for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise ProtocolError("each requested output must be an object with a string 'name'")
-        output_parameters = output.get("parameters") or {}
+        output_parameters = _parameters(output, f"output '{output['name']}'")
         chosen = _flag(output_parameters, "binary_data", f"output '{output['name']}'") \
-            if isinstance(output_parameters, dict) and "binary_data" in output_parameters else None
+            if "binary_data" in output_parameters else None
         requested.append((output["name"], chosen))
     return tensors, requested, binary_all
+
+
+def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
+    """A request's, input's or output's ``parameters``: a JSON object, or none; anything else is refused
+    rather than ignored."""
+    parameters = holder.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise ProtocolError(f"{where}: 'parameters' must be a JSON object, got {type(parameters).__name__}")
+    return parameters
 
 
 def _flag(parameters: Any, name: str, where: str) -> bool:

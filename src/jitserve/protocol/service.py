@@ -110,15 +110,17 @@ class InferenceService:
         self._counters: dict[tuple[str, str, str], Any] = {}  # requests_total children by labels
 
     def model(self, name: str, version: str | None = None) -> ModelSpec:
-        """The model ``name`` at ``version`` (None or empty: the highest); unknown ones are 404 / NOT_FOUND."""
+        """The model ``name`` at ``version`` (None or empty: the highest); unknown ones are 404 / NOT_FOUND
+        (the name cut to ``SHOWN_CHARACTERS``: a client's 20 KB name must not outgrow a gRPC status)."""
         specs = self.versions.get(name)
         if specs is None:
-            raise UnknownServerError(f"unknown model '{name}'; this server has: {', '.join(self.models) or 'none'}")
+            raise UnknownServerError(f"unknown model '{shown(name)}'; this server has: "
+                                     f"{', '.join(self.models) or 'none'}")
         if not version:
             return self.models[name]
         spec = specs.get(version)
         if spec is None:
-            raise UnknownServerError(f"model '{name}' has no version '{version}'; it has: {', '.join(specs)}")
+            raise UnknownServerError(f"model '{name}' has no version '{shown(version)}'; it has: {', '.join(specs)}")
         return spec
 
     def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
@@ -283,6 +285,13 @@ def _version_order(version: str) -> tuple[int, int | str]:
 
 
 LOGGED_CHARACTERS = 300
+SHOWN_CHARACTERS = 100
+
+
+def shown(text: str) -> str:
+    """A name a client sent, as an error message repeats it: at most ``SHOWN_CHARACTERS`` characters."""
+    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
+
 
 
 def loggable(text: str) -> str:
