@@ -3,7 +3,7 @@
 
 Needs nothing but ``python3`` (3.11 or newer). The environment lives in
 ``.venv``; each task installs the extras it needs (``serve``: ``http``, about
-700 MB; ``test``: everything, about 2 GB), again only when ``pyproject.toml``
+700 MB; ``test``: everything, about 2.6 GB), again only when ``pyproject.toml``
 changes or a task needs more (a stamp file holds what is installed), so a
 second run starts at once.
 
