@@ -110,7 +110,7 @@ def input_buffers(calls: int = 15) -> dict[bool, float]:
     for _ in range(calls):
         for reuse, executor in executors.items():  # alternating: this machine's speed drifts
             started = time.perf_counter()
-            executor.execute(batch)
+            executor.execute(batch, ())  # no weights: this serving has no params
             times[reuse].append(time.perf_counter() - started)
     return {reuse: statistics.median(spent[2:]) for reuse, spent in times.items()}  # the first ones compile
 
