@@ -108,8 +108,7 @@ class Generation:
 class GenerationRequest:
     """One prompt in flight: its outputs go to ``stream`` as they come, then END (or an exception)."""
 
-    __slots__ = ("prompt", "max_steps", "stream", "produced", "cancelled", "slot", "submitted", "first_at",
-                 "last_at", "admitted")
+    __slots__ = ("prompt", "max_steps", "stream", "produced", "cancelled", "slot", "submitted", "admitted")
 
     def __init__(self, prompt: np.ndarray, max_steps: int, loop: asyncio.AbstractEventLoop | None) -> None:
         self.prompt = prompt
@@ -120,8 +119,6 @@ class GenerationRequest:
         self.admitted = threading.Event()
         self.slot = -1  # its slot once admitted
         self.submitted = time.perf_counter()
-        self.first_at: float | None = None
-        self.last_at: float | None = None
 
 
 class _Programs:
@@ -425,12 +422,12 @@ class GenerationServer(Lifecycle):
         g = self.generation
         now = time.perf_counter()
         finished = []
+        delivered = 0
         for request, output in zip(requests, outputs):
             if request.cancelled:
                 continue
             request.produced += 1
-            if request.first_at is None:
-                request.first_at = now
+            delivered += 1
             request.stream.put(output)
             done = (request.produced >= request.max_steps
                     or request.prompt.size + request.produced >= g.max_length
@@ -439,7 +436,7 @@ class GenerationServer(Lifecycle):
                 request.stream.put(END)
                 finished.append(request)
         with self._lock:
-            self._stats["outputs"] += len(requests)
+            self._stats["outputs"] += delivered
             if prompt_positions:
                 self._stats["first_output_s"] += sum(now - r.submitted for r in requests)
             for request in finished:
