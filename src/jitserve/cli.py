@@ -190,6 +190,11 @@ LIMIT_FLAGS = {  # Limits field -> (type, help); each is the flag --field-with-d
     "write_timeout": (float, "seconds a client may stop reading its response before the connection is aborted"),
     "max_connections": (int, "open HTTP connections; one more is answered 503 and closed"),
     "max_grpc_calls": (int, "gRPC calls in flight; one more is refused RESOURCE_EXHAUSTED"),
+    "max_grpc_connections": (int, "open gRPC connections, counted from accept; one more is closed at once"),
+    "idle_timeout": (float, "seconds a gRPC connection may go without a call before it is closed (GOAWAY)"),
+    "max_stream_requests": (int, "requests of one gRPC stream in flight; beyond, the stream is not read"),
+    "stream_buffer_bytes": (int, "reply bytes of one gRPC stream waiting for its client; beyond, its requests "
+                                 "wait"),
 }
 
 

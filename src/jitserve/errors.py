@@ -98,6 +98,42 @@ class CheckpointError(JitserveError, ValueError):
     """A weights file cannot be read: not a .safetensors or .npz file, damaged, or of a dtype numpy lacks."""
 
 
+# the HTTP statuses a model may answer with on purpose, and their gRPC status names (google.rpc's mapping)
+MODEL_STATUSES: dict[int, str] = {
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ABORTED",
+    412: "FAILED_PRECONDITION", 413: "RESOURCE_EXHAUSTED", 416: "OUT_OF_RANGE", 422: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+}
+
+
+class ModelError(JitserveError):
+    """What a model (its function, ``preprocess`` or ``postprocess``) raises to answer a network client on
+    purpose: the client gets ``message`` with ``status`` (HTTP; gRPC gets the matching code), as Triton's
+    ``TritonError`` or KServe's ``InferenceError``. Any other exception a model raises, whatever its class,
+    is a 500 / INTERNAL whose details stay in the server log."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        if status not in MODEL_STATUSES:
+            raise OptionError(f"ModelError status must be one of {', '.join(map(str, MODEL_STATUSES))}; "
+                              f"got {status!r}")
+        super().__init__(message)
+        self.status = status
+
+
+_RAISED_BY_MODEL = "_jitserve_raised_by_model"
+
+
+def raised_by_model(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised by the user's model code (not by jitserve about the request): the network
+    answers it by where it arose, 500 / INTERNAL, not by its class. Returns it."""
+    setattr(error, _RAISED_BY_MODEL, True)
+    return error
+
+
+def is_raised_by_model(error: BaseException) -> bool:
+    return getattr(error, _RAISED_BY_MODEL, False)
+
+
 TRACER_ERRORS = (
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerArrayConversionError,

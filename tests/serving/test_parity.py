@@ -283,6 +283,31 @@ def test_a_serving_that_yields_steps_streams_each_step_to_each_caller():
         js.Serving(generate, streaming=True, compiler="xla")
 
 
+def test_a_streaming_batch_stops_at_its_next_step_once_nobody_reads_it():
+    steps_run = []
+    closed = threading.Event()
+
+    def generate(x):
+        try:
+            for step in range(40):
+                time.sleep(0.05)
+                steps_run.append(step)
+                yield x + step
+        finally:
+            closed.set()
+
+    serving = js.Serving(generate, batch_size=2, batch_timeout=0, streaming=True,
+                         input_template=js.template((1,), "float32"))
+    with js.serve(serving, name="left") as server:
+        stream = js.batched_stream("left", rows(1.0))
+        assert next(stream).tolist() == [[1.0]]
+        stream.close()
+        assert closed.wait(10), "the generator was not closed once its only reader left"
+        assert len(steps_run) <= 3, f"{len(steps_run)} of 40 steps ran for nobody"
+        assert [step.tolist() for step in js.batched_run("left", rows(5.0))][:2] == [[[5.0]], [[6.0]]]
+        assert server.stats()["cancelled"] == 1
+
+
 def test_asyncio_streams_and_a_caller_that_stops_early_frees_its_queued_rows():
     import asyncio
 

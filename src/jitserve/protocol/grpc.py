@@ -10,6 +10,7 @@ loop of its own thread; inference goes through the same servers as HTTP.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -28,7 +29,9 @@ from .access import Access, ApiKeyInterceptor
 from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents
 from .limits import Limits, Tls
 from .logs import REQUEST_ID, request_id
-from .service import InferenceService, status_of
+from .service import InferenceService, shown, status_of
+
+log = logging.getLogger("jitserve.grpc")
 
 SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -70,9 +73,11 @@ CONTENTS_FIELDS: dict[str, str] = {
 class GrpcFront:
     """The servicer: one coroutine per RPC."""
 
-    def __init__(self, service: InferenceService) -> None:
+    def __init__(self, service: InferenceService, limits: Limits) -> None:
         self.service = service
-        self.calls = 0  # inference calls in flight
+        self.limits = limits
+        self.streams: set[StreamCall] = set()
+        self.calls = 0  # inference calls in flight, and requests of streams
         self.last_call = 0.0  # loop time an inference call last ended
 
     async def quiet(self, seconds: float, deadline: float) -> None:
@@ -135,51 +140,165 @@ class GrpcFront:
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         """Triton's bidirectional stream (tritonclient's ``start_stream`` / ``async_stream_infer``): each
         request is answered with one response per batch that ran some of its rows (per step of a
-        streaming serving), as they are ready; errors come as ``error_message``. A request that asks for
-        ``triton_enable_empty_final_response`` gets a last, empty response marked ``triton_final_response``."""
+        streaming serving), as they are ready; errors come as ``error_message``, with the request's id. A
+        request that asks for ``triton_enable_empty_final_response`` gets a last, empty response marked
+        ``triton_final_response``. Bounded as :class:`StreamCall` says."""
         _tag_request(context)
-        responses: asyncio.Queue[Any] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-
-        async def answer(data: bytes) -> None:
-            model = ""
-            try:
-                request = parse(MESSAGES["ModelInferRequest"], data)
-                model = request.model_name
-                tensors = _decode_inputs(request)
-                names = [o.name for o in request.outputs] or None
-                served, stream = self.service.infer_stream(model, tensors, names, _priority(request),
-                                                           request.model_version)
-                async for outputs in stream:
-                    await responses.put(MESSAGES["ModelStreamInferResponse"](
-                        infer_response=_infer_response(model, served, request.id, outputs)))
-            except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
-                message = self.service.failed("grpc", model, error)[2]
-                await responses.put(MESSAGES["ModelStreamInferResponse"](error_message=message))
-                return
-            self.service.count(model, "grpc", "OK")
-            if _flag(request, "triton_enable_empty_final_response"):
-                final = MESSAGES["ModelInferResponse"](model_name=model, model_version=served, id=request.id)
-                final.parameters["triton_final_response"].bool_param = True
-                await responses.put(MESSAGES["ModelStreamInferResponse"](infer_response=final))
-
-        async def read() -> None:
-            async for data in requests:
-                task = asyncio.ensure_future(answer(data))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            while running:
-                await asyncio.gather(*list(running), return_exceptions=True)
-            await responses.put(None)
-
-        reader = asyncio.ensure_future(read())
+        call = StreamCall(self, context)
+        self.streams.add(call)
         try:
-            while (response := await responses.get()) is not None:
+            async for response in call.responses(requests):
                 yield response
+        finally:
+            self.streams.discard(call)
+
+    def drain(self) -> None:
+        """At shutdown: every open stream answers what it has accepted, refuses what comes after, and ends."""
+        for call in list(self.streams):
+            call.drain()
+
+
+class StreamCall:
+    """One ``ModelStreamInfer`` call under the server's limits. At most ``max_stream_requests`` of its requests
+    are in flight: beyond, the stream is not read, and HTTP/2 flow control holds the client back. Replies wait
+    for the client in a buffer of ``stream_buffer_bytes``: beyond, the requests that produce them wait. So
+    one stream holds at most the buffer and one reply per request in flight. A client that reads nothing
+    for ``write_timeout`` seconds while replies wait is cut off (UNAVAILABLE) and all of it freed. At
+    shutdown the stream refuses new requests (with ``DRAINING``), answers those in flight, and ends.
+    (gRPC cannot end a call while it holds a reply the client has not read: that one reply, and the
+    descriptor, stay until the client reads or goes away; ``max_grpc_connections`` bounds those.)"""
+
+    def __init__(self, front: GrpcFront, context: Any) -> None:
+        self.front = front
+        self.context = context
+        self.limits = front.limits
+        self.replies: asyncio.Queue[Any] = asyncio.Queue()  # (message, bytes), or None at the end
+        self.buffered = 0  # bytes of the replies waiting
+        self.room = asyncio.Condition()  # notified as replies leave the buffer
+        self.slots = asyncio.Semaphore(self.limits.max_stream_requests)
+        self.running: set[asyncio.Task[None]] = set()
+        self.sending_since: float | None = None  # loop time the reply being sent was handed to gRPC
+        self.draining = False
+        self.cut_off: str | None = None  # why the server ended the stream, once it has
+        self.reader: asyncio.Future[None] | None = None  # the task that reads the requests, once started
+
+    async def responses(self, requests: Any) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        reader = self.reader = asyncio.ensure_future(self._read(requests))
+        watchdog = asyncio.ensure_future(self._watch())
+        try:
+            while (reply := await self.replies.get()) is not None:
+                message, size = reply
+                self.sending_since = loop.time()
+                yield message
+                self.sending_since = None
+                async with self.room:
+                    self.buffered -= size
+                    self.room.notify_all()
+            if self.cut_off is not None:
+                await self.context.abort(grpc.StatusCode.UNAVAILABLE, self.cut_off)
+            if self.draining and not reader.done():  # ended by the shutdown, not by the client
+                await self.context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         finally:  # the client went away (or finished): its queued rows leave the queues
-            reader.cancel()
-            for task in list(running):
+            for task in (reader, watchdog, *self.running):
                 task.cancel()
+
+    def drain(self) -> None:
+        self.draining = True
+        if not self.running:
+            self.replies.put_nowait(None)
+
+    async def _read(self, requests: Any) -> None:
+        async for data in requests:
+            await self.slots.acquire()
+            if self.draining:
+                self.slots.release()
+                request = _parsed_or_none(data)
+                await self._put(_stream_error(request, getattr(request, "model_name", ""), DRAINING))
+                continue
+            task = asyncio.ensure_future(self._answer(data))
+            self.running.add(task)
+            self.front.calls += 1
+            task.add_done_callback(self._answered)
+        while self.running:
+            await asyncio.gather(*list(self.running), return_exceptions=True)
+        await self.replies.put(None)
+
+    def _answered(self, task: asyncio.Task[None]) -> None:
+        self.running.discard(task)
+        self.slots.release()
+        self.front.calls -= 1
+        self.front.last_call = asyncio.get_running_loop().time()
+        if self.draining and not self.running:
+            self.replies.put_nowait(None)
+
+    async def _put(self, message: Any) -> None:
+        """Queue a reply once the buffer has room (a reply larger than the buffer goes alone)."""
+        size = message.ByteSize()
+        async with self.room:
+            await self.room.wait_for(lambda: self.buffered < self.limits.stream_buffer_bytes)
+            self.buffered += size
+        self.replies.put_nowait((message, size))
+
+    async def _answer(self, data: bytes) -> None:
+        service = self.front.service
+        model = ""
+        request = None
+        try:
+            request = parse(MESSAGES["ModelInferRequest"], data)
+            model = request.model_name
+            tensors = _decode_inputs(request)
+            names = [o.name for o in request.outputs] or None
+            served, stream = service.infer_stream(model, tensors, names, _priority(request), request.model_version)
+            async for outputs in stream:
+                await self._put(MESSAGES["ModelStreamInferResponse"](
+                    infer_response=_infer_response(model, served, request.id, outputs)))
+        except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
+            await self._put(_stream_error(request, model, service.failed("grpc", model, error)[2]))
+            return
+        service.count(model, "grpc", "OK")
+        if _flag(request, "triton_enable_empty_final_response"):
+            final = MESSAGES["ModelInferResponse"](model_name=model, model_version=served, id=request.id)
+            final.parameters["triton_final_response"].bool_param = True
+            await self._put(MESSAGES["ModelStreamInferResponse"](infer_response=final))
+
+    async def _watch(self) -> None:
+        """Cut the stream off once a reply has waited ``write_timeout`` seconds for a client that does not
+        read (as HTTP's ``--write-timeout``): its requests are cancelled, its replies freed, it is read no
+        more."""
+        loop = asyncio.get_running_loop()
+        timeout = self.limits.write_timeout
+        while True:
+            await asyncio.sleep(timeout / 4)
+            since = self.sending_since
+            if since is not None and loop.time() - since >= timeout:
+                break
+        log.warning("a gRPC stream's client stopped reading its replies for %g s (--write-timeout): stream "
+                    "ended, %d requests in flight cancelled", timeout, len(self.running))
+        self.cut_off = f"the client did not read its replies for {timeout:g} s (--write-timeout)"
+        for task in (self.reader, *self.running):
+            if task is not None:
+                task.cancel()
+        while not self.replies.empty():
+            self.replies.get_nowait()
+        self.replies.put_nowait(None)  # gRPC holds the reply being sent; once it is read, the call ends
+
+
+def _parsed_or_none(data: bytes) -> Any:
+    try:
+        return parse(MESSAGES["ModelInferRequest"], data)
+    except ProtocolError:
+        return None
+
+
+def _stream_error(request: Any, model: str, message: str) -> Any:
+    """A stream's error reply: ``error_message``, and the request's id in ``infer_response`` as Triton sends
+    it (tritonclient shows only the message, so it names the id too)."""
+    request_id = "" if request is None else request.id
+    if request_id:
+        message = f"request '{shown(request_id)}': {message}"
+    return MESSAGES["ModelStreamInferResponse"](
+        error_message=message, infer_response=MESSAGES["ModelInferResponse"](model_name=model, id=request_id))
 
 
 async def _answer(context: Any, response: str, make: Callable[[], dict[str, Any]]) -> Any:
@@ -294,14 +413,20 @@ class GrpcServer:
                    # to 3,000): a burst gets CANCELLED. Let every call through to maximum_concurrent_rpcs, which
                    # refuses the excess with RESOURCE_EXHAUSTED, a status clients know to back off on.
                    ("grpc.server.max_pending_requests", PENDING_CALLS),
-                   ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
+                   ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
+                   # descriptors: connections are counted from accept (one more is closed at once), and one
+                   # must finish its TCP+TLS+HTTP/2 handshake within the read timeout (gRPC core's default is
+                   # 120 s) and is closed (GOAWAY) after idle_timeout seconds without a call
+                   ("grpc.max_allowed_incoming_connections", limits.max_grpc_connections),
+                   ("grpc.server_handshake_timeout_ms", max(1, int(limits.read_timeout * 1000))),
+                   ("grpc.max_connection_idle_ms", max(1, int(limits.idle_timeout * 1000)))]
         self._server: Any = None
         self._address = f"{host}:{port}"
         interceptors = [ApiKeyInterceptor(access)] if access.api_key is not None else []
         self._build: Callable[[], Any] = lambda: grpc.aio.server(
             options=options, maximum_concurrent_rpcs=limits.max_grpc_calls, interceptors=interceptors)
         self._tls = tls
-        self._front = GrpcFront(service)
+        self._front = GrpcFront(service, limits)
         self._health: Any = None
         self._stopping: Any = None  # the future of the server's stop, once begun
         self.port = port
@@ -340,6 +465,7 @@ class GrpcServer:
         answered calls have been told UNAVAILABLE first. Refused calls do not delay the stop, so a client
         that keeps calling may still meet that race, once."""
         await self._health.enter_graceful_shutdown()
+        self._front.drain()
         deadline = self._loop.time() + grace
         await self._front.quiet(QUIET_SECONDS, deadline)
         await self._server.stop(max(0.0, deadline - self._loop.time()))

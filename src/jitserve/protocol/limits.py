@@ -27,6 +27,10 @@ class Limits:
     write_timeout: float = 30.0  # --write-timeout: seconds a client may stop reading its response; then closed
     max_connections: int = 4096  # --max-connections: open HTTP connections; one more is answered 503 and closed
     max_grpc_calls: int = 4096  # --max-grpc-calls: gRPC calls in flight; one more is RESOURCE_EXHAUSTED
+    max_grpc_connections: int = 1024  # --max-grpc-connections: open gRPC connections, handshakes included
+    idle_timeout: float = 300.0  # --idle-timeout: seconds a gRPC connection may go without a call; then closed
+    max_stream_requests: int = 16  # --max-stream-requests: requests of one gRPC stream in flight; beyond, unread
+    stream_buffer_bytes: int = 16 * MiB  # --stream-buffer-bytes: replies of one gRPC stream waiting to be sent
     offload_bytes: int = 1 * MiB  # bodies from this size are decoded and encoded off the event loop, one at a time
 
     def __post_init__(self) -> None:

@@ -18,15 +18,18 @@ from typing import Any
 import numpy as np
 
 from ..errors import (
+    MODEL_STATUSES,
     BatchError,
     BatchSizeError,
     BodyTooLargeError,
     CheckpointError,
+    ModelError,
     ProtocolError,
     QueueFullError,
     ServerStoppedError,
     TemplateMismatchError,
     UnknownServerError,
+    is_raised_by_model,
 )
 from ..serving.server import Server
 from ..version import __version__
@@ -54,7 +57,13 @@ STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
 
 
 def status_of(error: BaseException) -> tuple[int, str]:
-    """The HTTP and gRPC status for an error; anything unexpected is 500 / INTERNAL."""
+    """The HTTP and gRPC status for an error, by where it arose: a model's :class:`ModelError` carries its
+    own; anything else a model raised, and anything unexpected, is 500 / INTERNAL; jitserve's own errors
+    about the request go by class."""
+    if isinstance(error, ModelError):
+        return error.status, MODEL_STATUSES[error.status]
+    if is_raised_by_model(error):
+        return 500, "INTERNAL"
     for kind, http, grpc in STATUSES:
         if isinstance(error, kind):
             return http, grpc
@@ -241,11 +250,12 @@ class InferenceService:
     def failed(self, protocol: str, model: str, error: BaseException) -> tuple[int, str, str]:
         """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
         client. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
-        the client gets only that id; a client's mistake is one warning line. What the client sent is
+        the client gets only that id; a client's mistake, or a model's :class:`ModelError` (whose message is
+        meant for the client), is one warning line. What the client sent is
         escaped and cut before it reaches the log."""
         http_status, grpc_status = status_of(error)
         status: int | str = http_status if protocol == "http" else grpc_status
-        if http_status == 500:
+        if http_status == 500 and not isinstance(error, ModelError):
             tag = REQUEST_ID.get() or request_id(None)
             log.error("%s: model '%s' failed (request id %s)", protocol, loggable(model), tag, exc_info=error)
             message = f"internal error in model '{model}'; the server log has the details under request id {tag}"

@@ -342,8 +342,8 @@ class Server(Corridor, Lifecycle):
                                            f"queue: {which} is {limit} rows")
 
     def _abandon(self, request: Request) -> None:
-        """A streaming caller stopped reading: its queued rows leave the queues (a running batch finishes,
-        unread). Counted as cancelled."""
+        """A streaming caller stopped reading: its queued rows leave the queues, and a running streaming
+        batch stops at its next step once none of its callers reads. Counted as cancelled."""
         with self._lock:
             if request.rows_left == 0:
                 return
@@ -467,7 +467,9 @@ class Server(Corridor, Lifecycle):
             if self.serving.streaming:  # each step reaches the callers as soon as the serving yields it
                 for step, step_outputs in enumerate(outputs):
                     with self._lock:
-                        self._deliver_step(pieces, step, step_outputs)
+                        if not self._deliver_step(pieces, step, step_outputs):
+                            break
+                outputs.close()  # a generator nobody reads any more stops here (its finally blocks run)
                 outputs = None
         except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
             if self.serving.isolate_failures and not self.serving.streaming:
@@ -551,16 +553,20 @@ class Server(Corridor, Lifecycle):
                     request.stream.put(END)
         return finished
 
-    def _deliver_step(self, pieces: list[Piece], step: int, outputs: Any) -> None:
-        """One step a streaming serving yielded: each caller's rows of it, to its stream or its parts."""
+    def _deliver_step(self, pieces: list[Piece], step: int, outputs: Any) -> bool:
+        """One step a streaming serving yielded: each caller's rows of it, to its stream or its parts. False
+        when none of the callers is waiting any more (each stopped reading): no more steps are wanted."""
+        wanted = False
         for piece, part in self._pieces_of(pieces, outputs):
             request = piece.request
             if request.error is not None:
                 continue
+            wanted = True
             if request.stream is not None:
                 request.stream.put((step, part))
             else:
                 request.parts.append((step, part))
+        return wanted
 
     @staticmethod
     def _fail(pieces: list[Piece], error: BaseException) -> list[Request]:

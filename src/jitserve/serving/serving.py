@@ -14,7 +14,7 @@ import functools
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,7 +23,7 @@ import numpy as np
 from .. import compilers
 from ..batch import Batch, RowSignature
 from ..defn import defn_errors, resolve_options, warn_large_constants
-from ..errors import BatchError, OptionError, OutputShapeError
+from ..errors import BatchError, OptionError, OutputShapeError, raised_by_model
 from ..params import load_params, release_pages
 from ..template import Template, check_params, is_template, params_template, template_of
 from .queue import BatchPolicy
@@ -167,9 +167,9 @@ class Executor:
         run = self.compiled(rows, batch.tree, batch.rows, batch.user_key)
         buffers = self._input_buffers  # empty unless reused: then outputs are checked against them
         inputs = batch.materialize(self._input_buffer if self._reuse_inputs else None)
-        outputs = run(params, inputs) if self.serving.has_params else run(inputs)
+        outputs = _model_code(run, params, inputs) if self.serving.has_params else _model_code(run, inputs)
         if self.serving.streaming:  # a generator of steps, each cut as it comes
-            return (cut_rows(step, rows, batch.size, buffers) for step in outputs)
+            return _steps_cut(outputs, rows, batch.size, buffers)
         return cut_rows(outputs, rows, batch.size, buffers)
 
     def _input_buffer(self, leaf: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -188,6 +188,27 @@ def owned_host_array(value: Any) -> np.ndarray:
     callers keep slices of the outputs."""
     to_host = getattr(value, "to_host", None)
     return np.array(to_host() if to_host is not None else value)
+
+
+def _model_code(function: Callable[..., Any], *arguments: Any) -> Any:
+    """``function(*arguments)``, the user's ``preprocess`` or ``postprocess``: what it raises is the model's
+    own failure."""
+    try:
+        return function(*arguments)
+    except Exception as error:
+        raised_by_model(error)
+        raise
+
+
+def _steps_cut(steps: Iterator[Any], rows: int, keep: int, inputs: Sequence[np.ndarray]) -> Iterator[Any]:
+    """A streaming serving's steps, each cut to the real rows as it comes; what its generator raises is the
+    model's own failure."""
+    try:
+        for step in steps:
+            yield cut_rows(step, rows, keep, inputs)
+    except Exception as error:
+        raised_by_model(error)
+        raise
 
 
 def cut_rows(outputs: Any, rows: int, keep: int, inputs: Sequence[np.ndarray] | None = None) -> Any:
@@ -388,7 +409,7 @@ class Serving:
     def prepare(self, value: Any) -> tuple[Batch, Any]:
         """The caller's input as ``(batch, info)``: through ``preprocess`` when given, which may return a
         Batch or ``(batch, info)`` (Nx's ``client_preprocessing``); info is ``NO_INFO`` without one."""
-        prepared = self.preprocess(value) if self.preprocess is not None else value
+        prepared = value if self.preprocess is None else _model_code(self.preprocess, value)
         batch, info = prepared if type(prepared) is tuple and len(prepared) == 2 else (prepared, NO_INFO)
         if not isinstance(batch, Batch):
             raise BatchError(
@@ -416,8 +437,8 @@ class Serving:
         if self.postprocess is None:
             return outputs
         if info is NO_INFO:
-            return self.postprocess(outputs)
-        return self.postprocess((outputs, tuple(metadata)), info)
+            return _model_code(self.postprocess, outputs)
+        return _model_code(self.postprocess, (outputs, tuple(metadata)), info)
 
     def run(self, value: Any) -> Any:
         """Run inline in the caller: any number of rows, in padded chunks of at most ``batch_size``."""

@@ -40,7 +40,7 @@ from .. import compilers
 from ..batch import Batch, RowSignature
 from ..compilers import Device
 from ..compilers.xla import run_cpu_computations_inline
-from ..errors import WorkerCrashedError
+from ..errors import WorkerCrashedError, raised_by_model
 from .serving import Executor, Serving, cut_rows
 
 
@@ -159,8 +159,12 @@ class ProcessExecutor:
         version = params.version if isinstance(params, WorkerWeights) else None
         with self._lock:
             dropped, self._dropped = self._dropped, []
-            compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.rows, batch.user_key,
-                                            batch.materialize(), version, dropped), rows)
+            try:
+                compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.rows,
+                                                batch.user_key, batch.materialize(), version, dropped), rows)
+            except Exception as error:  # the model's, from the worker, or the worker's crash while running it
+                raised_by_model(error)
+                raise
             if compiled:
                 self._on_compile()
                 self._warm[(rows, batch.tree, batch.rows, batch.user_key)] = None

@@ -1,0 +1,208 @@
+"""Issue 31's findings against the real `jitserve serve`: a model's own exceptions, gRPC streams that are not
+read or stay open at SIGTERM, and error replies that name their request. Loopback only; every load is bounded
+in count and time."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+pytest.importorskip("uvicorn")
+
+import jitserve as js
+from jitserve.protocol.grpc import MESSAGES
+from netutil import Running, start_server, stop
+
+MODELS = str(Path(__file__).with_name("hostile_models.py")) + ":models"
+STREAM_REQUESTS = 4
+STREAM_BUFFER = 8 * 2**20
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = start_server(MODELS, "--write-timeout", "2", "--max-stream-requests", str(STREAM_REQUESTS),
+                           "--stream-buffer-bytes", str(STREAM_BUFFER))
+    yield running
+    output = stop(running)
+    assert "Traceback (most recent call last)" in output  # the model's own failures, logged whole
+    assert "stopped reading its replies for 2 s (--write-timeout): stream ended" in output
+
+
+def infer_request(model: str, values, request_id: str = "") -> object:
+    request = MESSAGES["ModelInferRequest"](model_name=model, id=request_id)
+    array = np.asarray(values, np.float32).reshape(-1, 1)
+    request.inputs.add(name="input", datatype="FP32", shape=list(array.shape))
+    request.raw_input_contents.append(array.tobytes())
+    return request
+
+
+def channel_to(running: Running) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}",
+                                     options=[("grpc.max_receive_message_length", 64 * 2**20)])
+
+
+def open_stream(channel: grpc.aio.Channel):
+    return channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                 request_serializer=MESSAGES["ModelInferRequest"].SerializeToString,
+                                 response_deserializer=MESSAGES["ModelStreamInferResponse"].FromString)()
+
+
+def json_input(value: float) -> dict:
+    return {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
+
+
+def resident(running: Running) -> int:
+    for line in Path(f"/proc/{running.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc")
+
+
+# a model's own exceptions -------------------------------------------------------------------------------
+
+def test_a_models_exceptions_are_500_whatever_their_class_and_model_error_speaks_on_purpose(server):
+    for value in range(5):  # TimeoutError, BatchError, ProtocolError, QueueFullError, UnknownServerError
+        status, body = server.infer_json("raises", json_input(value))
+        assert status == 500, (value, body)
+        assert "internal error in model 'raises'; the server log has the details under request id" in body["error"]
+        assert "secret" not in body["error"]
+    assert server.infer_json("raises", json_input(5)) == (422, {"error": "the input must be below 5"})
+    assert server.infer_json("raises", json_input(6)) == (400, {"error": "said on purpose"})
+
+    async def over_grpc() -> list[tuple[str, str]]:
+        async with channel_to(server) as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                        request_serializer=MESSAGES["ModelInferRequest"].SerializeToString,
+                                        response_deserializer=MESSAGES["ModelInferResponse"].FromString)
+            answers = []
+            for value in (3, 5):
+                with pytest.raises(grpc.aio.AioRpcError) as failure:
+                    await infer(infer_request("raises", [value]), timeout=30)
+                answers.append((failure.value.code().name, failure.value.details()))
+            return answers
+
+    (internal, internal_text), said = asyncio.run(over_grpc())
+    assert internal == "INTERNAL" and "secret" not in internal_text
+    assert said == ("INVALID_ARGUMENT", "the input must be below 5")
+    server.assert_healthy()
+
+
+def test_model_error_takes_only_statuses_the_protocols_can_say():
+    assert js.ModelError("x", status=503).status == 503
+    with pytest.raises(js.OptionError, match="ModelError status must be one of 400, 401, .*; got 299"):
+        js.ModelError("x", status=299)
+
+
+# gRPC streams -------------------------------------------------------------------------------------------
+
+def test_a_stream_that_is_never_read_holds_bounded_memory_and_is_cut_off_after_the_write_timeout(server):
+    baseline = resident(server)
+
+    async def flood() -> tuple[int, int, str]:
+        async with channel_to(server) as channel:
+            call = open_stream(channel)
+            for index in range(100):  # 100 x 8 rows (3 KB): 800 MiB of replies, were they all made at once
+                await call.write(infer_request("wide", np.arange(8), f"r{index}"))
+            await asyncio.sleep(1.0)
+            peak = resident(server) - baseline
+            await asyncio.sleep(2.5)  # past the 2 s write timeout
+            received = 0
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for _ in call:
+                    received += 1
+            return peak, received, f"{ended.value.code().name}: {ended.value.details()}"
+
+    peak, received, ended = asyncio.run(asyncio.wait_for(flood(), 60))
+    # what one stream may hold: the reply buffer and a reply per request in flight (each made, encoded and
+    # serialized: a few copies of 8 MiB at a time), not the 800 MiB of all its replies
+    assert peak < 200 * 2**20, f"grew {peak / 2**20:.0f} MiB"
+    assert ended == "UNAVAILABLE: the client did not read its replies for 2 s (--write-timeout)"
+    assert received < STREAM_REQUESTS + 4
+    server.assert_healthy()
+
+
+def test_a_stream_that_reads_gets_every_reply_through_its_caps(server):
+    async def read_all() -> dict[str, float]:
+        async with channel_to(server) as channel:
+            call = open_stream(channel)
+
+            async def send() -> None:
+                for index in range(40):
+                    await call.write(infer_request("wide", [index] * 3, f"r{index}"))
+                await call.done_writing()
+
+            sender = asyncio.ensure_future(send())
+            rows: dict[str, list[float]] = {}  # a request's rows come in one reply per batch that ran some
+            async for reply in call:
+                assert reply.error_message == "", reply.error_message
+                output = np.frombuffer(reply.infer_response.raw_output_contents[0], np.float32).reshape(-1, 2**18)
+                rows.setdefault(reply.infer_response.id, []).extend(output[:, -1].tolist())
+            await sender
+            return rows
+
+    rows = asyncio.run(asyncio.wait_for(read_all(), 60))
+    assert rows == {f"r{index}": [float(index)] * 3 for index in range(40)}
+
+
+def test_stream_error_replies_name_their_request(server):
+    async def errors() -> list:
+        async with channel_to(server) as channel:
+            call = open_stream(channel)
+            await call.write(infer_request("slow", [1.0], "fine"))
+            await call.write(infer_request("nope", [1.0], "lost"))
+            bad = infer_request("slow", [1.0], "malformed")
+            bad.inputs[0].shape[:] = [3, 1]
+            await call.write(bad)
+            await call.done_writing()
+            return [reply async for reply in call]
+
+    replies = {reply.infer_response.id: reply for reply in asyncio.run(asyncio.wait_for(errors(), 60))}
+    assert set(replies) == {"fine", "lost", "malformed"}
+    assert replies["fine"].error_message == ""
+    assert replies["lost"].error_message.startswith("request 'lost': unknown model 'nope'")
+    assert replies["lost"].infer_response.model_name == "nope"
+    assert replies["malformed"].error_message == ("request 'malformed': input 'input': 4 bytes of binary data, "
+                                                  "expected 12 for FP32 [3, 1]")
+
+
+def test_sigterm_ends_an_open_stream_once_it_has_answered_what_it_accepted():
+    running = start_server(MODELS)
+
+    async def at_shutdown() -> tuple[list, str]:
+        async with channel_to(running) as channel:
+            call = open_stream(channel)
+            await call.write(infer_request("slow", [1.0], "accepted"))
+            await asyncio.sleep(0.2)  # it runs (0.5 s)
+            running.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.0)
+            try:
+                await call.write(infer_request("slow", [2.0], "late"))
+            except grpc.aio.AioRpcError:
+                pass  # the stream already ended
+            replies = []
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for reply in call:
+                    replies.append(reply)
+            return replies, f"{ended.value.code().name}: {ended.value.details()}"
+
+    try:
+        replies, ended = asyncio.run(asyncio.wait_for(at_shutdown(), 60))
+        exited_by = time.monotonic()
+        running.process.wait(timeout=20)  # not the 30 s grace: nothing was left to wait for
+    finally:
+        if running.process.poll() is None:
+            running.process.kill()
+    assert time.monotonic() - exited_by < 20
+    answered = {reply.infer_response.id: reply for reply in replies}
+    assert answered["accepted"].error_message == ""
+    assert np.frombuffer(answered["accepted"].infer_response.raw_output_contents[0], np.float32).tolist() == [2.0]
+    if "late" in answered:  # read before the stream ended: refused, not run
+        assert "the server is shutting down" in answered["late"].error_message
+    assert ended.startswith("UNAVAILABLE: the server is shutting down")
+    assert running.process.returncode == 0
