@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import resource
 import signal
 import socket
 import ssl
@@ -73,13 +74,18 @@ class Running:
         assert self.process.poll() is None
 
 
-def start_server(target: str, *extra: str, tls_ca: str | None = None) -> Running:
+def start_server(target: str, *extra: str, tls_ca: str | None = None, open_files: int | None = None) -> Running:
     """``jitserve serve target`` on two free ports with ``extra`` flags, once it reports ready (over HTTPS,
-    trusting ``tls_ca``, when given)."""
+    trusting ``tls_ca``, when given; allowed ``open_files`` descriptors, soft and hard, when given)."""
     port, grpc_port = free_port(), free_port()
+
+    def limit_files() -> None:
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     process = subprocess.Popen(
         [sys.executable, "-m", "jitserve", "serve", target, "--port", str(port), "--grpc-port", str(grpc_port),
-         *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=limit_files)
     running = Running(process, port, grpc_port, tls_ca)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

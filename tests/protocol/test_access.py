@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import subprocess
 import sys
 
@@ -25,18 +24,6 @@ from netutil import ROOT, start_server, stop  # noqa: E402
 KEY = "s3cret-key"
 ORIGIN = "http://app.example.test"
 BEARER = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make the test's certificate")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return cert, key
 
 
 @pytest.fixture(scope="module")

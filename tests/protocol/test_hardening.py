@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -206,3 +207,80 @@ def test_sigterm_ends_an_open_stream_once_it_has_answered_what_it_accepted():
         assert "the server is shutting down" in answered["late"].error_message
     assert ended.startswith("UNAVAILABLE: the server is shutting down")
     assert running.process.returncode == 0
+
+
+# file descriptors ---------------------------------------------------------------------------------------
+
+def descriptors(running: Running) -> int:
+    return len(list(Path(f"/proc/{running.process.pid}/fd").iterdir()))
+
+
+def settle(running: Running, baseline: int, seconds: float = 15) -> int:
+    """The server's open descriptors once back within a few of ``baseline`` (or after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while (count := descriptors(running)) > baseline + 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return count
+
+
+def http_answer(connection: socket.socket) -> bytes:
+    """What the server sends on ``connection`` until it closes; a reset before any answer raises."""
+    data = b""
+    while chunk := connection.recv(65536):
+        data += chunk
+    return data
+
+
+def test_at_1024_descriptors_idle_grpc_connections_and_a_refused_burst_leave_http_answering(certificate):
+    running = start_server(MODELS, "--read-timeout", "2", open_files=1024)
+    held: list[socket.socket] = []
+    try:
+        output = running.output()
+        assert "connection caps lowered to fit the 1024 files the process may open: --max-connections 4096 -> " \
+               "614, --max-grpc-connections 1024 -> 154" in output
+        baseline = descriptors(running)
+        for _ in range(1100):  # idle TCP connections to the gRPC port: once, they took every descriptor
+            held.append(socket.create_connection(("127.0.0.1", running.grpc_port)))
+        assert running.request("GET", "/v2/health/ready")[0] == 200
+        for _ in range(614):  # HTTP connections up to the cap
+            held.append(socket.create_connection(("127.0.0.1", running.port)))
+        time.sleep(0.5)
+        burst = [socket.create_connection(("127.0.0.1", running.port)) for _ in range(600)]
+        answers = []
+        for connection in burst:  # each is answered 503 with Retry-After, none reset
+            connection.settimeout(10)
+            answers.append(http_answer(connection))
+            connection.close()
+        assert all(answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in answer for answer in answers)
+        for connection in held:
+            connection.close()
+        held.clear()
+        assert settle(running, baseline) <= baseline + 4
+        assert running.infer_json("slow", json_input(1.0)) == (200, running.infer_json("slow", json_input(1.0))[1])
+    finally:
+        for connection in held:
+            connection.close()
+        output = stop(running)
+    assert "Traceback" not in output
+
+
+def test_stalled_tls_handshakes_are_counted_and_cut_at_the_read_timeout(certificate):
+    cert, key = certificate
+    running = start_server(MODELS, "--tls-cert", str(cert), "--tls-key", str(key), "--read-timeout", "1",
+                           "--max-connections", "10", tls_ca=str(cert))
+    try:
+        baseline = descriptors(running)
+        stalled = [socket.create_connection(("127.0.0.1", running.port)) for _ in range(10)]
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", running.port))  # past the cap: closed before a handshake
+        extra.settimeout(10)
+        assert http_answer(extra) == b""
+        for connection in stalled:  # no ClientHello for 1 s: closed
+            connection.settimeout(10)
+            assert http_answer(connection) == b""
+        assert settle(running, baseline) <= baseline + 4
+        status, _, _ = running.request("GET", "/v2/health/ready")
+        assert status == 200
+    finally:
+        output = stop(running)
+    assert "TLS connection closed before its handshake: the server holds its limit of 10 open connections" in output

@@ -34,7 +34,9 @@ from .service import InferenceService
 
 log = logging.getLogger("jitserve.serve")
 
-FILES_KEPT_FREE = 256  # open files kept for gRPC's connections, compilers and logs beside the HTTP connections
+# open files kept beside the HTTP and gRPC connections: compilers, model files, logs, and refused connections
+# lingering (LINGERING_REFUSALS)
+FILES_KEPT_FREE = 256
 
 
 class _Shutdown:
@@ -69,9 +71,13 @@ class _HttpServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def event_loop_factory(tls: bool = False) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop where it is installed (uvicorn[standard] brings it), else asyncio's. uvicorn picks
-    it only when it runs the loop itself; jitserve runs uvicorn's server on a loop of its own making."""
+    it only when it runs the loop itself; jitserve runs uvicorn's server on a loop of its own making.
+    With TLS, asyncio's: the connection guards start TLS on a paused connection (``loop.start_tls``), and
+    uvloop 0.23 then hands some later connections' bytes to the protocol still encrypted."""
+    if tls:
+        return None
     try:
         import uvloop
     except ImportError:
@@ -116,14 +122,22 @@ def raise_file_limit() -> int:
     return hard
 
 
-def fit_connections(limits: Limits, open_files: int) -> Limits:
-    """``limits`` with at most as many HTTP connections as leave files for gRPC, models and logs."""
-    fitting = max(open_files - FILES_KEPT_FREE, 1)
-    if limits.max_connections <= fitting:
+def fit_connections(limits: Limits, open_files: int, grpc: bool = True) -> Limits:
+    """``limits`` with at most as many HTTP (and gRPC) connections as leave ``FILES_KEPT_FREE`` of the
+    ``open_files`` the process may hold: both caps lowered in proportion, so that a flood of connections to
+    one front cannot take the descriptors the other, the models and the logs need."""
+    room = max(open_files - FILES_KEPT_FREE, 2)
+    wanted = limits.max_connections + (limits.max_grpc_connections if grpc else 0)
+    if wanted <= room:
         return limits
-    log.warning("--max-connections lowered from %d to %d: the process may open %d files",
-                limits.max_connections, fitting, open_files)
-    return dataclasses.replace(limits, max_connections=fitting)
+    http = max(1, limits.max_connections * room // wanted)
+    fitted = dataclasses.replace(limits, max_connections=http,
+                                 max_grpc_connections=max(1, room - http) if grpc else limits.max_grpc_connections)
+    log.warning("connection caps lowered to fit the %d files the process may open: --max-connections %d -> %d%s",
+                open_files, limits.max_connections, fitted.max_connections,
+                f", --max-grpc-connections {limits.max_grpc_connections} -> {fitted.max_grpc_connections}"
+                if grpc else "")
+    return fitted
 
 
 def http_config(service: InferenceService, host: str, port: int, limits: Limits = Limits(), access: Access = Access(),
@@ -131,9 +145,10 @@ def http_config(service: InferenceService, host: str, port: int, limits: Limits 
     """uvicorn's configuration of jitserve's HTTP front: the connection guards of ``limits``, no access log, no
     lifespan or proxy headers; at shutdown requests in flight have ``grace`` seconds."""
     return uvicorn.Config(HttpFront(service, limits, access), host=host, port=port, lifespan="off",
-                          proxy_headers=False, http=GuardedHttpProtocol.factory(limits), server_header=False,
-                          ssl_certfile=None if tls is None else tls.cert, ssl_keyfile=None if tls is None else tls.key,
-                          access_log=False, log_level="warning", log_config=None,
+                          proxy_headers=False, server_header=False, access_log=False, log_level="warning",
+                          log_config=None,
+                          # TLS is the protocol's, which counts a connection and times its handshake from accept
+                          http=GuardedHttpProtocol.factory(limits, None if tls is None else tls.server_context()),
                           # seconds as a float work (uvicorn waits with asyncio); its annotation says int
                           timeout_graceful_shutdown=grace)  # type: ignore[arg-type]
 
@@ -149,7 +164,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     optional_seconds("request_timeout", request_timeout)  # checked before anything starts: a NaN drain
     optional_seconds("drain_timeout", drain_timeout)  # timeout would otherwise fail only at exit
     check_ports_free(host, [port, grpc_port])
-    limits = fit_connections(limits, raise_file_limit())
+    limits = fit_connections(limits, raise_file_limit(), grpc=grpc_port is not None)
     grace = 30.0 if drain_timeout is None else drain_timeout  # seconds the drain may take at shutdown
     signal.signal(signal.SIGTERM, _Shutdown())
     servers: dict[str, Server] = {}
@@ -177,7 +192,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         http_server = _HttpServer(config, stop_accepting)
         log.info("HTTP: %s://%s:%d/v2 (models: %s; metrics at /metrics)%s", "https" if tls else "http", host, port,
                  ", ".join(servers), "; API key required" if access.api_key is not None else "")
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory(tls is not None)) as runner:
             runner.run(http_server.serve())
     except KeyboardInterrupt as reason:
         log.info("%s: shutting down", str(reason) or "SIGINT")

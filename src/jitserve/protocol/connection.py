@@ -6,7 +6,16 @@ response may wait for a client that stopped reading; a few hundred stalled
 sockets would hold every file descriptor and a few unread responses the
 memory. This protocol enforces the :class:`~.limits.Limits`:
 
-- a connection beyond ``max_connections`` is answered 503 and closed at once;
+- a connection beyond ``max_connections`` is answered 503 and closed at once
+  (over TLS: closed before its handshake); connections are counted from
+  accept, TLS handshakes included, and a handshake must finish within
+  ``read_timeout`` (asyncio's default is 60 s): TLS is set up here, with
+  ``loop.start_tls``, rather than by the listening socket, where a stalled
+  handshake is neither counted nor cut;
+- a refused connection lingers up to ``LINGER_SECONDS`` so that its client
+  reads the answer; at most ``LINGERING_REFUSALS`` at a time, each new one
+  cutting the oldest short, so that a burst cannot spend the spare
+  descriptors;
 - the request line and headers must arrive within ``read_timeout`` seconds,
   and the body may pause at most that long between reads: else 408 and closed
   (nothing of the request runs);
@@ -19,9 +28,13 @@ memory. This protocol enforces the :class:`~.limits.Limits`:
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import dataclasses
 import functools
 import json
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +46,7 @@ from .limits import Limits
 log = logging.getLogger("jitserve.http")
 
 LINGER_SECONDS = 1.0
+LINGERING_REFUSALS = 64  # descriptors refused connections may hold while their clients read the answer
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
 
@@ -43,12 +57,25 @@ class _RefusalError(Exception):
         self.status = status
 
 
-class GuardedHttpProtocol(HttpToolsProtocol):
-    """One HTTP connection, under the server's limits."""
+@dataclasses.dataclass
+class Spent:
+    """What one HTTP server's connections hold beyond uvicorn's count of open ones: TLS handshakes under way,
+    and refused connections lingering."""
 
-    def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
+    handshaking: int = 0
+    lingering: collections.deque[asyncio.Transport] = dataclasses.field(default_factory=collections.deque)
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """One HTTP connection, under the server's limits; TLS, when ``tls`` is given, set up once counted."""
+
+    def __init__(self, *args: Any, limits: Limits, spent: Spent, tls: ssl.SSLContext | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self.spent = spent
+        self.tls = tls
+        self._before_open: list[bytes] | None = None  # TLS: what arrived before the handshake's end was seen
+        self._lost = False
         self._reading_headers = True
         self._header_bytes = 0
         self._read_deadline: float | None = None  # loop time the request being read is overdue; None: none is
@@ -58,26 +85,72 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refused = False
 
     @classmethod
-    def factory(cls, limits: Limits) -> Any:
-        """What uvicorn's ``Config(http=...)`` takes: this class with the limits bound."""
-        return functools.partial(cls, limits=limits)
+    def factory(cls, limits: Limits, tls: ssl.SSLContext | None = None) -> Any:
+        """What uvicorn's ``Config(http=...)`` takes: this class with the limits, a count of what one server's
+        connections spend and the TLS context (uvicorn's own ``ssl`` stays unset) bound."""
+        return functools.partial(cls, limits=limits, spent=Spent(), tls=tls)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections:
-            self.transport = transport
-            self._refuse(503, f"the server holds its limit of {self.limits.max_connections} open connections; "
-                              f"retry later")
+        self.transport = transport
+        if len(self.connections) + self.spent.handshaking >= self.limits.max_connections:
+            message = f"the server holds its limit of {self.limits.max_connections} open connections; retry later"
+            if self.tls is None:
+                self._refuse(503, message)
+            else:
+                log.warning("client %s: TLS connection closed before its handshake: %s", self._peer(), message)
+                transport.abort()
             return
+        if self.tls is None:
+            self._open(transport)
+            return
+        transport.pause_reading()  # nothing reaches the HTTP parser before the handshake takes over
+        self._before_open = []
+        self.spent.handshaking += 1
+        self.loop.create_task(self._handshake(transport, self.tls))
+
+    def _open(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._arm_read(self._headers_overdue)
 
+    async def _handshake(self, transport: asyncio.Transport, tls: ssl.SSLContext) -> None:
+        """TLS on the accepted connection, within ``read_timeout``; a connection that fails or stalls it is
+        closed (logged at debug: scanners and health checks do it all day)."""
+        try:
+            secure = await self.loop.start_tls(transport, self, tls, server_side=True,
+                                               ssl_handshake_timeout=self.limits.read_timeout)
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as error:
+            log.debug("client %s: TLS handshake failed: %s", self._peer(), error or type(error).__name__)
+            transport.abort()
+            return
+        except BaseException:
+            transport.abort()
+            raise
+        finally:
+            self.spent.handshaking -= 1
+        received, self._before_open = self._before_open or [], None
+        if secure is None or self._lost:  # the client went away as the handshake ended
+            transport.abort()
+            return
+        self._open(secure)
+        for data in received:  # the request may come with the handshake's end, before start_tls returns
+            self.data_received(data)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._before_open is not None:  # a TLS connection that never opened
+            self._lost = True
+            return
+        if self._refused:  # its client read the answer and closed: no need to linger
+            with contextlib.suppress(ValueError):
+                self.spent.lingering.remove(self.transport)
         for timer in (self._read_timer, self._write_timer):
             if timer is not None:
                 timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._before_open is not None:
+            self._before_open.append(data)
+            return
         if self._refused:  # answered and closing: what the client still sends is read and dropped
             return
         self._unset_keepalive_if_required()
@@ -206,7 +279,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                              b"connection: close\r\n%s\r\n%s" % (status, REASONS[status], len(body), retry, body))
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.loop.call_later(LINGER_SECONDS, self.transport.abort)
+        lingering = self.spent.lingering
+        if len(lingering) >= LINGERING_REFUSALS:  # the one that has lingered longest has had its time
+            lingering.popleft().abort()
+        lingering.append(self.transport)
+        self.loop.call_later(LINGER_SECONDS, self._linger_over, self.transport)
+
+    def _linger_over(self, transport: asyncio.Transport) -> None:
+        with contextlib.suppress(ValueError):  # already cut short by newer refusals
+            self.spent.lingering.remove(transport)
+            transport.abort()
 
     def _peer(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None

@@ -73,7 +73,7 @@ CONTENTS_FIELDS: dict[str, str] = {
 class GrpcFront:
     """The servicer: one coroutine per RPC."""
 
-    def __init__(self, service: InferenceService, limits: Limits) -> None:
+    def __init__(self, service: InferenceService, limits: Limits = Limits()) -> None:
         self.service = service
         self.limits = limits
         self.streams: set[StreamCall] = set()

@@ -9,6 +9,7 @@ defaults admit any ordinary client, including tritonclient with large tensors.
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from pathlib import Path
 
 from ..errors import OptionError
@@ -51,6 +52,12 @@ class Tls:
         for what, path in (("certificate", self.cert), ("key", self.key)):
             if not Path(path).is_file():
                 raise OptionError(f"TLS {what} file {path!r} does not exist")
+
+    def server_context(self) -> ssl.SSLContext:
+        """The HTTPS front's TLS context: Python's defaults for a server (TLS 1.2 and up), this chain and key."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        return context
 
     def cert_bytes(self) -> bytes:
         return Path(self.cert).read_bytes()

@@ -1,0 +1,19 @@
+"""Fixtures the network tests share."""
+
+import shutil
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """A self-signed certificate and its key for 127.0.0.1, made with openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test's certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
