@@ -53,8 +53,14 @@ def workload(requests: int, rate: float, vocab: int, context: int, seed: int = 0
 
 def streaming_serving(module, slots: int) -> js.Serving:
     """Request-level batching: a generator over one batch of prompts, decoding until its longest is done."""
-    many_prefill = jax.jit(jax.vmap(module.prefill, in_axes=(None, 0, 0)))
-    decode = jax.jit(module.decode, donate_argnums=1)
+    def greedy(step):  # the example's functions give logits; the server's greedy pick is an argmax
+        def picked(*arguments):
+            state, logits = step(*arguments)
+            return state, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return picked
+
+    many_prefill = jax.jit(greedy(jax.vmap(module.prefill, in_axes=(None, 0, 0))))
+    decode = jax.jit(greedy(module.decode), donate_argnums=1)
     params = jax.device_put(module.load())
 
     def generate(entry):
@@ -106,7 +112,7 @@ def main() -> None:
 
     for label, slots in (("generation", args.slots), ("one at a time", 1)):
         generation = js.Generation(module.prefill, module.decode, params=module.load(), slots=slots,
-                                   max_length=module.MAX_LENGTH, prefill_lengths=[16, module.CONTEXT])
+                                   max_length=module.MAX_LENGTH, prefill_lengths=[16, module.CONTEXT], logits=True)
         with js.serve(generation, name="bench-generation") as server:
             def call(prompt, steps, record):
                 for _ in js.generate_stream("bench-generation", prompt, max_steps=steps):

@@ -143,7 +143,7 @@ def next_token(params, entry):
 
 def prefill(params, tokens, length, n_head=CONFIG["n_head"], max_length=MAX_LENGTH):
     """Generation's first half, for one prompt padded to a compiled length: the KV cache row (every
-    layer's keys and values, room for ``max_length`` positions) and the greedy first token."""
+    layer's keys and values, room for ``max_length`` positions) and the logits of the first new token."""
     positions = jnp.arange(tokens.shape[0])
     x = embed(params, tokens, positions)
     causal = positions[None, :] <= positions[:, None]
@@ -156,7 +156,7 @@ def prefill(params, tokens, length, n_head=CONFIG["n_head"], max_length=MAX_LENG
         x = finish_block(p, x, attend(q, k, v, causal))
     last = logits_of(params, x[length - 1])
     state = {"k": jnp.stack(keys), "v": jnp.stack(values), "position": length}
-    return state, jnp.argmax(last).astype(jnp.int32)
+    return state, last
 
 
 def _decode_one(params, state, token, n_head):
@@ -172,17 +172,17 @@ def _decode_one(params, state, token, n_head):
         keys.append(cache_k)
         values.append(cache_v)
         x = finish_block(p, x, attend(q, cache_k, cache_v, visible))
-    token = jnp.argmax(logits_of(params, x[0])).astype(jnp.int32)
-    return {"k": jnp.stack(keys), "v": jnp.stack(values), "position": position + 1}, token
+    return {"k": jnp.stack(keys), "v": jnp.stack(values), "position": position + 1}, logits_of(params, x[0])
 
 
 def decode(params, state, last, n_head=CONFIG["n_head"]):
-    """Generation's step, every slot at once: each slot's last token in, its next (greedy) token out."""
+    """Generation's step, every slot at once: each slot's last token in, the logits of its next token out
+    (the server picks the token: greedy, or sampled as each request asks)."""
     return jax.vmap(_decode_one, in_axes=(None, 0, 0, None))(params, state, last, n_head)
 
 
 generation = js.Generation(prefill, decode, params=load(), slots=8, max_length=MAX_LENGTH,
-                           prefill_lengths=[16, CONTEXT])
+                           prefill_lengths=[16, CONTEXT], logits=True)
 
 serving = js.Serving(next_token, params=load(), batch_size=8, batch_timeout=0.002,
                      input_template={"tokens": js.template((CONTEXT,), "int32"), "length": js.template((), "int32")})

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE_BUDGET = 10_500  # lines of src/jitserve, comments and docstrings included (+500: params, +1,000: generation)
+LINE_BUDGET = 11_300  # lines of src/jitserve, comments and docstrings included (+500: params, +1,000: generation;
+# +800: issue 31 hardening, per-request sampling and generation over the network)
 
 
 def source_lines() -> int:

@@ -34,6 +34,7 @@ from .params import load_params
 from .serving import (
     BatchReport,
     Generation,
+    Sampling,
     Server,
     Serving,
     batched_run,
@@ -74,6 +75,7 @@ __all__ = [
     "PromptTooLongError",
     "QueueFullError",
     "RequestTooLargeError",
+    "Sampling",
     "Server",
     "ServerExistsError",
     "ServerStoppedError",

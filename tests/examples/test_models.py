@@ -112,7 +112,7 @@ def test_gpt2_generation_is_transformers_greedy_generate(gpt2):
 def test_gpt2_generation_on_iree_names_what_iree_cannot_compile(gpt2):
     module, _ = gpt2
     on_iree = js.Generation(module.prefill, module.decode, params=module.generation.params, slots=2,
-                            max_length=module.MAX_LENGTH, prefill_lengths=[16], compiler="iree")
+                            max_length=module.MAX_LENGTH, prefill_lengths=[16], logits=True, compiler="iree")
     with pytest.raises(js.CompileError) as info:
         js.serve(on_iree, name="gpt2-iree")
     assert "IREE could not compile operation 'stablehlo.scatter'" in str(info.value)

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -176,3 +177,89 @@ def test_options_are_checked():
     with pytest.raises(js.OptionError) as info:
         generation(slots=0)
     assert str(info.value) == "slots must be a positive integer, got 0"
+
+
+# sampling -----------------------------------------------------------------------------------------------
+
+def logits_prefill(params, tokens, length):
+    """The toy model's next id as peaked logits: the greedy token is the int model's output."""
+    state, token = prefill(params, tokens, length)
+    return state, peaked(token)
+
+
+def logits_decode(params, state, last):
+    state, token = decode(params, state, last)
+    return state, jax.vmap(peaked)(token)
+
+
+def peaked(token):
+    return -jnp.abs(jnp.arange(VOCAB) - token).astype(jnp.float32) / 4.0
+
+
+def sampled(compiler="xla", **options):
+    return js.Generation(logits_prefill, logits_decode, params=PARAMS, slots=options.pop("slots", 4),
+                         max_length=64, prefill_lengths=[8, 16], logits=True, compiler=compiler, **options)
+
+
+@pytest.mark.parametrize("compiler", ["xla", "eager"])
+def test_a_logits_generation_is_greedy_by_default_and_samples_per_request_on_request(compiler):
+    prompt = np.array([3, 1, 4, 1, 5], np.int32)
+    with js.serve(sampled(compiler), name="sampled"):
+        assert js.generate("sampled", prompt, max_steps=10).tolist() == expected(prompt, 10)
+        assert js.generate("sampled", prompt, max_steps=10, temperature=5.0, top_k=1).tolist() == \
+            expected(prompt, 10), "top_k=1 is greedy at any temperature"
+        first = js.generate("sampled", prompt, max_steps=20, temperature=2.0, seed=7).tolist()
+        assert js.generate("sampled", prompt, max_steps=20, temperature=2.0, seed=7).tolist() == first
+        assert js.generate("sampled", prompt, max_steps=20, temperature=2.0, seed=8).tolist() != first
+        assert first != expected(prompt, 20)
+
+
+def test_top_k_and_top_p_keep_to_the_most_likely_tokens():
+    prompt = np.array([2, 7], np.int32)
+    with js.serve(sampled(), name="kept"):
+        for seed in range(5):
+            tokens = js.generate_stream("kept", prompt, max_steps=1, temperature=3.0, top_k=3, seed=seed)
+            assert abs(int(next(tokens)) - expected(prompt, 1)[0]) <= 1  # the 3 most likely: the peak and its 2
+            # at temperature 0.5 the peak holds 24% of the probability, each neighbour 15%: top_p 0.2 keeps
+            # the peak alone, 0.5 the peak and its neighbours
+            assert js.generate("kept", prompt, max_steps=8, temperature=0.5, top_p=0.2, seed=seed).tolist() == \
+                expected(prompt, 8)
+            within = js.generate("kept", prompt, max_steps=1, temperature=0.5, top_p=0.5, seed=seed)
+            assert abs(int(within[0]) - expected(prompt, 1)[0]) <= 1
+
+
+def test_a_sampled_request_gives_the_same_tokens_alone_and_among_30_others():
+    prompts = [np.array([5, index + 1, 3], np.int32) for index in range(31)]
+    with js.serve(sampled(slots=8), name="shared"):
+        alone = js.generate("shared", prompts[0], max_steps=24, temperature=1.5, top_p=0.9, seed=11).tolist()
+
+        def options(index):  # the first as alone; then greedy and sampled neighbours of every kind
+            if index == 0:
+                return {"temperature": 1.5, "top_p": 0.9, "seed": 11}
+            return {"temperature": 1.5 if index % 2 else 0.0, "top_k": index % 5, "top_p": 0.9, "seed": index}
+
+        async def crowd():
+            return await asyncio.gather(*(js.generate_async("shared", prompt, max_steps=24, **options(index))
+                                          for index, prompt in enumerate(prompts)))
+
+        together = asyncio.run(crowd())
+        assert together[0].tolist() == alone
+        for index in range(2, 31, 2):
+            assert together[index].tolist() == expected(prompts[index], 24), "a greedy neighbour stays greedy"
+
+
+def test_sampling_options_are_checked():
+    with js.serve(generation(), name="ids"):
+        with pytest.raises(js.OptionError, match="cannot sample: its decode returns outputs, not logits"):
+            js.generate("ids", [1, 2], max_steps=2, temperature=1.0)
+        assert js.generate("ids", [1, 2], max_steps=2, temperature=0.0).tolist() == expected([1, 2], 2)
+    for options, message in [({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+                             ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+                             ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
+                             ({"top_k": -2}, r"top_k \(0: no limit\) must be an integer in \[0, 2147483648\)"),
+                             ({"seed": 2**32}, r"seed must be an integer in \[0, 4294967296\)")]:
+        with pytest.raises(js.OptionError, match=message):
+            js.Sampling(**options)
+    with pytest.raises(js.OptionError, match="must return a vector of float logits per prompt"):
+        js.serve(js.Generation(prefill, decode, params=PARAMS, slots=2, max_length=64, prefill_lengths=[8],
+                               logits=True), name="not-logits")

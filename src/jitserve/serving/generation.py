@@ -28,6 +28,7 @@ import bisect
 import collections
 import logging
 import queue as thread_queue
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -43,7 +44,7 @@ from ..errors import BatchError, OptionError, PromptTooLongError, QueueFullError
 from ..template import Template, is_template, params_template, templates_of
 from .request import END, Stream
 from .server import Lifecycle
-from .serving import count_option, optional_count, optional_seconds, owned_host_array
+from .serving import count_option, finite_number, optional_count, optional_seconds, owned_host_array
 
 log = logging.getLogger("jitserve.generation")
 
@@ -53,12 +54,74 @@ def _powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
     return [*sizes, limit]
 
 
+def _whole(name: str, value: Any, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value < limit:
+        raise OptionError(f"{name} must be an integer in [0, {limit}), got {value!r}")
+    return int(value)
+
+
+class Sampling:
+    """How one request of a ``logits=True`` generation picks its tokens: greedy (``temperature`` 0, the
+    default), or drawn at ``temperature`` from the ``top_k`` most likely tokens (0: all of them) that make up
+    ``top_p`` of the probability (HF's order: top-k, then top-p), from a generator seeded with ``seed`` (None:
+    a fresh one; a seed gives the same tokens whatever else runs)."""
+
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
+        if not finite_number(temperature) or temperature < 0:
+            raise OptionError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        if not finite_number(top_p) or not 0 < top_p <= 1:
+            raise OptionError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        self.temperature = float(temperature)
+        self.top_k = _whole("top_k (0: no limit)", top_k, 2**31)
+        self.top_p = float(top_p)
+        self.seed = secrets.randbits(32) if seed is None else _whole("seed", seed, 2**32)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling(seed=0)
+
+
+def pick_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
+    """One token per row of ``logits`` (rows, vocabulary): the most likely where ``temperature`` is 0,
+    else drawn from that row's top-k / top-p distribution at its temperature with the key
+    ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only. When every
+    row is greedy, nothing is sorted (``lax.cond``)."""
+    logits = jnp.asarray(logits, jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(row: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
+        vocabulary = row.shape[-1]
+        scaled = row / jnp.maximum(temperature, 1e-6)
+        ordered = jnp.sort(scaled)[::-1]
+        kept = jnp.where(top_k > 0, scaled >= ordered[jnp.clip(top_k - 1, 0, vocabulary - 1)], True)
+        ordered = jnp.where(jnp.arange(vocabulary) < jnp.where(top_k > 0, top_k, vocabulary), ordered, -jnp.inf)
+        reached = jnp.sum(jnp.cumsum(jax.nn.softmax(ordered)) < top_p)  # the last token still needed for top_p
+        kept &= scaled >= ordered[jnp.clip(reached, 0, vocabulary - 1)]
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+        return jax.random.categorical(key, jnp.where(kept, scaled, -jnp.inf)).astype(jnp.int32)
+
+    def sampled() -> Any:
+        drawn = jax.vmap(draw)(logits, temperature, top_k, top_p, seed, step)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+
+
 class Generation:
-    """A generation serving: ``prefill`` and ``decode`` (see the module), its weights, and its slots."""
+    """A generation serving: ``prefill`` and ``decode`` (see the module), its weights, and its slots. With
+    ``logits=True`` both return logits (a vector per sequence) instead of outputs: the server picks each
+    token on the device, greedy or sampled per request (:class:`Sampling`), and gives it to the caller and
+    to the next ``decode``."""
 
     def __init__(self, prefill: Callable[..., Any], decode: Callable[..., Any], *, params: Any, slots: int,
                  max_length: int, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
-                 compiler: str | None = None, max_queue: int | None = None, **compiler_options: Any) -> None:
+                 compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
+                 **compiler_options: Any) -> None:
         if not callable(prefill) or not callable(decode):
             raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
                               "decode(params, state, last_outputs)")
@@ -76,6 +139,7 @@ class Generation:
         self.prefill_lengths = lengths
         self.prefill_batches = _powers_of_two_up_to(self.slots)  # prompts prefilled together, padded to these
         self.eos = eos
+        self.logits = bool(logits)
         self.max_queue = optional_count("max_queue", max_queue)
         chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
                                                          **compiler_options})
@@ -108,11 +172,14 @@ class Generation:
 class GenerationRequest:
     """One prompt in flight: its outputs go to ``stream`` as they come, then END (or an exception)."""
 
-    __slots__ = ("prompt", "max_steps", "stream", "produced", "cancelled", "slot", "submitted", "admitted")
+    __slots__ = ("prompt", "max_steps", "sampling", "stream", "produced", "cancelled", "slot", "submitted",
+                 "admitted")
 
-    def __init__(self, prompt: np.ndarray, max_steps: int, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(self, prompt: np.ndarray, max_steps: int, sampling: Sampling,
+                 loop: asyncio.AbstractEventLoop | None) -> None:
         self.prompt = prompt
         self.max_steps = max_steps
+        self.sampling = sampling
         self.stream = Stream(loop)
         self.produced = 0
         self.cancelled = False
@@ -130,18 +197,47 @@ class _Programs:
         self.options = options
         self.on_compile = on_compile
         self.prefills: dict[tuple[int, int], Callable[..., Any]] = {}
+        # picking tokens is jitserve's code: compiled with the step, or on its own beside functions run as written
+        self.pick = pick_tokens if self.compiler.compiles else jax.jit(pick_tokens)
         self.updates: dict[int, Callable[..., Any]] = {}
         g = generation
         row, first = jax.eval_shape(g.prefill, *jax.tree_util.tree_map(
             lambda t: t.abstract(), (g.params_template, Template((g.prefill_lengths[0],), np.int32),
                                      Template((), np.int32)), is_leaf=is_template))
         self.row_template = templates_of(row)
-        self.output_template = templates_of(first)
+        self.first_template = templates_of(first)  # what prefill gives per prompt: an output, or logits
+        if g.logits and (len(self.first_template.shape) != 1 or self.first_template.dtype.kind != "f"):
+            raise OptionError(f"a logits=True generation's prefill must return a vector of float logits per "
+                              f"prompt; it returned {self.first_template}")
+        output = Template((), np.int32) if g.logits else self.first_template
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
-        outputs = Template((g.slots, *self.output_template.shape), self.output_template.dtype)
-        self.carry_template = (stacked, outputs)
-        self.step = self._compile(self._step, [g.params_template, self.carry_template], donate=(1,))
+        self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
+        self.step = self._compile(self._step, [g.params_template, self.carry_template, *self._options(g.slots)],
+                                  donate=(1,))
+
+    def _options(self, rows: int) -> list[Template]:
+        """The templates of the sampling options of ``rows`` sequences (see :meth:`option_arrays`); none
+        unless the generation gives logits."""
+        if not self.generation.logits:
+            return []
+        return [Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.uint32, np.int32)]
+
+    def option_arrays(self, requests: Sequence[GenerationRequest | None]) -> list[np.ndarray]:
+        """Each request's temperature, top_k, top_p, seed and next step (its outputs so far), one row per
+        request (None: an idle slot, greedy); none unless the generation gives logits."""
+        if not self.generation.logits:
+            return []
+        chosen = [GREEDY if request is None else request.sampling for request in requests]
+        steps = [0 if request is None else request.produced for request in requests]
+        return [np.array([c.temperature for c in chosen], np.float32), np.array([c.top_k for c in chosen], np.int32),
+                np.array([c.top_p for c in chosen], np.float32), np.array([c.seed for c in chosen], np.uint32),
+                np.array(steps, np.int32)]
+
+    def _chosen(self, outputs: Any, options: Sequence[Any]) -> Any:
+        """The outputs a step gives its callers and the next step: the tokens picked from the logits (see
+        :func:`pick_tokens`), or the outputs as they are."""
+        return self.pick(outputs, *options) if self.generation.logits else outputs
 
     def _compile(self, fn: Callable[..., Any], templates: list[Any], donate: tuple[int, ...] = ()) -> Any:
         with defn_errors():
@@ -150,10 +246,10 @@ class _Programs:
             self.on_compile()
         return executable.run
 
-    def _step(self, params: Any, carry: Any) -> Any:
+    def _step(self, params: Any, carry: Any, *options: Any) -> Any:
         state, last = carry
         state, outputs = self.generation.decode(params, state, last)
-        return state, outputs
+        return state, self._chosen(outputs, options)
 
     def prefill(self, length: int, count: int) -> Callable[..., Any]:
         key = (length, count)
@@ -175,7 +271,7 @@ class _Programs:
     def update(self, count: int) -> Callable[..., Any]:
         run = self.updates.get(count)
         if run is None:
-            def write(carry: Any, rows: Any, first: Any, slots: Any) -> Any:
+            def write(carry: Any, rows: Any, first: Any, slots: Any, *options: Any) -> Any:
                 def put(stacked: Any, new: Any) -> Any:  # row i into slot slots[i], in place (no scatter)
                     stacked = jnp.asarray(stacked)
                     for i in range(count):
@@ -183,13 +279,15 @@ class _Programs:
                     return stacked
 
                 state, last = carry
-                return jax.tree_util.tree_map(put, state, rows), put(last, first)
+                outputs = self._chosen(first, options)
+                return (jax.tree_util.tree_map(put, state, rows), put(last, outputs)), outputs
 
             rows = jax.tree_util.tree_map(lambda t: Template((count, *t.shape), t.dtype), self.row_template,
                                           is_leaf=is_template)
-            first = Template((count, *self.output_template.shape), self.output_template.dtype)
-            run = self.updates[count] = self._compile(write, [self.carry_template, rows, first,
-                                                              Template((count,), np.int32)], donate=(0,))
+            first = Template((count, *self.first_template.shape), self.first_template.dtype)
+            run = self.updates[count] = self._compile(
+                write, [self.carry_template, rows, first, Template((count,), np.int32), *self._options(count)],
+                donate=(0,))
         return run
 
     def zeros(self) -> Any:
@@ -271,11 +369,16 @@ class GenerationServer(Lifecycle):
 
     # callers ---------------------------------------------------------------------------------------
 
-    def submit(self, prompt: Any, max_steps: int, loop: asyncio.AbstractEventLoop | None = None) -> GenerationRequest:
-        """Queue a prompt for at most ``max_steps`` outputs; its outputs arrive on the request's stream."""
+    def submit(self, prompt: Any, max_steps: int, loop: asyncio.AbstractEventLoop | None = None,
+               sampling: Sampling | None = None) -> GenerationRequest:
+        """Queue a prompt for at most ``max_steps`` outputs, its tokens picked as ``sampling`` says (a
+        ``logits=True`` generation; None: greedy); its outputs arrive on the request's stream."""
         g = self.generation
         count_option("max_steps", max_steps)
-        request = GenerationRequest(g.check_prompt(prompt), int(max_steps), loop)
+        if sampling is not None and not sampling.greedy and not g.logits:
+            raise OptionError(f"generation server {self.name!r} cannot sample: its decode returns outputs, not "
+                              f"logits (serve it with js.Generation(..., logits=True) to sample per request)")
+        request = GenerationRequest(g.check_prompt(prompt), int(max_steps), sampling or GREEDY, loop)
         with self._lock:
             if self._stopping:
                 raise ServerStoppedError(f"generation server {self.name!r} is stopped and takes no new requests")
@@ -402,13 +505,19 @@ class GenerationServer(Lifecycle):
                 lengths[row] = request.prompt.size
                 slots[row] = request.slot
             rows, first = programs.prefill(length, count)(self._params, tokens, lengths)
-            self._carry = programs.update(count)(self._carry, rows, first, slots)
+            padded = [group[row] if row < len(group) else group[0] for row in range(count)]
+            self._carry, outputs = programs.update(count)(self._carry, rows, first, slots,
+                                                          *programs.option_arrays(padded))
             self._stats["prefills"] += 1
-            self._deliver(group, owned_host_array(first)[:len(group)], prompt_positions=True)
+            self._deliver(group, owned_host_array(outputs)[:len(group)], prompt_positions=True)
 
     def _step(self) -> None:
         started = time.perf_counter()
-        self._carry = self._programs.step(self._params, self._carry)
+        programs = self._programs
+        with self._lock:
+            busy = dict(self._busy)
+        options = programs.option_arrays([busy.get(slot) for slot in range(self.generation.slots)])
+        self._carry = programs.step(self._params, self._carry, *options)
         outputs = owned_host_array(self._carry[1])  # a copy: the next step reuses the buffer
         with self._lock:
             self._stats["steps"] += 1

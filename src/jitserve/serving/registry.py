@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
-from .generation import Generation, GenerationServer
+from .generation import Generation, GenerationServer, Sampling
 from .server import Server
 from .serving import Serving, optional_seconds
 
@@ -165,32 +165,36 @@ async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout:
         yield outputs
 
 
-def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None) -> np.ndarray:
+def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
+             **sampling: Any) -> np.ndarray:
     """Generate from ``prompt`` (1-D integer token ids) on generation server ``name``: every output, stacked
     on a first axis; at most ``max_steps`` of them, ending right after one equal to the serving's ``eos``.
-    ``timeout``: give up if no slot frees within that many seconds."""
-    return np.stack(list(generate_stream(name, prompt, max_steps, timeout)))
+    ``timeout``: give up if no slot frees within that many seconds. ``sampling``: ``temperature``,
+    ``top_k``, ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without)."""
+    return np.stack(list(generate_stream(name, prompt, max_steps, timeout, **sampling)))
 
 
-def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int,
-                    timeout: float | None = None) -> Iterator[Any]:
+def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
+                    **sampling: Any) -> Iterator[Any]:
     """:func:`generate` one output at a time, each as its step finishes; closing the iterator cancels the
     request and frees its slot at the next step."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
-    yield from server.outputs(server.submit(prompt, max_steps), timeout)
+    yield from server.outputs(server.submit(prompt, max_steps, sampling=Sampling(**sampling)), timeout)
 
 
-async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
-                         timeout: float | None = None) -> np.ndarray:
+async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
+                         **sampling: Any) -> np.ndarray:
     """:func:`generate` for asyncio callers."""
-    return np.stack([output async for output in generate_stream_async(name, prompt, max_steps, timeout)])
+    return np.stack([output async for output in generate_stream_async(name, prompt, max_steps, timeout,
+                                                                      **sampling)])
 
 
 async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
-                                timeout: float | None = None) -> AsyncIterator[Any]:
+                                timeout: float | None = None, **sampling: Any) -> AsyncIterator[Any]:
     """:func:`generate_stream` for asyncio callers (``async for``)."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
-    async for output in server.outputs_async(server.submit(prompt, max_steps, asyncio.get_running_loop()), timeout):
+    request = server.submit(prompt, max_steps, asyncio.get_running_loop(), Sampling(**sampling))
+    async for output in server.outputs_async(request, timeout):
         yield output
