@@ -3,31 +3,18 @@
 Numbers travel little-endian; ``BYTES`` tensors (text) travel as Triton sends
 them: JSON strings, or each element as a 4-byte little-endian length and its
 bytes (the binary extension's and gRPC's raw form), and reach the serving as
-numpy object arrays of ``bytes``.
-
-A :class:`ModelSpec` says what a served model looks like over the network:
-its input names, datatypes and per-row shapes (from the serving's
-``input_template``; -1 for the batch axis) and its outputs. It turns decoded
-request tensors into a :class:`jitserve.Batch` and outputs into named arrays.
-Input names are the dict keys of an entry, else ``input`` (``input_0``,
-``input_1``, ... for a tuple); outputs likewise with ``output``.
+numpy object arrays of ``bytes``. A leaf of the protocol package: numpy and
+jitserve's errors only.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 
-from .. import compilers
-from ..batch import Batch
 from ..errors import ProtocolError
-from ..serving.server import Server
-from ..template import Template, is_template
 
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -267,173 +254,3 @@ def _refuse_overflow(tensor: str, datatype: str, dtype: np.dtype, array: np.ndar
             value = array.reshape(-1)[np.flatnonzero(too_large)[0]].item()
             raise ProtocolError(f"input '{tensor}': {value!r} does not fit {datatype}, whose largest finite value "
                                 f"is {largest:.6g} (an infinity is sent as \"Infinity\" or \"-Infinity\")")
-
-
-def _tensor_names(tree: Any, prefix: str) -> list[str]:
-    """Names of the leaves of a structure: dict keys, ``prefix`` for one array, ``prefix_i`` for tuples."""
-    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=is_template)[0]]
-    names = []
-    for path in paths:
-        parts = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
-        if not parts:
-            names.append(prefix)
-        elif hasattr(path[0], "idx"):
-            names.append("_".join([prefix, *parts]))
-        else:
-            names.append(".".join(parts))
-    return names
-
-
-def _computed_dtype(serving: Any, dtype: np.dtype) -> np.dtype:
-    """The dtype a compiled serving computes an input in: without x64, JAX turns 64-bit types into 32-bit
-    ones, so the model says INT32 / FP32 and 64-bit requests are refused instead of silently cut."""
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype)) if serving.compiles else np.dtype(dtype)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    datatype: str
-    row_shape: tuple[int, ...]
-
-    def metadata(self) -> dict[str, Any]:
-        return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.row_shape]}
-
-    def config(self) -> dict[str, Any]:
-        """The tensor in Triton's model configuration: ``dims`` without the batch axis."""
-        return {"name": self.name, "data_type": "TYPE_" + self.datatype, "dims": list(self.row_shape)}
-
-
-class ModelSpec:
-    """A served model as the network sees it."""
-
-    def __init__(self, name: str, server: Server, version: str = "1") -> None:
-        self.name = name
-        self.version = version
-        self.server = server
-        serving = server.serving
-        self._input_tree: Any = None
-        self.inputs: list[TensorSpec] = []
-        self._preprocess = serving.preprocess is not None  # it takes the request's tensors as they come
-        if serving.input_template is not None and not self._preprocess:
-            leaves, self._input_tree = jax.tree_util.tree_flatten(serving.input_template)
-            self.inputs = [TensorSpec(n, datatype_of(_computed_dtype(serving, t.dtype)), t.shape)
-                           for n, t in zip(_tensor_names(serving.input_template, "input"), leaves)]
-        self._expected = {t.name: (t, DATATYPES[t.datatype]) for t in self.inputs}
-        self._one_array = self._input_tree is not None and self._input_tree.num_nodes == 1  # no pytree to build
-        self._outputs: list[TensorSpec] | None = None
-        self._output_names: dict[Any, list[str]] = {}  # output structure -> its leaves' names
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        """Output names, datatypes and per-row shapes, worked out once from a batch of one row."""
-        if self._outputs is None:
-            known = self._input_tree is not None and self.server.serving.postprocess is None
-            self._outputs = self._infer_outputs() if known else []
-        return self._outputs
-
-    def _infer_outputs(self) -> list[TensorSpec]:
-        serving = self.server.serving
-        one_row = jax.tree_util.tree_map(lambda t: Template((1, *t.shape), t.dtype), serving.input_template,
-                                         is_leaf=is_template)
-        fn = serving.batch_function(None if serving.batch_keys is None else serving.batch_keys[0])
-        shapes = compilers.get(serving.compiler_name).output_shapes(fn, serving.arguments(one_row))
-        if serving.streaming:  # a generator of steps: each step is shaped like the first
-            shapes = next(iter(shapes))
-        leaves = jax.tree_util.tree_leaves(shapes)
-        return [TensorSpec(n, datatype_of(leaf.dtype), tuple(leaf.shape[1:]))
-                for n, leaf in zip(_tensor_names(shapes, "output"), leaves)]
-
-    def metadata(self) -> dict[str, Any]:
-        return {"name": self.name, "versions": [self.version], "platform": "jitserve",
-                "inputs": [t.metadata() for t in self.inputs], "outputs": [t.metadata() for t in self.outputs]}
-
-    def config(self) -> dict[str, Any]:
-        """Triton's model configuration (its JSON form; the gRPC ``ModelConfig`` has the same fields):
-        ``max_batch_size``, the inputs and outputs with per-row ``dims``, and the dynamic batching settings."""
-        serving = self.server.serving
-        batching: dict[str, Any] = {"preferred_batch_size": list(serving.batch_sizes),
-                                    "max_queue_delay_microseconds": int(serving.batch_timeout * 1e6)}
-        if serving.priority_levels > 1:
-            batching.update(priority_levels=serving.priority_levels, default_priority_level=serving.default_priority)
-        return {"name": self.name, "platform": "jitserve", "backend": f"jitserve-{serving.compiler_name}",
-                "max_batch_size": serving.batch_size, "input": [t.config() for t in self.inputs],
-                "output": [t.config() for t in self.outputs], "dynamic_batching": batching}
-
-    def value(self, tensors: Mapping[str, np.ndarray]) -> Any:
-        """What a request's tensors give the serving: for one with ``preprocess``, the tensors as they came
-        (one array, or a dict by name when there are several), which ``preprocess`` checks and batches;
-        else one batch (:meth:`to_batch`)."""
-        if not self._preprocess:
-            return self.to_batch(tensors)
-        if not tensors:
-            raise ProtocolError(f"the request has no inputs; model '{self.name}' expects at least one")
-        return next(iter(tensors.values())) if len(tensors) == 1 else dict(tensors)
-
-    def to_batch(self, tensors: Mapping[str, np.ndarray]) -> Batch:
-        """The request's tensors (by name, batch on axis 0) as one batch, checked against the inputs."""
-        if not tensors:
-            raise ProtocolError(f"the request has no inputs; model '{self.name}' expects "
-                                f"{', '.join(t.name for t in self.inputs) or 'at least one'}")
-        if self._input_tree is None:
-            arrays = list(tensors.values())
-            entry: Any = arrays[0] if len(arrays) == 1 else dict(tensors)
-        else:
-            if tensors.keys() != self._expected.keys():
-                self._refuse_names(tensors)
-            arrays = []
-            for name, (spec, dtype) in self._expected.items():
-                array = tensors[name]
-                if array.dtype != dtype:
-                    narrowed = " (it computes without 64-bit types: run the server with JAX_ENABLE_X64=1 for them)" \
-                        if array.dtype.kind in "iuf" and array.dtype.itemsize == 8 and dtype.itemsize == 4 else ""
-                    raise ProtocolError(f"input '{name}' has datatype {datatype_of(array.dtype)}, "
-                                        f"but model '{self.name}' expects {spec.datatype}{narrowed}")
-                if array.ndim == 0 or array.shape[1:] != spec.row_shape:
-                    raise ProtocolError(f"input '{name}' has shape {list(array.shape)}, but model "
-                                        f"'{self.name}' expects {[-1, *spec.row_shape]}")
-                arrays.append(array)
-            entry = arrays[0] if self._one_array else jax.tree_util.tree_unflatten(self._input_tree, arrays)
-        if any(a.ndim == 0 for a in arrays):
-            raise ProtocolError("inputs need a batch axis (axis 0 holds the rows); got a scalar")
-        if any(a.dtype.kind == "O" for a in arrays):
-            raise ProtocolError(f"model '{self.name}' computes on numbers and has no preprocess to turn BYTES "
-                                f"inputs into them; send numeric tensors")
-        rows = {a.shape[0] for a in arrays}
-        if len(rows) != 1:
-            raise ProtocolError(f"all inputs must have the same batch size (axis 0); got {sorted(rows)}")
-        if 0 in rows:
-            raise ProtocolError("the inputs hold no rows (batch size 0); send at least one")
-        return Batch.concatenate([entry])
-
-    def _refuse_names(self, tensors: Mapping[str, np.ndarray]) -> None:
-        """The request's input names differ from the model's: say which one is unknown or missing."""
-        unknown = sorted(set(tensors) - set(self._expected))
-        if unknown:
-            raise ProtocolError(f"unknown input '{unknown[0]}' for model '{self.name}'; "
-                                f"expected: {', '.join(self._expected)}")
-        missing = [n for n in self._expected if n not in tensors]
-        raise ProtocolError(f"model '{self.name}' needs input '{missing[0]}', which the request lacks")
-
-    def named_outputs(self, outputs: Any) -> list[tuple[str, np.ndarray]]:
-        """The outputs as (name, array) pairs; the names of an output structure are worked out once."""
-        if type(outputs) is np.ndarray:
-            return [("output", outputs)]
-        leaves, structure = jax.tree_util.tree_flatten(outputs)
-        names = self._output_names.get(structure)
-        if names is None:
-            names = self._output_names[structure] = _tensor_names(outputs, "output")
-        return list(zip(names, (np.asarray(leaf) for leaf in leaves)))
-
-
-def select_outputs(outputs: Sequence[tuple[str, np.ndarray]], requested: Sequence[str] | None,
-                   model: str) -> list[tuple[str, np.ndarray]]:
-    """The outputs the request asked for (all when it names none)."""
-    if not requested:
-        return list(outputs)
-    available = dict(outputs)
-    unknown = [n for n in requested if n not in available]
-    if unknown:
-        raise ProtocolError(f"unknown output '{unknown[0]}' for model '{model}'; it has: {', '.join(available)}")
-    return [(n, available[n]) for n in requested]

@@ -33,9 +33,9 @@ from ..errors import (
 )
 from ..serving.server import Server
 from ..version import __version__
-from .codec import ModelSpec, select_outputs
 from .logs import REQUEST_ID, request_id
 from .metrics import Metrics
+from .model import ModelSpec, select_outputs
 
 log = logging.getLogger("jitserve.serve")
 
