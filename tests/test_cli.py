@@ -61,7 +61,7 @@ def test_bad_target_is_a_clear_error():
     assert result.returncode != 0
     assert "TARGET must look like path/to/file.py:attr or package.module:attr" in result.stderr
     result = run_cli("serve", "examples/mlp.py:W1")
-    assert "examples/mlp.py:W1 is a ndarray, not a jitserve.Serving or a dict of them" in result.stderr
+    assert "examples/mlp.py:W1 is a ndarray, not a jitserve.Serving or Generation or a dict of them" in result.stderr
 
 
 def test_closed_loops_count_rows_and_latencies():

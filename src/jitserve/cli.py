@@ -166,18 +166,26 @@ def _default_name(target: str) -> str:
 
 
 def load_servings(args: argparse.Namespace) -> dict[str, Any]:
-    """The target's servings by name, with the command line's overrides applied."""
-    from .serving import Serving
+    """The target's servings (and generations) by name, with the command line's overrides applied."""
+    from .serving import Generation, Serving
 
     found = load_target(args.target)
-    if not isinstance(found, (dict, Serving)):
-        raise OptionError(f"{args.target} is a {type(found).__name__}, not a jitserve.Serving or a dict of them")
+    if not isinstance(found, (dict, Serving, Generation)):
+        raise OptionError(f"{args.target} is a {type(found).__name__}, not a jitserve.Serving or Generation or a "
+                          f"dict of them")
     servings = _by_version(found) if isinstance(found, dict) else {args.name or _default_name(args.target): found}
     changes = {k: v for k, v in [("batch_size", args.batch_size), ("batch_timeout", args.batch_timeout),
                                  ("compiler", args.compiler)] if v is not None}
     for name, serving in servings.items():
+        if isinstance(serving, Generation):
+            if changes:
+                raise OptionError(f"{args.target}: '{name}' is a jitserve.Generation: "
+                                  f"{', '.join('--' + k.replace('_', '-') for k in changes)} apply to a Serving; set "
+                                  f"a generation's options where it is made")
+            continue
         if not isinstance(serving, Serving):
-            raise OptionError(f"{args.target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving")
+            raise OptionError(f"{args.target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving "
+                              f"or Generation")
         servings[name] = serving.replace(**changes) if changes else serving
     return servings
 
@@ -243,8 +251,12 @@ def serve_command(args: argparse.Namespace) -> int:
         app.run(app.start_locally(servings), **_network_options(args))
         return 0
     from .cluster import ray as cluster
-    from .serving import lookup
+    from .serving import Generation, lookup
 
+    generations = [name for name, serving in servings.items() if isinstance(serving, Generation)]
+    if generations:
+        raise OptionError(f"model '{generations[0]}' is a jitserve.Generation, which is served in this process: "
+                          f"--ray runs jitserve.Serving replicas only")
     cluster.connect(args.ray)
     handles: list[Any] = []
 
@@ -286,12 +298,15 @@ def front_command(args: argparse.Namespace) -> int:
 def bench_command(args: argparse.Namespace) -> int:
     from .batch import Batch
     from .loadtest import closed_loop, closed_loop_async
-    from .serving import batched_run, batched_run_async, serve
+    from .serving import Generation, batched_run, batched_run_async, serve
 
     run_cpu_computations_inline()  # as jitserve serve does: what this measures is what it serves
     servings = load_servings(args)
     name = args.name if args.name in servings else next(iter(servings))
     serving = servings[name]
+    if isinstance(serving, Generation):
+        raise OptionError(f"model '{name}' is a jitserve.Generation; jitserve bench measures a Serving (for a "
+                          f"generation, see bench/generation.py)")
     if serving.input_template is None:
         raise OptionError(f"model '{name}' has no input_template: jitserve bench needs one to make inputs")
 
@@ -380,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser = commands.add_parser(
         "serve", help="serve a Serving over HTTP and gRPC (Open Inference Protocol)", epilog=SERVE_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve a js.Serving, or a dict of name -> Serving, until SIGINT/SIGTERM.")
+        description="Serve a js.Serving or js.Generation, or a dict of name -> either, until SIGINT/SIGTERM.")
     serve_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict); "
                               "the working directory and the file's folder are importable")
     serve_parser.add_argument("--name", help="the model name of a single Serving (default: the file's or module's "

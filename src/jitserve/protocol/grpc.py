@@ -127,7 +127,8 @@ class GrpcFront:
         try:
             tensors = _decode_inputs(request)
             served, outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
-                                                       _priority(request), request.model_version)
+                                                       _priority(request), request.model_version,
+                                                       _parameter_values(request))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error)
             await context.abort(getattr(grpc.StatusCode, status), message)
@@ -249,7 +250,8 @@ class StreamCall:
             model = request.model_name
             tensors = _decode_inputs(request)
             names = [o.name for o in request.outputs] or None
-            served, stream = service.infer_stream(model, tensors, names, _priority(request), request.model_version)
+            served, stream = service.infer_stream(model, tensors, names, _priority(request), request.model_version,
+                                                  _parameter_values(request))
             async for outputs in stream:
                 await self._put(MESSAGES["ModelStreamInferResponse"](
                     infer_response=_infer_response(model, served, request.id, outputs)))
@@ -322,6 +324,12 @@ def _infer_response(model: str, version: str, request_id: str, outputs: list[tup
 def _flag(request: Any, name: str) -> bool:
     return name in request.parameters and request.parameters[name].WhichOneof("parameter_choice") == "bool_param" \
         and request.parameters[name].bool_param
+
+
+def _parameter_values(request: Any) -> dict[str, Any]:
+    """The request's parameters as plain values (tritonclient sends integers as ``int64_param``)."""
+    return {name: getattr(parameter, parameter.WhichOneof("parameter_choice") or "bool_param")
+            for name, parameter in request.parameters.items()}
 
 
 def _priority(request: Any) -> int | None:

@@ -252,7 +252,7 @@ class HttpFront:
             request, tensors, requested, binary_outputs = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
             served, outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None,
-                                                       _priority(request), version)
+                                                       _priority(request), version, request.get("parameters"))
             response = await self._off_loop(sum(array.nbytes for _, array in outputs), lambda: _encode_response(
                 model, served, request.get("id"), outputs, dict(requested), binary_outputs))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
@@ -283,7 +283,7 @@ class HttpFront:
             request, tensors, requested, _ = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
             served, stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
-                                                       _priority(request), version)
+                                                       _priority(request), version, request.get("parameters"))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error)
         return _Events(self._events(model, served, request.get("id"), stream))

@@ -1,32 +1,38 @@
 """Prometheus metrics of the network front, fed by the servers' batch listeners.
 
 Requests by model, protocol and status; queue depth and compiles read from
-each server's stats at scrape time (and, for a cluster serving, each replica's
+each server's stats at scrape time (and a generation server's busy slots; its
+times to first output and decode steps as histograms) (and, for a cluster serving, each replica's
 requests, batches, rows, errors and queue depth); executed batch sizes, padding rows, queue
 wait and execution time from every executed batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..serving.generation import GenerationServer
 from ..serving.server import BatchReport, Server
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _REPLICA_COUNTERS = {"requests": "Requests a cluster replica took", "batches": "Batches a cluster replica ran",
                      "rows": "Rows a cluster replica ran", "errors": "Failed batches on a cluster replica"}
+_GENERATION_GAUGES = {"slots_busy": "Slots of a generation server decoding a request",
+                      "slots": "Slots of a generation server"}
+_GENERATION_TIMES = {"first_output": "Time from a generation request's arrival to its first output",
+                     "step": "Time of one decode step of every busy slot"}
 _TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class _ServerStats:
     """Reads queue depth and compile counts from the servers when scraped."""
 
-    def __init__(self, servers: Mapping[str, Server]) -> None:
+    def __init__(self, servers: Mapping[str, Server | GenerationServer]) -> None:
         self.servers = servers
 
     def collect(self) -> Iterator[Metric]:
@@ -36,11 +42,16 @@ class _ServerStats:
                    for key, help in _REPLICA_COUNTERS.items()}
         replica_depth = GaugeMetricFamily("jitserve_replica_queue_depth", "Rows waiting on a cluster replica",
                                           labels=["model", "replica"])
+        slots = {key: GaugeMetricFamily(f"jitserve_generation_{key}", help, labels=["model"])
+                 for key, help in _GENERATION_GAUGES.items()}
         clustered = False
         for name, server in self.servers.items():
             stats = server.stats()
             depth.add_metric([name], stats["queue_depth"])
             compiles.add_metric([name], stats["compiles"])
+            if isinstance(server, GenerationServer):
+                for key, gauge in slots.items():
+                    gauge.add_metric([name], stats[key])
             replica_stats = getattr(server, "replica_stats", None)  # a cluster serving's local front
             if replica_stats is None:
                 continue
@@ -51,6 +62,7 @@ class _ServerStats:
                 replica_depth.add_metric([name, replica_name], one["queue_depth"])
         yield depth
         yield compiles
+        yield from slots.values()
         if clustered:  # only a front of cluster servings has replicas to report
             yield from replica.values()
             yield replica_depth
@@ -59,7 +71,7 @@ class _ServerStats:
 class Metrics:
     """One registry per network front (so that several fronts in one process do not collide)."""
 
-    def __init__(self, servers: Mapping[str, Server]) -> None:
+    def __init__(self, servers: Mapping[str, Server | GenerationServer]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("jitserve_requests", "Inference requests", ["model", "protocol", "status"],
                                 registry=self.registry)
@@ -70,10 +82,24 @@ class Metrics:
                                     buckets=_TIME_BUCKETS, registry=self.registry)
         self.execution = Histogram("jitserve_execution_seconds", "Execution time of each batch", ["model"],
                                    buckets=_TIME_BUCKETS, registry=self.registry)
+        self.generation = {  # per generation server and per kind of event it tells
+            kind: Histogram(f"jitserve_generation_{kind}_seconds", help, ["model"], buckets=_TIME_BUCKETS,
+                            registry=self.registry) for kind, help in _GENERATION_TIMES.items()}
         self._children: dict[str, tuple[Any, ...]] = {}  # each model's children of the four per-batch metrics
         self.registry.register(_ServerStats(servers))
-        for server in servers.values():
-            server.add_batch_listener(self.on_batch)
+        for name, server in servers.items():
+            if isinstance(server, GenerationServer):
+                server.add_listener(self._generation_listener(name))
+            else:
+                server.add_batch_listener(self.on_batch)
+
+    def _generation_listener(self, model: str) -> Callable[[str, float], None]:
+        children = {kind: metric.labels(model) for kind, metric in self.generation.items()}
+
+        def observe(kind: str, seconds: float) -> None:
+            children[kind].observe(seconds)
+
+        return observe
 
     def on_batch(self, report: BatchReport) -> None:
         children = self._children.get(report.server)

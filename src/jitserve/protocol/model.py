@@ -6,12 +6,14 @@ datatypes and per-row shapes (from the serving's ``input_template``; -1 for
 the batch axis) and its outputs. It turns decoded request tensors into a
 :class:`jitserve.Batch` and outputs into named arrays. Input names are the
 dict keys of an entry, else ``input`` (``input_0``, ``input_1``, ... for a
-tuple); outputs likewise with ``output``.
+tuple); outputs likewise with ``output``. A :class:`GenerationSpec` describes a
+:class:`~jitserve.Generation`: a prompt in, an output per step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,8 @@ import numpy as np
 
 from .. import compilers
 from ..batch import Batch
-from ..errors import ProtocolError
+from ..errors import OptionError, ProtocolError
+from ..serving.generation import GenerationRequest, GenerationServer, Sampling
 from ..serving.server import Server
 from ..template import Template, is_template
 from .codec import DATATYPES, datatype_of
@@ -194,3 +197,72 @@ def select_outputs(outputs: Sequence[tuple[str, np.ndarray]], requested: Sequenc
     if unknown:
         raise ProtocolError(f"unknown output '{unknown[0]}' for model '{model}'; it has: {', '.join(available)}")
     return [(n, available[n]) for n in requested]
+
+
+class GenerationSpec:
+    """A :class:`~jitserve.Generation` as the network sees it (Triton's decoupled model): one input,
+    ``prompt`` (a prompt's token ids, INT32 or INT64, shaped ``[n]`` or ``[1, n]``), and one output,
+    ``output``, answered once per step (shaped ``[1, ...]``: the one sequence). The request's parameters
+    say how long to go, ``max_steps`` (default ``DEFAULT_STEPS``, vLLM's), and how to pick tokens
+    (``temperature``, ``top_k``, ``top_p``, ``seed``; a ``logits=True`` generation)."""
+
+    DEFAULT_STEPS = 16
+    SAMPLING = ("temperature", "top_k", "top_p", "seed")
+
+    def __init__(self, name: str, server: GenerationServer, version: str = "1") -> None:
+        self.name = name
+        self.version = version
+        self.server = server
+        output = server.output_template
+        self.inputs = [TensorSpec("prompt", "INT32", ())]
+        self.outputs = [TensorSpec("output", datatype_of(output.dtype), output.shape)]
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": self.name, "versions": [self.version], "platform": "jitserve",
+                "inputs": [t.metadata() for t in self.inputs], "outputs": [t.metadata() for t in self.outputs]}
+
+    def config(self) -> dict[str, Any]:
+        """Triton's model configuration of a decoupled model: no batching the client sees; one response per
+        step."""
+        generation = self.server.generation
+        return {"name": self.name, "platform": "jitserve", "backend": f"jitserve-{generation.compiler_name}",
+                "max_batch_size": 0, "input": [{"name": "prompt", "data_type": "TYPE_INT32", "dims": [-1]}],
+                "output": [t.config() for t in self.outputs], "model_transaction_policy": {"decoupled": True},
+                "parameters": {"slots": generation.slots, "max_length": generation.max_length}}
+
+    def request(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
+                ) -> tuple[np.ndarray, int, Sampling]:
+        """A request's prompt, ``max_steps`` and sampling, checked (the prompt's length by the server)."""
+        if set(tensors) != {"prompt"}:
+            raise ProtocolError(f"model '{self.name}' takes one input, 'prompt' (INT32 or INT64 token ids); got "
+                                f"{', '.join(repr(name) for name in tensors) or 'none'}")
+        prompt = tensors["prompt"]
+        if prompt.dtype.kind not in "iu":
+            raise ProtocolError(f"input 'prompt' has datatype {datatype_of(prompt.dtype)}, but model "
+                                f"'{self.name}' expects INT32 or INT64 token ids")
+        if prompt.ndim == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.ndim != 1:
+            raise ProtocolError(f"input 'prompt' has shape {list(tensors['prompt'].shape)}; model '{self.name}' "
+                                f"takes one prompt per request, shaped [n] or [1, n]")
+        steps = parameters.get("max_steps", self.DEFAULT_STEPS)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ProtocolError(f"the 'max_steps' parameter must be a positive integer, got {steps!r}")
+        try:
+            sampling = Sampling(**{key: parameters[key] for key in self.SAMPLING if key in parameters})
+        except OptionError as error:
+            raise ProtocolError(f"a sampling parameter: {error}") from None
+        return prompt, steps, sampling
+
+    def generate(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
+                 timeout: float | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        """Check and queue the request now (on the running event loop: its errors raise here, before a
+        response starts); its outputs as they come, one ``[("output", array)]`` per step."""
+        prompt, steps, sampling = self.request(tensors, parameters)
+        request = self.server.submit(prompt, steps, asyncio.get_running_loop(), sampling)
+        return self._outputs(request, timeout)
+
+    async def _outputs(self, request: GenerationRequest, timeout: float | None
+                       ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        async for output in self.server.outputs_async(request, timeout):
+            yield [("output", np.asarray(output)[None])]

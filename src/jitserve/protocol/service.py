@@ -31,13 +31,16 @@ from ..errors import (
     UnknownServerError,
     is_raised_by_model,
 )
+from ..serving.generation import GenerationServer
 from ..serving.server import Server
 from ..version import __version__
 from .logs import REQUEST_ID, request_id
 from .metrics import Metrics
-from .model import ModelSpec, select_outputs
+from .model import GenerationSpec, ModelSpec, select_outputs
 
 log = logging.getLogger("jitserve.serve")
+
+Spec = ModelSpec | GenerationSpec  # a served model as the network sees it
 
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -103,11 +106,13 @@ class InferenceService:
     ``servers`` is keyed by model name, or ``name/version`` for a model served in several versions; a
     request that names no version gets the highest one (Triton's default version policy)."""
 
-    def __init__(self, servers: Mapping[str, Server], request_timeout: float | None = None) -> None:
-        self.versions: dict[str, dict[str, ModelSpec]] = {}
+    def __init__(self, servers: Mapping[str, Server | GenerationServer], request_timeout: float | None = None) -> None:
+        self.versions: dict[str, dict[str, Spec]] = {}
         for key, server in servers.items():
             name, version = split_version(key)
-            self.versions.setdefault(name, {})[version] = ModelSpec(name, server, version)
+            self.versions.setdefault(name, {})[version] = (GenerationSpec(name, server, version)
+                                                           if isinstance(server, GenerationServer)
+                                                           else ModelSpec(name, server, version))
         for name, specs in self.versions.items():
             self.versions[name] = dict(sorted(specs.items(), key=lambda item: _version_order(item[0])))
         self.models = {name: list(specs.values())[-1] for name, specs in self.versions.items()}
@@ -118,7 +123,7 @@ class InferenceService:
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
         self._counters: dict[tuple[str, str, str], Any] = {}  # requests_total children by labels
 
-    def model(self, name: str, version: str | None = None) -> ModelSpec:
+    def model(self, name: str, version: str | None = None) -> Spec:
         """The model ``name`` at ``version`` (None or empty: the highest); unknown ones are 404 / NOT_FOUND
         (the name cut to ``SHOWN_CHARACTERS``: a client's 20 KB name must not outgrow a gRPC status)."""
         specs = self.versions.get(name)
@@ -153,24 +158,28 @@ class InferenceService:
                   for spec in specs.values() if not version or spec.version == version]
         return {"model_stats": [self._statistics(spec) for spec in chosen]}
 
-    def _statistics(self, spec: ModelSpec) -> dict[str, Any]:
+    def _statistics(self, spec: Spec) -> dict[str, Any]:
+        """One model version's statistics; a generation's executions are its decode steps, its inferences
+        its requests, and its queue time the time to first output."""
         tally = self.tallies[(spec.name, spec.version)]
         stats = spec.server.stats()
-        batches = stats["batches"]
+        generating = isinstance(spec, GenerationSpec)
+        executions = stats["steps" if generating else "batches"]
+        waits = stats["first_output_s" if generating else "queue_wait_s"]
         return {
             "name": spec.name, "version": spec.version, "last_inference": tally.last_inference_ms,
-            "inference_count": stats["rows"], "execution_count": batches,
+            "inference_count": stats["requests" if generating else "rows"], "execution_count": executions,
             "inference_stats": {
                 "success": _duration(tally.success_count, tally.success_ns),
                 "fail": _duration(tally.fail_count, tally.fail_ns),
-                "queue": _duration(batches, stats["queue_wait_s"] * 1e9),
+                "queue": _duration(stats["requests"] if generating else executions, waits * 1e9),
                 "compute_input": _duration(0, 0), "compute_output": _duration(0, 0),
-                "compute_infer": _duration(batches, stats["execution_s"] * 1e9),
+                "compute_infer": _duration(executions, stats["step_s" if generating else "execution_s"] * 1e9),
             },
             "batch_stats": [{"batch_size": size, "compute_input": _duration(0, 0),
                              "compute_output": _duration(0, 0),
                              "compute_infer": _duration(count, stats.get("batch_execution_s", {}).get(size, 0) * 1e9)}
-                            for size, count in sorted(stats["batch_sizes"].items())],
+                            for size, count in sorted(stats.get("batch_sizes", {}).items())],
         }
 
     async def load_model(self, name: str, parameters: Any = None) -> None:
@@ -185,12 +194,14 @@ class InferenceService:
         if specs is None:
             self.model(name)  # the unknown-model error
             return
-        for spec in specs.values():
-            if spec.server.serving.params_source is None:
-                raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
-                                    f"(Serving(params=PATH)): there is nothing to reload")
-        for spec in specs.values():
-            await asyncio.to_thread(spec.server.reload_params)
+        servers = [spec.server for spec in specs.values() if isinstance(spec, ModelSpec)]
+        if len(servers) < len(specs):
+            raise ProtocolError(f"model '{name}' is a generation; reloading its weights is not supported")
+        if any(server.serving.params_source is None for server in servers):
+            raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
+                                f"(Serving(params=PATH)): there is nothing to reload")
+        for server in servers:
+            await asyncio.to_thread(server.reload_params)
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "jitserve", "version": __version__, "extensions": EXTENSIONS}
@@ -199,11 +210,18 @@ class InferenceService:
         return not self.draining and all(not spec.server.stopping for spec in self.models.values())
 
     async def infer(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
-                    priority: int | None = None, version: str | None = None
-                    ) -> tuple[str, list[tuple[str, np.ndarray]]]:
+                    priority: int | None = None, version: str | None = None,
+                    parameters: Mapping[str, Any] | None = None) -> tuple[str, list[tuple[str, np.ndarray]]]:
         """Run one request's tensors on ``model`` (at ``version``) at ``priority`` (the request's ``priority``
-        parameter, as tritonclient sends it); the version that ran it and the named outputs it asked for."""
+        parameter, as tritonclient sends it); the version that ran it and the named outputs it asked for.
+        A generation answers with all its outputs at once, stacked (``parameters``: see
+        :class:`GenerationSpec`)."""
         spec = self.model(model, version)
+        if isinstance(spec, GenerationSpec):
+            with self._tallied(spec):
+                steps = [outputs async for outputs in self._generated(spec, tensors, parameters, priority)]
+            return spec.version, select_outputs([("output", np.concatenate([step[0][1] for step in steps]))],
+                                                requested, model)
         value = spec.value(tensors)
         server = spec.server
         serving = server.serving
@@ -215,25 +233,39 @@ class InferenceService:
         return spec.version, select_outputs(spec.named_outputs(outputs), requested, model)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
-                     priority: int | None = None, version: str | None = None
+                     priority: int | None = None, version: str | None = None,
+                     parameters: Mapping[str, Any] | None = None
                      ) -> tuple[str, AsyncIterator[list[tuple[str, np.ndarray]]]]:
         """``infer`` whose outputs come as they are ready: one item per batch that ran some of the rows (in
-        row order), or per step of a streaming serving. The request is checked and queued now (its errors
-        raise here, before anything is sent); a consumer that stops early frees its queued rows. Returns the
-        version that runs it with the outputs to come."""
+        row order), per step of a streaming serving, or per output of a generation. The request is checked
+        and queued now (its errors raise here, before anything is sent; a generation's at its first item); a
+        consumer that stops early frees its queued rows (a generation's slot). Returns the version that runs
+        it with the outputs to come."""
         spec = self.model(model, version)
+        if isinstance(spec, GenerationSpec):
+            return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority),
+                                              requested)
         server = spec.server
         items = server.open_stream_async(spec.value(tensors), self._timeout(server.serving, priority), priority)
         return spec.version, self._stream(spec, items, requested)
 
-    async def _stream(self, spec: ModelSpec, items: AsyncIterator[Any], requested: Sequence[str] | None
+    async def _stream(self, spec: Spec, items: AsyncIterator[Any], requested: Sequence[str] | None
                       ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """The stream's outputs; tallied in the statistics once it ends or fails (not when the client leaves)."""
+        named = spec.named_outputs if isinstance(spec, ModelSpec) else (lambda outputs: outputs)
         with self._tallied(spec):
             async for outputs in items:
-                yield select_outputs(spec.named_outputs(outputs), requested, spec.name)
+                yield select_outputs(named(outputs), requested, spec.name)
 
-    def _tallied(self, spec: ModelSpec) -> _Tallied:
+    def _generated(self, spec: GenerationSpec, tensors: Mapping[str, np.ndarray],
+                   parameters: Mapping[str, Any] | None, priority: int | None
+                   ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        if priority is not None:
+            raise ProtocolError(f"model '{spec.name}' is a generation: it admits prompts in arrival order and has "
+                                f"no priority levels; send no 'priority' parameter")
+        return spec.generate(tensors, parameters or {}, self.request_timeout)
+
+    def _tallied(self, spec: Spec) -> _Tallied:
         """Count what a ``with`` block runs in the model's statistics (see :class:`_Tallied`)."""
         return _Tallied(self.tallies[(spec.name, spec.version)])
 

@@ -40,7 +40,14 @@ import numpy as np
 
 from .. import compilers
 from ..defn import defn_errors, resolve_options
-from ..errors import BatchError, OptionError, PromptTooLongError, QueueFullError, ServerStoppedError
+from ..errors import (
+    BatchError,
+    OptionError,
+    PromptTooLongError,
+    QueueFullError,
+    ServerStoppedError,
+    raised_by_model,
+)
 from ..template import Template, is_template, params_template, templates_of
 from .request import END, Stream
 from .server import Lifecycle
@@ -314,6 +321,21 @@ class GenerationServer(Lifecycle):
         self._carry: Any = None
         self._thread = threading.Thread(target=self._loop, name=f"jitserve-{name}-generation", daemon=True)
         self._on_stop: list[Callable[[Any], None]] = []
+        self._listeners: list[Callable[[str, float], None]] = []
+        last = self._programs.carry_template[1]
+        self.output_template = Template(last.shape[1:], last.dtype)  # what each step gives one request
+
+    def add_listener(self, listener: Callable[[str, float], None]) -> None:
+        """Call ``listener(kind, seconds)`` for each ``"first_output"`` (a request's time from submission to
+        its first output) and each ``"step"`` (one decode step of every busy slot), on the loop thread."""
+        self._listeners.append(listener)
+
+    def _tell(self, kind: str, seconds: float) -> None:
+        for listener in self._listeners:
+            try:
+                listener(kind, seconds)
+            except Exception:
+                log.exception("generation server %s: listener %r failed", self.name, listener)
 
     def _count_compile(self) -> None:
         with self._lock:
@@ -472,6 +494,7 @@ class GenerationServer(Lifecycle):
                 if self._busy:
                     self._step()
             except Exception as error:  # every running request gets it; the loop goes on
+                raised_by_model(error)  # prefill or decode, or their compiled code: a 500 over the network
                 log.exception("generation server %s: a step failed", self.name)
                 with self._lock:
                     self._stats["errors"] += 1
@@ -519,10 +542,12 @@ class GenerationServer(Lifecycle):
         options = programs.option_arrays([busy.get(slot) for slot in range(self.generation.slots)])
         self._carry = programs.step(self._params, self._carry, *options)
         outputs = owned_host_array(self._carry[1])  # a copy: the next step reuses the buffer
+        elapsed = time.perf_counter() - started
         with self._lock:
             self._stats["steps"] += 1
-            self._stats["step_s"] += time.perf_counter() - started
+            self._stats["step_s"] += elapsed
             running = sorted(self._busy.items())
+        self._tell("step", elapsed)
         self._deliver([request for _, request in running], outputs[[slot for slot, _ in running]])
 
     def _deliver(self, requests: list[GenerationRequest], outputs: np.ndarray, prompt_positions: bool = False) -> None:
@@ -551,3 +576,6 @@ class GenerationServer(Lifecycle):
             for request in finished:
                 if self._busy.get(request.slot) is request:
                     del self._busy[request.slot]
+        if prompt_positions:
+            for request in requests:
+                self._tell("first_output", now - request.submitted)
