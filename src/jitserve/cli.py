@@ -251,12 +251,8 @@ def serve_command(args: argparse.Namespace) -> int:
         app.run(app.start_locally(servings), **_network_options(args))
         return 0
     from .cluster import ray as cluster
-    from .serving import Generation, lookup
+    from .serving import lookup
 
-    generations = [name for name, serving in servings.items() if isinstance(serving, Generation)]
-    if generations:
-        raise OptionError(f"model '{generations[0]}' is a jitserve.Generation, which is served in this process: "
-                          f"--ray runs jitserve.Serving replicas only")
     cluster.connect(args.ray)
     handles: list[Any] = []
 

@@ -59,3 +59,33 @@ def weights_serving(side: int = 7200) -> js.Serving:
     w[0, :4] = [1, 2, 3, 4]
     return js.Serving(lambda params, x: x * 2 + params["w"][0, :4], params={"w": w}, batch_size=8,
                       batch_timeout=0.002, input_template=js.template((4,), "float32"))
+
+
+GENERATION_VOCAB = 97
+
+
+def _peaked(token):
+    import jax.numpy as jnp
+
+    return -jnp.abs(jnp.arange(GENERATION_VOCAB) - token).astype(jnp.float32) / 4.0
+
+
+def _prefill(params, tokens, length):
+    import jax.numpy as jnp
+
+    total = jnp.sum(jnp.where(jnp.arange(tokens.shape[0]) < length, tokens, 0)) * params["scale"]
+    return {"position": length, "total": total}, _peaked(total % GENERATION_VOCAB)
+
+
+def _decode(params, state, last):
+    import jax
+
+    total = state["total"] + last * params["scale"] + state["position"]
+    return {"position": state["position"] + 1, "total": total}, jax.vmap(_peaked)(total % GENERATION_VOCAB)
+
+
+def generation(slots: int = 2) -> js.Generation:
+    """The toy decoder of the generation tests, as logits: its state (position, running sum), its greedy
+    token the sum modulo 97."""
+    return js.Generation(_prefill, _decode, params={"scale": np.int32(1)}, slots=slots, max_length=64,
+                         prefill_lengths=[8], logits=True)

@@ -7,6 +7,7 @@ in /tmp/ray for other processes to join), token authentication, and the driver k
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -36,6 +37,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import jitserve as js  # noqa: E402
 from jitserve.cluster import ray as cluster  # noqa: E402
+from jitserve.protocol.service import InferenceService  # noqa: E402
 from netutil import free_port, wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -375,3 +377,45 @@ def test_sigkill_of_a_raylet_mid_load_loses_nothing(ray_cluster):
         doomed.stop()  # its replica died with its node: nothing to drain
     assert errors == [] and wrong == 0 and answered > 100
     assert survived > 0
+
+
+def test_a_generation_on_two_replicas_streams_samples_and_frees_slots(ray_cluster):
+    """Each replica owns its slots; callers are routed by load; a request's tokens are those of a local
+    server (greedy and seeded sampling alike); a caller that stops reading frees its slot."""
+    prompts = [np.array([index + 1, 2, 3], np.int32) for index in range(12)]
+    with js.serve(ray_models.generation(slots=2), name="gen-local") as local:
+        greedy = [js.generate("gen-local", prompt, max_steps=10).tolist() for prompt in prompts]
+        sampled = js.generate("gen-local", prompts[0], max_steps=10, temperature=1.5, seed=4).tolist()
+        assert local.stats()["compiles"] > 0
+    handle = js.serve(ray_models.generation(slots=2), name="gen", cluster="ray", replicas=2)
+    try:
+        results: dict[int, list[int]] = {}
+
+        def call(index):
+            results[index] = js.generate(("ray", "gen"), prompts[index], max_steps=10).tolist()
+
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert [results[index] for index in range(len(prompts))] == greedy
+        assert js.generate(("ray", "gen"), prompts[0], max_steps=10, temperature=1.5, seed=4).tolist() == sampled
+        per_replica = handle.stats()["replicas"]
+        assert sorted(per_replica) == ["gen/0", "gen/1"]
+        assert all(stats["requests"] > 0 for stats in per_replica.values()), per_replica
+        stream = js.generate_stream(("ray", "gen"), prompts[1], max_steps=60)
+        assert int(next(stream)) == greedy[1][0]
+        stream.close()
+        deadline = time.monotonic() + 20
+        while any(s["slots_busy"] for s in handle.stats()["replicas"].values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(s["slots_busy"] for s in handle.stats()["replicas"].values()), "the slot was freed"
+        with pytest.raises(js.PromptTooLongError, match="the prompt has 9 tokens, more than the longest prefill "
+                                                        "length \\(8; max_length is 64\\)"):
+            js.generate(("ray", "gen"), np.arange(1, 10), max_steps=2)
+        service = InferenceService({"gen": js.serving.lookup(("ray", "gen"))})  # what jitserve front serves
+        _, outputs = asyncio.run(service.infer("gen", {"prompt": prompts[2]}, None, parameters={"max_steps": 4}))
+        assert outputs[0][0] == "output" and outputs[0][1].tolist() == greedy[2][:4]
+    finally:
+        _stop_and_check_gone(handle)

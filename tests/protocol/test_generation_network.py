@@ -16,8 +16,9 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from generation_models import expected  # noqa: E402
-from netutil import start_server, stop  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from netutil import start_server, stop  # noqa: E402
 
 MODELS = str(Path(__file__).with_name("generation_models.py")) + ":models"
 PROMPT = [5, 6, 7]

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ..errors import OptionError
+from ..serving.generation import Generation, GenerationFront
 from ..serving.registry import register_cluster
 from ..serving.server import Server
 from ..serving.serving import Serving
@@ -32,10 +33,10 @@ class _LazyRay:
             raise OptionError(f"cluster='ray' needs Ray: pip install 'jitserve[ray]' ({error})") from None
         return backend
 
-    def serve(self, serving: Serving, name: str, **options: Any) -> Any:
+    def serve(self, serving: Serving | Generation, name: str, **options: Any) -> Any:
         return self._backend().serve(serving, name, **options)
 
-    def lookup(self, name: str) -> Server | None:
+    def lookup(self, name: str) -> Server | GenerationFront | None:
         return self._backend().lookup(name)
 
 

@@ -23,6 +23,11 @@ at-least-once execution on a hard crash (the dead replica may have run the
 batch) and exactly-once on a graceful stop (a stopping replica answers only
 requests none of whose rows started, and finishes the others).
 
+A :class:`~jitserve.Generation` runs the same way, each replica owning its
+slots (:class:`GenerationReplica`); a caller's request is one Ray streaming
+call to the replica with the fewest prompts per slot of two drawn
+(:class:`RemoteGeneration`).
+
 Why Ray core actors and not Ray Serve: one Ray Serve handle call costs 2-5x
 an actor call and ``@serve.batch`` does not coalesce in the caller; see
 ``bench/ray.py``.
@@ -41,10 +46,11 @@ import sysconfig
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 from ray import cloudpickle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
@@ -53,6 +59,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..batch import Batch
 from ..compilers.xla import run_cpu_computations_inline
 from ..errors import OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError, UnknownServerError
+from ..serving.generation import GREEDY, Generation, GenerationFront, GenerationServer, Sampling
 from ..serving.server import Server
 from ..serving.serving import Serving, finite_number
 
@@ -94,9 +101,8 @@ class Replica:
 
     def __init__(self, serving: Serving, name: str, index: int, weight: float, holder: str | None = None) -> None:
         run_cpu_computations_inline()  # too late only if unpickling the serving already ran JAX (its arrays)
-        if holder is not None:  # the weights, from the object store (zero-copy, shared on this node)
-            (ref,) = ray.get(ray.get_actor(holder, namespace=NAMESPACE).ref.remote())
-            serving = serving.with_params(ray.get(ref))
+        if holder is not None:
+            serving = serving.with_params(_held(holder))
         self.name = f"{name}/{index}"
         self.serving = serving
         self.weight = weight
@@ -127,11 +133,60 @@ class Replica:
 _ReplicaActor = ray.remote(Replica)
 
 
-def _travel_by_value(serving: Serving) -> None:
+def _held(holder: str) -> Any:
+    """The weights a holder actor owns, from the object store (zero-copy, shared on this node)."""
+    (ref,) = ray.get(ray.get_actor(holder, namespace=NAMESPACE).ref.remote())
+    return ray.get(ref)
+
+
+class GenerationReplica:
+    """One replica of a generation: its own server, slots and decode state, inside a Ray actor. Each
+    request is one streaming call (``generate``): its outputs as they come, each with the replica's load."""
+
+    def __init__(self, generation: Generation, name: str, index: int, weight: float,
+                 holder: str | None = None) -> None:
+        run_cpu_computations_inline()
+        if holder is not None:
+            generation = generation.with_params(_held(holder))
+        self.name = f"{name}/{index}"
+        self.generation = generation
+        self.weight = weight
+        self.server = GenerationServer(generation, self.name).start()
+
+    def info(self) -> dict[str, Any]:
+        """What routers need: the generation (without its weights), its slots as capacity, and its place."""
+        return {"serving": self.generation.with_params(None), "partitions": self.generation.slots,
+                "weight": self.weight, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    async def generate(self, prompt: Any, max_steps: int, sampling: Sampling, timeout: float | None
+                       ) -> AsyncIterator[tuple[Any, int]]:
+        """One request's outputs, each with the prompts this replica holds (in slots or waiting); a caller
+        that cancels the call frees the slot at the next step."""
+        server = self.server
+        request = server.submit(prompt, max_steps, asyncio.get_running_loop(), sampling)
+        async for output in server.outputs_async(request, timeout):
+            stats = server.stats()
+            yield output, stats["slots_busy"] + stats["queue_depth"]
+
+    async def stats(self) -> dict[str, Any]:
+        return self.server.stats()
+
+    async def stop(self) -> dict[str, Any]:
+        """Stop without drain: waiting and running requests end with ``ServerStoppedError``."""
+        await asyncio.to_thread(self.server.stop, False)
+        return self.server.stats()
+
+
+_GenerationActor = ray.remote(GenerationReplica)
+
+
+def _travel_by_value(serving: Serving | Generation) -> None:
     """Let the user's own modules travel with the serving (cloudpickle by value), so that replicas need
     only the installed packages it imports, not the caller's source tree on their ``sys.path``."""
     installed = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
-    for fn in (serving.fn, serving.preprocess, serving.postprocess):
+    functions = (serving.prefill, serving.decode) if isinstance(serving, Generation) else \
+        (serving.fn, serving.preprocess, serving.postprocess)
+    for fn in functions:
         module = sys.modules.get(getattr(fn, "__module__", None) or "")
         path = getattr(module, "__file__", None)
         if module is None or path is None or module.__name__ == "__main__":
@@ -174,7 +229,7 @@ def connect(address: str | None) -> None:
 class RayServing:
     """The handle of a serving running on a Ray cluster: ``stats()``, ``scale(n)``, ``stop()``."""
 
-    def __init__(self, serving: Serving, name: str, weight: float, actor_options: dict[str, Any],
+    def __init__(self, serving: Serving | Generation, name: str, weight: float, actor_options: dict[str, Any],
                  spread: bool) -> None:
         self.serving = serving
         self.name = name
@@ -182,6 +237,7 @@ class RayServing:
         self._actor_options = actor_options
         self._spread = spread
         self._actors: dict[str, Any] = {}
+        self._actor_class = _GenerationActor if isinstance(serving, Generation) else _ReplicaActor
         self._holder: str | None = None  # the actor that owns the weights, for a serving with params
         if serving.has_params:
             self._holder = f"{name}/weights-{uuid.uuid4().hex[:8]}"
@@ -214,7 +270,7 @@ class RayServing:
                 node = min(placement, key=placement.__getitem__)  # the node with the fewest replicas of this name
                 placement[node] += 1
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
-            started[actor_name] = _ReplicaActor.options(name=actor_name, **options).remote(
+            started[actor_name] = self._actor_class.options(name=actor_name, **options).remote(
                 self.serving, self.name, index, self.weight, self._holder)
         try:
             ray.get([actor.info.remote() for actor in started.values()])  # warm-up done: ready
@@ -297,7 +353,8 @@ def _check_replicas(replicas: Any) -> None:
         raise OptionError(f"replicas must be a non-negative integer, got {replicas!r}")
 
 
-def serve(serving: Serving, name: str, *, replicas: int = 1, weight: float = 1, num_cpus: float | None = None,
+def serve(serving: Serving | Generation, name: str, *, replicas: int = 1, weight: float = 1,
+          num_cpus: float | None = None,
           num_gpus: float | None = None, resources: dict[str, float] | None = None, address: str | None = None,
           max_restarts: int = DEFAULT_MAX_RESTARTS, spread: bool = True) -> RayServing:
     """Start ``replicas`` replicas of ``serving`` named ``name`` on the Ray cluster at ``address`` (or the
@@ -314,7 +371,7 @@ def serve(serving: Serving, name: str, *, replicas: int = 1, weight: float = 1, 
     _check_replicas(replicas)
     if not finite_number(weight) or weight <= 0:
         raise OptionError(f"weight must be a finite number > 0, got {weight!r}")
-    if serving.streaming:
+    if isinstance(serving, Serving) and serving.streaming:
         raise OptionError("a streaming serving runs in the process that reads its steps; serve it locally "
                           "(js.serve(serving, name)) or behind jitserve serve")
     connect(address)
@@ -358,7 +415,7 @@ class Router:
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         self._refreshed = 0.0
-        self.serving: Serving | None = None
+        self.serving: Serving | Generation | None = None
 
     def refresh(self) -> None:
         """Read the replicas from the cluster: new ones are asked for their capacity, gone ones dropped."""
@@ -389,7 +446,8 @@ class Router:
             self._members = fresh
             self._refreshed = time.monotonic()
 
-    def _choose(self, exclude: set[str]) -> _Member | None:
+    def choose(self, exclude: set[str]) -> _Member | None:
+        """A replica not in ``exclude``: of two drawn by capacity, the less loaded (None: none is left)."""
         if time.monotonic() - self._refreshed > REFRESH_S:
             self.refresh()
         with self._lock:
@@ -399,11 +457,11 @@ class Router:
         first, second = random.choices(members, weights=[m.capacity for m in members], k=2)
         return first if first.load <= second.load else second
 
-    def _add_outstanding(self, member: _Member, rows: int) -> None:
+    def add_outstanding(self, member: _Member, rows: int) -> None:
         with self._lock:  # several dispatcher threads send to one member: += is not atomic
             member.outstanding += rows
 
-    def _forget(self, member: _Member) -> None:
+    def forget(self, member: _Member) -> None:
         with self._lock:
             if self._members.get(member.name) is member:
                 del self._members[member.name]
@@ -417,11 +475,11 @@ class Router:
         too_large: dict[str, RequestTooLargeError] = {}  # replicas whose queue can never hold the batch
         lost: list[str] = []
         while len(lost) < MAX_TRIES:
-            member = self._choose(tried)
+            member = self.choose(tried)
             if member is None:
                 break
             tried.add(member.name)
-            self._add_outstanding(member, size)
+            self.add_outstanding(member, size)
             try:
                 outputs, member.depth = ray.get(member.actor.run.remote(rows, batch_key), timeout=self.call_timeout)
                 return outputs
@@ -437,9 +495,9 @@ class Router:
                 lost.append(f"{member.name}: {type(cause).__name__}")
                 log.warning("replica %s lost a batch of %d rows (%s); sending it elsewhere",
                             member.name, size, type(cause).__name__)
-                self._forget(member)
+                self.forget(member)
             finally:
-                self._add_outstanding(member, -size)
+                self.add_outstanding(member, -size)
         if full and not lost:
             if set(too_large) == full:  # no replica could ever take it: not retryable
                 raise next(iter(too_large.values()))
@@ -479,13 +537,104 @@ class Coalescer(Server):
         return _replica_stats(self.router.members())
 
 
-_coalescers: dict[str, Coalescer] = {}
+class RemoteGeneration(GenerationFront):
+    """The local front of a generation on Ray. Each request is one streaming call to a replica, chosen by
+    power of two choices on prompts held per slot (this process's requests in flight there, plus what the
+    replica reported with its last output); closing the outputs cancels the call, which frees the slot. A
+    replica lost before a request's first output is replaced by another (at most ``MAX_TRIES``); one lost
+    after it ends the request with ``ServerStoppedError`` (its outputs cannot be taken back)."""
+
+    def __init__(self, router: Router, generation: Generation) -> None:
+        self.router = router
+        self.name = router.name
+        self.generation = generation
+        self.output_template = generation.shapes()[2]
+        self._stopping = False
+        self._on_stop: list[Any] = []
+
+    def submit(self, prompt: Any, max_steps: int, loop: asyncio.AbstractEventLoop | None = None,
+               sampling: Sampling | None = None) -> tuple[np.ndarray, int, Sampling]:
+        """Checked here (a bad request never travels); sent when its outputs are asked for."""
+        if self._stopping:
+            raise ServerStoppedError(f"the front of generation {self.name!r} is stopped")
+        return self.generation.check_request(self.name, prompt, max_steps, sampling), max_steps, sampling or GREEDY
+
+    def _call(self, request: tuple[np.ndarray, int, Sampling], timeout: float | None, tried: set[str]
+              ) -> tuple[_Member, Any]:
+        member = self.router.choose(tried)
+        if member is None:
+            raise UnknownServerError(f"no replica of {self.name!r} is running in the ray cluster")
+        tried.add(member.name)
+        self.router.add_outstanding(member, 1)
+        return member, member.actor.generate.options(num_returns="streaming").remote(*request, timeout)
+
+    def _lost(self, member: _Member, error: BaseException, produced: int, tried: set[str]) -> None:
+        """Raise what ends the request, or return to try another replica."""
+        cause = _cause(error)
+        if not isinstance(error, _LOST) and not isinstance(cause, ServerStoppedError):
+            raise cause from None
+        self.router.forget(member)
+        if produced or len(tried) >= MAX_TRIES:
+            raise ServerStoppedError(f"replica {member.name} of {self.name!r} was lost after {produced} outputs "
+                                     f"({type(cause).__name__})") from None
+        log.warning("replica %s lost a request before its first output (%s); sending it elsewhere", member.name,
+                    type(cause).__name__)
+
+    def outputs(self, request: Any, timeout: float | None) -> Iterator[Any]:
+        tried: set[str] = set()
+        produced = 0
+        while True:
+            member, outputs = self._call(request, timeout, tried)
+            try:
+                for ref in outputs:
+                    output, member.depth = ray.get(ref)
+                    produced += 1
+                    yield output
+                return
+            except Exception as error:  # noqa: BLE001 - sorted by _lost: another replica, or the caller's
+                self._lost(member, error, produced, tried)
+            finally:
+                self.router.add_outstanding(member, -1)
+                ray.cancel(outputs)
+
+    async def outputs_async(self, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+        tried: set[str] = set()
+        produced = 0
+        while True:
+            member, outputs = self._call(request, timeout, tried)
+            try:
+                async for ref in outputs:
+                    output, member.depth = await ref
+                    produced += 1
+                    yield output
+                return
+            except Exception as error:  # noqa: BLE001 - sorted by _lost: another replica, or the caller's
+                self._lost(member, error, produced, tried)
+            finally:
+                self.router.add_outstanding(member, -1)
+                ray.cancel(outputs)
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' stats, summed."""
+        return _total(_replica_stats(self.router.members()).values())
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests here; the replicas run on (``RayServing.stop`` stops them)."""
+        if not self._stopping:
+            self._stopping = True
+            for callback in self._on_stop:
+                callback(self)
+
+
+_coalescers: dict[str, Coalescer | RemoteGeneration] = {}
 _coalescers_lock = threading.Lock()
 _session: list[str] = []
 
 
-def lookup(name: str, call_timeout: float = DEFAULT_CALL_TIMEOUT_S, in_flight: int = 4) -> Coalescer | None:
-    """This process's coalescer for the cluster serving ``name`` (None if it has no replicas)."""
+def lookup(name: str, call_timeout: float = DEFAULT_CALL_TIMEOUT_S, in_flight: int = 4
+           ) -> Coalescer | RemoteGeneration | None:
+    """This process's coalescer for the cluster serving ``name``, or its front of a generation (None if it
+    has no replicas)."""
     if not ray.is_initialized():
         raise UnknownServerError(f"not connected to a Ray cluster: call ray.init(address=...) before looking up "
                                  f"{name!r} there")
@@ -503,5 +652,7 @@ def lookup(name: str, call_timeout: float = DEFAULT_CALL_TIMEOUT_S, in_flight: i
         router.refresh()
         if router.serving is None:
             return None
-        coalescer = _coalescers[name] = Coalescer(router, router.serving, in_flight).start()
-        return coalescer
+        front: Coalescer | RemoteGeneration = RemoteGeneration(router, router.serving) \
+            if isinstance(router.serving, Generation) else Coalescer(router, router.serving, in_flight).start()
+        _coalescers[name] = front
+        return front

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..serving.generation import GenerationServer
+from ..serving.generation import GenerationFront, GenerationServer
 from ..serving.server import BatchReport, Server
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -32,7 +32,7 @@ _TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 class _ServerStats:
     """Reads queue depth and compile counts from the servers when scraped."""
 
-    def __init__(self, servers: Mapping[str, Server | GenerationServer]) -> None:
+    def __init__(self, servers: Mapping[str, Server | GenerationFront]) -> None:
         self.servers = servers
 
     def collect(self) -> Iterator[Metric]:
@@ -49,7 +49,7 @@ class _ServerStats:
             stats = server.stats()
             depth.add_metric([name], stats["queue_depth"])
             compiles.add_metric([name], stats["compiles"])
-            if isinstance(server, GenerationServer):
+            if isinstance(server, GenerationFront):
                 for key, gauge in slots.items():
                     gauge.add_metric([name], stats[key])
             replica_stats = getattr(server, "replica_stats", None)  # a cluster serving's local front
@@ -71,7 +71,7 @@ class _ServerStats:
 class Metrics:
     """One registry per network front (so that several fronts in one process do not collide)."""
 
-    def __init__(self, servers: Mapping[str, Server | GenerationServer]) -> None:
+    def __init__(self, servers: Mapping[str, Server | GenerationFront]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("jitserve_requests", "Inference requests", ["model", "protocol", "status"],
                                 registry=self.registry)
@@ -88,9 +88,9 @@ class Metrics:
         self._children: dict[str, tuple[Any, ...]] = {}  # each model's children of the four per-batch metrics
         self.registry.register(_ServerStats(servers))
         for name, server in servers.items():
-            if isinstance(server, GenerationServer):
+            if isinstance(server, GenerationServer):  # a cluster's generation steps on its replicas
                 server.add_listener(self._generation_listener(name))
-            else:
+            elif isinstance(server, Server):
                 server.add_batch_listener(self.on_batch)
 
     def _generation_listener(self, model: str) -> Callable[[str, float], None]:

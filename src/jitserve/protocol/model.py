@@ -23,7 +23,7 @@ import numpy as np
 from .. import compilers
 from ..batch import Batch
 from ..errors import OptionError, ProtocolError
-from ..serving.generation import GenerationRequest, GenerationServer, Sampling
+from ..serving.generation import GenerationFront, Sampling
 from ..serving.server import Server
 from ..template import Template, is_template
 from .codec import DATATYPES, datatype_of
@@ -209,7 +209,7 @@ class GenerationSpec:
     DEFAULT_STEPS = 16
     SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
-    def __init__(self, name: str, server: GenerationServer, version: str = "1") -> None:
+    def __init__(self, name: str, server: GenerationFront, version: str = "1") -> None:
         self.name = name
         self.version = version
         self.server = server
@@ -262,7 +262,7 @@ class GenerationSpec:
         request = self.server.submit(prompt, steps, asyncio.get_running_loop(), sampling)
         return self._outputs(request, timeout)
 
-    async def _outputs(self, request: GenerationRequest, timeout: float | None
+    async def _outputs(self, request: Any, timeout: float | None
                        ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         async for output in self.server.outputs_async(request, timeout):
             yield [("output", np.asarray(output)[None])]

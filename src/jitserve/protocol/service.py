@@ -31,7 +31,7 @@ from ..errors import (
     UnknownServerError,
     is_raised_by_model,
 )
-from ..serving.generation import GenerationServer
+from ..serving.generation import GenerationFront
 from ..serving.server import Server
 from ..version import __version__
 from .logs import REQUEST_ID, request_id
@@ -106,12 +106,12 @@ class InferenceService:
     ``servers`` is keyed by model name, or ``name/version`` for a model served in several versions; a
     request that names no version gets the highest one (Triton's default version policy)."""
 
-    def __init__(self, servers: Mapping[str, Server | GenerationServer], request_timeout: float | None = None) -> None:
+    def __init__(self, servers: Mapping[str, Server | GenerationFront], request_timeout: float | None = None) -> None:
         self.versions: dict[str, dict[str, Spec]] = {}
         for key, server in servers.items():
             name, version = split_version(key)
             self.versions.setdefault(name, {})[version] = (GenerationSpec(name, server, version)
-                                                           if isinstance(server, GenerationServer)
+                                                           if isinstance(server, GenerationFront)
                                                            else ModelSpec(name, server, version))
         for name, specs in self.versions.items():
             self.versions[name] = dict(sorted(specs.items(), key=lambda item: _version_order(item[0])))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import copy
 import logging
 import queue as thread_queue
 import secrets
@@ -152,6 +153,38 @@ class Generation:
                                                          **compiler_options})
         self.compiler_name = chosen.name
 
+    @property
+    def has_params(self) -> bool:
+        """False only for a copy made to travel without its weights (``with_params(None)``)."""
+        return self.params is not None
+
+    def with_params(self, params: Any) -> Generation:
+        """This generation with other weights of the same shapes (None: without them, to travel light)."""
+        changed = copy.copy(self)
+        changed.params = params
+        return changed
+
+    def shapes(self) -> tuple[Any, Template, Template]:
+        """The templates of a prompt's state row, of what ``prefill`` gives for it (an output, or logits),
+        and of one output a caller gets per step (a token id, for ``logits=True``)."""
+        row, first = jax.eval_shape(self.prefill, *jax.tree_util.tree_map(
+            lambda t: t.abstract(), (self.params_template, Template((self.prefill_lengths[0],), np.int32),
+                                     Template((), np.int32)), is_leaf=is_template))
+        first = templates_of(first)
+        if self.logits and (len(first.shape) != 1 or first.dtype.kind != "f"):
+            raise OptionError(f"a logits=True generation's prefill must return a vector of float logits per "
+                              f"prompt; it returned {first}")
+        return templates_of(row), first, Template((), np.int32) if self.logits else first
+
+    def check_request(self, name: str, prompt: Any, max_steps: int, sampling: Sampling | None) -> np.ndarray:
+        """A request's prompt (see :meth:`check_prompt`) once its ``max_steps`` and ``sampling`` are checked
+        for generation server ``name``."""
+        count_option("max_steps", max_steps)
+        if sampling is not None and not sampling.greedy and not self.logits:
+            raise OptionError(f"generation server {name!r} cannot sample: its decode returns outputs, not "
+                              f"logits (serve it with js.Generation(..., logits=True) to sample per request)")
+        return self.check_prompt(prompt)
+
     def check_prompt(self, prompt: Any) -> np.ndarray:
         """The prompt as a 1-D int32 array of token ids, else a clear error naming what is wrong."""
         array = np.asarray(prompt)
@@ -208,15 +241,9 @@ class _Programs:
         self.pick = pick_tokens if self.compiler.compiles else jax.jit(pick_tokens)
         self.updates: dict[int, Callable[..., Any]] = {}
         g = generation
-        row, first = jax.eval_shape(g.prefill, *jax.tree_util.tree_map(
-            lambda t: t.abstract(), (g.params_template, Template((g.prefill_lengths[0],), np.int32),
-                                     Template((), np.int32)), is_leaf=is_template))
-        self.row_template = templates_of(row)
-        self.first_template = templates_of(first)  # what prefill gives per prompt: an output, or logits
-        if g.logits and (len(self.first_template.shape) != 1 or self.first_template.dtype.kind != "f"):
-            raise OptionError(f"a logits=True generation's prefill must return a vector of float logits per "
-                              f"prompt; it returned {self.first_template}")
-        output = Template((), np.int32) if g.logits else self.first_template
+        # what prefill gives per prompt: a state row, and an output or logits
+        self.row_template, self.first_template, self.output_template = g.shapes()
+        output = self.output_template
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
@@ -301,7 +328,30 @@ class _Programs:
         return jax.tree_util.tree_map(lambda t: t.zeros(), self.carry_template, is_leaf=is_template)
 
 
-class GenerationServer(Lifecycle):
+class GenerationFront(Lifecycle):
+    """What ``js.generate`` and the network front call: a :class:`GenerationServer` in this process, or a
+    cluster's front of generation replicas (``jitserve.cluster.ray``). ``submit`` checks and queues a
+    request; ``outputs`` / ``outputs_async`` give its outputs as they come (closing them cancels it)."""
+
+    generation: Generation
+    name: str
+    output_template: Template  # what each step gives one request
+
+    def submit(self, prompt: Any, max_steps: int, loop: asyncio.AbstractEventLoop | None = None,
+               sampling: Sampling | None = None) -> Any:
+        raise NotImplementedError
+
+    def outputs(self, request: Any, timeout: float | None) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def outputs_async(self, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class GenerationServer(GenerationFront):
     """A named, running generation server: one loop thread that admits, prefills and steps its slots."""
 
     def __init__(self, generation: Generation, name: str) -> None:
@@ -322,8 +372,7 @@ class GenerationServer(Lifecycle):
         self._thread = threading.Thread(target=self._loop, name=f"jitserve-{name}-generation", daemon=True)
         self._on_stop: list[Callable[[Any], None]] = []
         self._listeners: list[Callable[[str, float], None]] = []
-        last = self._programs.carry_template[1]
-        self.output_template = Template(last.shape[1:], last.dtype)  # what each step gives one request
+        self.output_template = self._programs.output_template
 
     def add_listener(self, listener: Callable[[str, float], None]) -> None:
         """Call ``listener(kind, seconds)`` for each ``"first_output"`` (a request's time from submission to
@@ -396,11 +445,8 @@ class GenerationServer(Lifecycle):
         """Queue a prompt for at most ``max_steps`` outputs, its tokens picked as ``sampling`` says (a
         ``logits=True`` generation; None: greedy); its outputs arrive on the request's stream."""
         g = self.generation
-        count_option("max_steps", max_steps)
-        if sampling is not None and not sampling.greedy and not g.logits:
-            raise OptionError(f"generation server {self.name!r} cannot sample: its decode returns outputs, not "
-                              f"logits (serve it with js.Generation(..., logits=True) to sample per request)")
-        request = GenerationRequest(g.check_prompt(prompt), int(max_steps), sampling or GREEDY, loop)
+        request = GenerationRequest(g.check_request(self.name, prompt, max_steps, sampling), int(max_steps),
+                                    sampling or GREEDY, loop)
         with self._lock:
             if self._stopping:
                 raise ServerStoppedError(f"generation server {self.name!r} is stopped and takes no new requests")

@@ -18,13 +18,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
-from .generation import Generation, GenerationServer, Sampling
+from .generation import Generation, GenerationFront, GenerationServer, Sampling
 from .server import Server
 from .serving import Serving, optional_seconds
 
 LOCAL = "local"
 
-_servers: dict[str, Server | GenerationServer] = {}
+_servers: dict[str, Server | GenerationFront] = {}
 _lock = threading.Lock()
 
 
@@ -34,10 +34,10 @@ class Cluster(Protocol):
     def connected(self) -> bool:
         """True when this process is connected to such a cluster (no lookups otherwise)."""
 
-    def serve(self, serving: Serving, name: str, **options: Any) -> Any:
+    def serve(self, serving: Serving | Generation, name: str, **options: Any) -> Any:
         """Start ``serving`` as ``name`` in the cluster; returns the back end's handle."""
 
-    def lookup(self, name: str) -> Server | None:
+    def lookup(self, name: str) -> Server | GenerationFront | None:
         """This process's front of the cluster serving ``name``, or None if the cluster has none."""
 
 
@@ -62,8 +62,6 @@ def serve(serving: Serving | Generation, name: str | None = None, cluster: str |
     fn = serving.decode if isinstance(serving, Generation) else serving.fn
     name = name or getattr(fn, "__name__", None) or "serving"
     if cluster is not None:
-        if isinstance(serving, Generation):
-            raise OptionError("a js.Generation is served in this process (cluster= is for a js.Serving)")
         return _cluster(cluster).serve(serving, name, **cluster_options)
     if cluster_options:
         raise OptionError(f"{', '.join(sorted(cluster_options))}: only for a cluster serving (cluster='ray')")
@@ -87,13 +85,13 @@ def _cluster(kind: str) -> Cluster:
     return cluster
 
 
-def unregister(name: str, server: Server | GenerationServer) -> None:
+def unregister(name: str, server: Server | GenerationFront) -> None:
     with _lock:
         if _servers.get(name) is server:
             del _servers[name]
 
 
-def lookup(name: str | tuple[str, str]) -> Server | GenerationServer:
+def lookup(name: str | tuple[str, str]) -> Server | GenerationFront:
     """The server for ``name``: here first, then in every connected cluster; ``(kind, name)`` forces one."""
     scope, bare = name if isinstance(name, tuple) else (None, name)
     if scope not in (None, LOCAL):
@@ -116,21 +114,21 @@ def lookup(name: str | tuple[str, str]) -> Server | GenerationServer:
     raise UnknownServerError(f"no server named {bare!r} is running here (running: {running}){where}")
 
 
-def servers() -> dict[str, Server | GenerationServer]:
+def servers() -> dict[str, Server | GenerationFront]:
     """The running servers of this process by name."""
     return dict(_servers)
 
 
 def _batching(name: str | tuple[str, str]) -> Server:
     server = lookup(name)
-    if isinstance(server, GenerationServer):
+    if isinstance(server, GenerationFront):
         raise OptionError(f"server {server.name!r} serves a js.Generation, not a js.Serving: call js.generate")
     return server
 
 
-def _generating(name: str | tuple[str, str]) -> GenerationServer:
+def _generating(name: str | tuple[str, str]) -> GenerationFront:
     server = lookup(name)
-    if not isinstance(server, GenerationServer):
+    if not isinstance(server, GenerationFront):
         raise OptionError(f"server {server.name!r} serves a js.Serving, not a js.Generation: call js.batched_run")
     return server
 
