@@ -71,7 +71,7 @@ TASKS = {
     "serve": lambda args: _exec([str(PYTHON), "-m", "jitserve", "serve", "examples/mlp.py:serving", *args]),
     "demo": lambda args: _exec([str(PYTHON), "-m", "jitserve", "demo", *args]),
     "test": lambda args: _exec([str(PYTHON), "-m", "pytest", *args]),
-    # -P: bench/ must not lead sys.path, where bench/iree.py would shadow iree
+    # -P: the script's folder does not lead sys.path (no bench script is named after a package; this keeps it so)
     "bench": lambda args: _exec([str(PYTHON), "-P", str(ROOT / "bench" / f"{args[0]}.py"), *args[1:]]),
     "env": lambda args: 0,
 }

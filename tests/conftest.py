@@ -19,7 +19,9 @@ def _default_options():
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The size of src/ against its budget (tests/test_quality.py), at the end of every run."""
-    from test_quality import LINE_BUDGET, source_lines
+    """The code lines of src/ per folder against their budget (tests/test_quality.py), at the end of every run."""
+    from test_quality import LINE_BUDGET, lines_by_folder
 
-    terminalreporter.write_line(f"src/jitserve: {source_lines():,} lines (budget {LINE_BUDGET:,})")
+    folders = lines_by_folder()
+    table = ", ".join(f"{folder} {lines:,}" for folder, lines in folders.items())
+    terminalreporter.write_line(f"src/jitserve: {sum(folders.values()):,} code lines (budget {LINE_BUDGET:,}): {table}")

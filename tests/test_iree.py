@@ -1,4 +1,4 @@
-"""jitserve.iree and compiler="iree": seed 002's flows on the real IREE compiler and runtime."""
+"""jitserve.iree and compiler="iree": NxIREE's flows on the real IREE compiler and runtime."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jitserve as js
 
 iree = pytest.importorskip("jitserve.iree")
 
-SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # seed 002
+SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # NxIREE's example module
 SEED_RESULT = [1.3817732, -1.2576177, -0.1485215, -1.4951146]
 CPU_FLAGS = ["--iree-hal-target-backends=llvm-cpu", "--iree-input-type=stablehlo_xla",
              "--iree-execution-model=async-internal", "--iree-llvmcpu-target-cpu=host"]

@@ -1,25 +1,57 @@
 """The quality gates, run with the suite: ruff and mypy clean with their committed configuration
-(``pyproject.toml``), ``src/`` within its line budget (the count is printed at the end of the run), and
-every module importing only from its own layer or those below (DESIGN.md's layers)."""
+(``pyproject.toml``), ``src/`` within its budget of code lines (printed per folder at the end of the run),
+and every module importing only from its own layer or those below (the layers of docs/design.md)."""
 
 from __future__ import annotations
 
 import ast
+import io
 import shutil
 import subprocess
 import sys
 import tarfile
+import tokenize
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE_BUDGET = 11_300  # lines of src/jitserve, comments and docstrings included (+500: params, +1,000: generation;
-# +800: issue 31 hardening, per-request sampling and generation over the network)
+# lines of src/jitserve that hold code (comments, docstrings and blank lines are free), raised on purpose when
+# a capability lands; 7,800 after weights as params, generation, issue 31's hardening, sampling, and generation
+# over the network and on Ray (7,666 code lines of 10,900 in all when the count changed to code only)
+LINE_BUDGET = 7_800
+SOURCE = ROOT / "src" / "jitserve"
+
+
+def code_lines(path: Path) -> int:
+    """The lines of a module that hold code: not blank, not only a comment, not part of a docstring."""
+    text = path.read_text()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            docstrings.update(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
+    lines: set[int] = set()
+    free = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER,
+            tokenize.ENCODING}
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in free:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def lines_by_folder() -> dict[str, int]:
+    """Code lines per package folder of src/jitserve (``.`` for the top level)."""
+    folders: dict[str, int] = {}
+    for path in sorted(SOURCE.rglob("*.py")):
+        folder = str(path.parent.relative_to(SOURCE))
+        folders[folder] = folders.get(folder, 0) + code_lines(path)
+    return folders
 
 
 def source_lines() -> int:
-    return sum(len(path.read_text().splitlines()) for path in (ROOT / "src" / "jitserve").rglob("*.py"))
+    return sum(lines_by_folder().values())
 
 
 def tool(name: str) -> str:
@@ -98,7 +130,14 @@ def test_the_layer_check_sees_relative_and_local_imports(tmp_path, monkeypatch):
 
 
 def test_src_stays_within_its_line_budget():
-    assert source_lines() <= LINE_BUDGET, f"src/jitserve has {source_lines():,} lines, over {LINE_BUDGET:,}"
+    assert source_lines() <= LINE_BUDGET, f"src/jitserve has {source_lines():,} code lines, over {LINE_BUDGET:,}"
+
+
+def test_code_lines_count_code_only(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('"""A docstring\nof two lines."""\n\n# a comment\nx = (1,\n     2)  # trailing\n\n\n'
+                      'def f():\n    """Its docstring."""\n    return """a string\nthat is code"""\n')
+    assert code_lines(module) == 5  # x = (1, / 2) / def f(): / return """a string / that is code"""
 
 
 def test_the_sdist_carries_the_tests_examples_and_benches(tmp_path):
@@ -114,3 +153,13 @@ def test_the_sdist_carries_the_tests_examples_and_benches(tmp_path):
                              text=True, check=True).stdout.split()
     assert not sorted(set(tracked) - names), "files missing from the sdist"
     assert {"LICENSE", "README.md", "pyproject.toml", "dev.py", "src/jitserve/protocol/inference.binpb"} <= names
+
+
+def test_no_bench_script_is_named_after_an_importable_module():
+    """A bench script run as ``python bench/x.py`` puts bench/ first on sys.path: one named after a package
+    (bench/iree.py, bench/ray.py once) would shadow it for everything the script imports."""
+    stems = [path.stem for path in sorted((ROOT / "bench").glob("*.py"))]
+    found = subprocess.run([sys.executable, "-P", "-c", "import importlib.util, sys; "
+                            "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n)))", *stems],
+                           cwd="/", capture_output=True, text=True, check=True)  # installed modules only
+    assert not found.stdout.split(), f"bench scripts named after importable modules: {found.stdout.split()}"

@@ -93,21 +93,16 @@ def _leaves_and_signature(entry: Any, stacked: bool) -> tuple[list[np.ndarray], 
 class Batch:
     """Rows gathered for one execution: ``Batch.stack`` / ``Batch.concatenate``, then ``size`` and ``pad``."""
 
-    __slots__ = ("_chunks", "tree", "rows", "size", "padding", "user_key")
+    __slots__ = ("_chunks", "tree", "row_signature", "size", "padding", "user_key")
 
-    def __init__(self, chunks: list[_Chunk], tree: Any, rows: RowSignature, user_key: Any = None,
+    def __init__(self, chunks: list[_Chunk], tree: Any, row_signature: RowSignature, user_key: Any = None,
                  padding: int = 0) -> None:
         self._chunks = chunks
         self.tree = tree
-        self.rows = rows
+        self.row_signature = row_signature  # each leaf's per-row shape and dtype
         self.size = chunks[0].rows if len(chunks) == 1 else sum([c.rows for c in chunks])
         self.padding = padding  # zero rows added when materialized
         self.user_key = user_key
-
-    @property
-    def row_templates(self) -> tuple[Template, ...]:
-        """The template of one row of each leaf."""
-        return tuple(Template(shape, dtype) for shape, dtype in self.rows)
 
     @classmethod
     def _build(cls, entries: Iterable[Any], stacked: bool) -> Batch:
@@ -136,12 +131,12 @@ class Batch:
         added = cls._build(entries, stacked)
         if batch is None:
             return added
-        if (added.tree, added.rows) != (batch.tree, batch.rows):
-            raise BatchError(f"{INCOMPATIBLE}: the batch has rows of {_describe(batch.rows)}"
+        if (added.tree, added.row_signature) != (batch.tree, batch.row_signature):
+            raise BatchError(f"{INCOMPATIBLE}: the batch has rows of {_describe(batch.row_signature)}"
                              f"{'' if added.tree == batch.tree else f' (structure {batch.tree})'}, but the entries "
-                             f"have rows of {_describe(added.rows)}"
+                             f"have rows of {_describe(added.row_signature)}"
                              f"{'' if added.tree == batch.tree else f' (structure {added.tree})'}")
-        return cls(batch._chunks + added._chunks, batch.tree, batch.rows, batch.user_key, batch.padding)
+        return cls(batch._chunks + added._chunks, batch.tree, batch.row_signature, batch.user_key, batch.padding)
 
     @_NewOrAdd
     def stack(cls, batch: Batch | None, entries: Sequence[Any]) -> Batch:  # noqa: N805 - _NewOrAdd binds it
@@ -164,9 +159,10 @@ class Batch:
             if other.user_key != first.user_key:
                 raise BatchError(f"cannot merge batches with different keys: batch {position} has key "
                                  f"{other.user_key!r}, but batch 0 has {first.user_key!r}")
-            if (other.tree, other.rows) != (first.tree, first.rows):
+            if (other.tree, other.row_signature) != (first.tree, first.row_signature):
                 raise BatchError(f"cannot merge batches due to incompatible templates: batch {position} has rows "
-                                 f"of {_describe(other.rows)}, but batch 0 has rows of {_describe(first.rows)}")
+                                 f"of {_describe(other.row_signature)}, but batch 0 has rows of "
+                                 f"{_describe(first.row_signature)}")
         merged = cls.join(batches)
         merged.padding = sum(b.padding for b in batches)
         return merged
@@ -175,22 +171,22 @@ class Batch:
     def join(cls, batches: Sequence[Batch]) -> Batch:
         """``merge`` for batches already known to share one signature (a server queue's), unchecked, unpadded."""
         first = batches[0]
-        return cls([c for b in batches for c in b._chunks], first.tree, first.rows, first.user_key)
+        return cls([c for b in batches for c in b._chunks], first.tree, first.row_signature, first.user_key)
 
     def key(self, key: Any) -> Batch:
         """The same rows under batch key ``key``: batches with different keys never share an execution."""
-        return Batch(self._chunks, self.tree, self.rows, key, self.padding)
+        return Batch(self._chunks, self.tree, self.row_signature, key, self.padding)
 
     def pad(self, rows: int) -> Batch:
         """The same rows with ``rows`` zero rows added at the end when materialized (``Nx.Batch.pad``)."""
         if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
             raise BatchError(f"Batch.pad takes a number of rows >= 0, got {rows!r}")
-        return Batch(self._chunks, self.tree, self.rows, self.user_key, int(rows))
+        return Batch(self._chunks, self.tree, self.row_signature, self.user_key, int(rows))
 
     @property
     def signature(self) -> tuple[Any, ...]:
         """What decides which rows may share an execution: key, structure, per-row shapes and dtypes."""
-        return (self.user_key, self.tree, self.rows)
+        return (self.user_key, self.tree, self.row_signature)
 
     def split(self, rows: int) -> tuple[Batch, Batch]:
         """The first ``rows`` rows and the rest (either may be empty)."""
@@ -209,7 +205,7 @@ class Batch:
                 left = 0
             else:
                 tail.append(chunk)
-        make = lambda chunks: Batch(chunks, self.tree, self.rows, self.user_key)  # noqa: E731
+        make = lambda chunks: Batch(chunks, self.tree, self.row_signature, self.user_key)  # noqa: E731
         return make(head), make(tail)
 
     def chunks(self, rows: int) -> list[Batch]:
@@ -233,7 +229,7 @@ class Batch:
         array ``into(leaf, shape, dtype)`` gives for it (a buffer its caller reuses from batch to batch)."""
         total = self.size + self.padding
         outs = []
-        for leaf, (shape, dtype) in enumerate(self.rows):
+        for leaf, (shape, dtype) in enumerate(self.row_signature):
             out = np.empty((total, *shape), dtype) if into is None else into(leaf, (total, *shape), dtype)
             np.concatenate([chunk.view(leaf) for chunk in self._chunks], out=out[:self.size])
             out[self.size:] = 0
@@ -242,5 +238,5 @@ class Batch:
 
     def __repr__(self) -> str:
         key = "" if self.user_key is None else f", key: {self.user_key!r}"
-        return f"#Batch<size: {self.size}, pad: {self.padding}{key}, rows: {_describe(self.rows)}>"
+        return f"#Batch<size: {self.size}, pad: {self.padding}{key}, rows: {_describe(self.row_signature)}>"
 

@@ -1,11 +1,11 @@
 """The ``jitserve`` command line: ``serve``, ``front``, ``bench``, ``demo``, ``devices`` and ``mlir``.
 
-``serve TARGET`` serves a ``Serving`` (or a dict of name -> Serving) named by
+``serve TARGET`` serves a ``Serving`` or ``Generation`` (or a dict of them) named by
 ``path/to/file.py:attr`` or ``package.module:attr`` over HTTP and gRPC with
 the Open Inference Protocol (``--ray ADDRESS --replicas N``: on a Ray cluster).
 ``front --ray ADDRESS`` serves the servings already running on a Ray cluster.
 ``bench TARGET`` serves it in process and drives it with closed-loop callers
-for a while. ``demo`` is seed 001/002's table for this
+for a while. ``demo`` is the evaluator-against-XLA table for this
 machine: softmax on 1,000, 1,000,000 and 1000x1000x5 elements with every
 installed compiler, next to numpy eager.
 """

@@ -37,11 +37,10 @@ def _freeze(value: Any) -> Any:
 class Options(Mapping[str, Any]):
     """An immutable set of options. Build them with :func:`intern`; equal sets are one object."""
 
-    __slots__ = ("_items", "_key")
+    __slots__ = ("_items",)
 
-    def __init__(self, items: dict[str, Any], key: tuple[Any, ...]) -> None:
+    def __init__(self, items: dict[str, Any]) -> None:
         self._items = items
-        self._key = key
 
     def __getitem__(self, name: str) -> Any:
         return self._items[name]
@@ -74,7 +73,7 @@ def intern(items: Mapping[str, Any]) -> Options:
     found = _interned.get(key)
     if found is None:
         with _intern_lock:
-            found = _interned.setdefault(key, Options(dict(items), key))
+            found = _interned.setdefault(key, Options(dict(items)))
     return found
 
 

@@ -1,4 +1,4 @@
-"""IREE from Python, as NxIREE does it from Elixir (seed 002).
+"""IREE from Python, as NxIREE does it from Elixir.
 
 ``list_drivers`` and ``list_devices`` show what the runtime can use here;
 ``compile`` turns StableHLO MLIR into a vmfb with the given flags (through a
@@ -70,7 +70,7 @@ ELEMENT_TYPES: dict[str, str] = {
 # - neither indirect (reusable) command buffers nor constant expressions hoisted into globals: with either on,
 #   IREE 3.x fails at run time on some modules with "OUT_OF_RANGE; indirect buffer reference slot 0 is out of
 #   range of the declared binding capacity" (a jax.random key made inside the function from an input seed
-#   needs the first off, one made from a constant seed the second); bench/iree.py measures what this costs.
+#   needs the first off, one made from a constant seed the second); bench/iree_flags.py measures what this costs.
 CORRECTNESS_FLAGS: tuple[str, ...] = ("--iree-input-demote-f64-to-f32=false",
                                       "--iree-hal-indirect-command-buffers=false",
                                       "--iree-opt-const-expr-hoisting=false")

@@ -18,7 +18,7 @@ def double(x):
     return x * 2
 
 
-# seed 000: Nx.Serving batch size -------------------------------------------------------------
+# Nx.Serving batch size ----------------------------------------------------------------------
 
 def test_seed_000_batch_size_1():
     serving_1 = js.Serving(double, oversize="error")
@@ -57,7 +57,7 @@ def test_oversize_split_is_the_default():
         assert server.stats()["rows"] == 5
 
 
-# seed 003: PopRT dynamic batch ---------------------------------------------------------------
+# PopRT dynamic batch ------------------------------------------------------------------------
 
 def test_seed_003_static_batch_4_serves_1_4_7_with_one_compile():
     def add(entry):

@@ -30,7 +30,7 @@ call to the replica with the fewest prompts per slot of two drawn
 
 Why Ray core actors and not Ray Serve: one Ray Serve handle call costs 2-5x
 an actor call and ``@serve.batch`` does not coalesce in the caller; see
-``bench/ray.py``.
+``bench/ray_serve.py``.
 """
 
 from __future__ import annotations

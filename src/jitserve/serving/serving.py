@@ -164,7 +164,7 @@ class Executor:
         """Run one batch (``batch.size`` rows padded by ``batch.padding``) with ``params`` as :meth:`place`
         gave them; outputs cut to the real rows, as numpy."""
         rows = batch.size + batch.padding
-        run = self.compiled(rows, batch.tree, batch.rows, batch.user_key)
+        run = self.compiled(rows, batch.tree, batch.row_signature, batch.user_key)
         buffers = self._input_buffers  # empty unless reused: then outputs are checked against them
         inputs = batch.materialize(self._input_buffer if self._reuse_inputs else None)
         outputs = _model_code(run, params, inputs) if self.serving.has_params else _model_code(run, inputs)
@@ -420,10 +420,6 @@ class Serving:
             raise BatchError("the batch holds no rows; send at least one")
         self.check_key(batch)
         return batch, info
-
-    def to_batch(self, value: Any) -> Batch:
-        """The caller's input as a Batch (see :meth:`prepare`)."""
-        return self.prepare(value)[0]
 
     def check_key(self, batch: Batch) -> None:
         """With declared ``batch_keys``, a batch must carry one of them."""

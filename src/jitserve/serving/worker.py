@@ -160,14 +160,14 @@ class ProcessExecutor:
         with self._lock:
             dropped, self._dropped = self._dropped, []
             try:
-                compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.rows,
+                compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.row_signature,
                                                 batch.user_key, batch.materialize(), version, dropped), rows)
             except Exception as error:  # the model's, from the worker, or the worker's crash while running it
                 raised_by_model(error)
                 raise
             if compiled:
                 self._on_compile()
-                self._warm[(rows, batch.tree, batch.rows, batch.user_key)] = None
+                self._warm[(rows, batch.tree, batch.row_signature, batch.user_key)] = None
         return outputs
 
     def close(self) -> None:

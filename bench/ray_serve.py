@@ -14,7 +14,7 @@ XLA), batch_size 64, batch_timeout 2 ms, CALLERS closed-loop threads sending
 Every answer's shape is checked. ``--gpus 1`` puts one replica per GPU
 (``num_gpus=1``) and runs the in-process baseline on the GPU too.
 
-    python3 dev.py bench ray        # needs pip install 'jitserve[bench]' for Ray Serve
+    python3 dev.py bench ray_serve  # needs pip install 'jitserve[bench]' for Ray Serve
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""IREE against numpy, the evaluator and XLA on softmax 1000x1000x5 (seed 002's table for this
+"""IREE against numpy, the evaluator and XLA on softmax 1000x1000x5 (NxIREE's table for this
 machine), and the per-call cost of ``jitserve.iree.call`` against a raw ``iree.runtime`` call.
 
-The call overhead is measured on seed 002's 4-element module, where the call is all there is,
+The call overhead is measured on NxIREE's 4-element example module, where the call is all there is,
 in ABBA rounds (raw, ours, ours, raw); best per-call times and their ratio. Goal: <= 1.10.
 
 Last, what jitserve's correctness flags (``iree.CORRECTNESS_FLAGS``: no indirect command buffers, no
 hoisted constant expressions) cost against IREE's defaults, on the MLP of bench/serving.py at batch 64
 and 1, in ABBA rounds.
 
-    python3 dev.py bench iree
+    python3 dev.py bench iree_flags
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jitserve as js
 from jitserve import iree
 from jitserve.cli import softmax, softmax_numpy, time_call
 
-SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # seed 002
+SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # NxIREE's example module
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -65,7 +65,7 @@ def main() -> None:
         a += per_call_us(bare, args.calls)
         raws.append(a / 2), oursl.append(b / 2), ratios.append(b / a)
     print()
-    print(f"call overhead, seed 002's module on local-task ({args.rounds} rounds x {args.calls} calls):")
+    print(f"call overhead, NxIREE's example module on local-task ({args.rounds} rounds x {args.calls} calls):")
     print("| raw iree.runtime best (us/call) | jitserve.iree.call best (us/call) | best ratio | median ratio |")
     print("|---|---|---|---|")
     print(f"| {min(raws):.2f} | {min(oursl):.2f} | {min(oursl) / min(raws):.3f} | {statistics.median(ratios):.3f} |")
