@@ -17,7 +17,7 @@ import tracemalloc
 import numpy as np
 
 import jitserve as js
-from jitserve.cli import DEMO_SHAPES, softmax, softmax_numpy, time_call
+from jitserve.workloads import DEMO_SHAPES, softmax, softmax_numpy, time_call
 
 
 def peak_mib(fn, x) -> float:

@@ -22,7 +22,7 @@ import numpy as np
 
 import jitserve as js
 from jitserve import iree
-from jitserve.cli import softmax, softmax_numpy, time_call
+from jitserve.workloads import softmax, softmax_numpy, time_call
 
 SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # NxIREE's example module
 

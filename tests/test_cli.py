@@ -30,7 +30,7 @@ def test_devices(capsys):
 
 
 def test_mlir_prints_stablehlo(capsys):
-    assert main(["mlir", "jitserve.cli:softmax", "--shape", "2x3"]) == 0
+    assert main(["mlir", "jitserve.workloads:softmax", "--shape", "2x3"]) == 0
     out = capsys.readouterr().out
     assert "func.func public @main(%arg0: tensor<2x3xf32>)" in out and "stablehlo.exponential" in out
 
@@ -122,7 +122,7 @@ def test_a_bad_timeout_flag_is_one_line_and_exit_2_before_anything_starts(flags,
 
 @pytest.mark.parametrize("shape", ["2xa", "-1x3", "2x"])
 def test_a_bad_mlir_shape_is_a_usage_error_naming_the_format(shape):
-    done = run_cli("mlir", "jitserve.cli:softmax", f"--shape={shape}", timeout=120)
+    done = run_cli("mlir", "jitserve.workloads:softmax", f"--shape={shape}", timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().endswith(f"argument --shape: expected dimensions joined by 'x', each a non-negative "
                                         f"integer (e.g. 1000x1000x5, or '' for a scalar); got '{shape}'")

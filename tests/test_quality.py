@@ -80,7 +80,7 @@ LAYERS = (
     ("iree",),
     ("compilers",),
     ("defn",),
-    ("batch", "loadtest"),
+    ("batch", "loadtest", "workloads"),
     ("serving",),
     ("protocol", "cluster"),
     ("cli", "__main__", "__init__"),

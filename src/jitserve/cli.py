@@ -18,15 +18,12 @@ import importlib
 import importlib.util
 import logging
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import compilers
@@ -35,35 +32,7 @@ from .defn import devices, jit, to_mlir
 from .errors import JitserveError, OptionError
 from .template import is_template
 from .version import __version__
-
-DEMO_SHAPES: dict[str, tuple[int, ...]] = {
-    "1,000": (1_000,),
-    "1,000,000": (1_000_000,),
-    "1000x1000x5": (1000, 1000, 5),
-}
-
-
-def softmax(t: Any) -> Any:
-    """Seed 001/002's softmax over the last axis, as a numerical definition."""
-    return jnp.exp(t) / jnp.sum(jnp.exp(t), axis=-1, keepdims=True)
-
-
-def softmax_numpy(t: np.ndarray) -> np.ndarray:
-    """The same softmax in numpy, run eagerly."""
-    return np.exp(t) / np.sum(np.exp(t), axis=-1, keepdims=True)
-
-
-def time_call(fn: Callable[[], Any], budget_s: float = 0.5, max_runs: int = 200) -> float:
-    """Median seconds of ``fn()`` (results waited for) after one warm-up call."""
-    jax.block_until_ready(fn())
-    runs: list[float] = []
-    spent = 0.0
-    while len(runs) < 3 or (spent < budget_s and len(runs) < max_runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        runs.append(time.perf_counter() - start)
-        spent += runs[-1]
-    return statistics.median(runs)
+from .workloads import DEMO_SHAPES, softmax, softmax_numpy, time_call
 
 
 def _format_ms(seconds: float) -> str:
@@ -426,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo_parser.set_defaults(run=demo)
     commands.add_parser("devices", help="every device of every installed compiler").set_defaults(run=list_devices)
     mlir_parser = commands.add_parser("mlir", help="print the StableHLO of module:function")
-    mlir_parser.add_argument("target", help="module:function, e.g. jitserve.cli:softmax")
+    mlir_parser.add_argument("target", help="module:function, e.g. jitserve.workloads:softmax")
     mlir_parser.add_argument("--shape", type=_shape, default=(4,), help="input shape, e.g. 1000x1000x5")
     mlir_parser.add_argument("--dtype", default="float32")
     mlir_parser.set_defaults(run=mlir)
