@@ -154,7 +154,7 @@ def test_unsupported_primitive_names_it_and_the_table():
     with pytest.raises(NotImplementedError) as info:
         js.Interpreter(graph)
     assert "primitive 'reduce_window'" in str(info.value)
-    assert "PRIMITIVES in jitserve/primitives.py" in str(info.value)
+    assert "PRIMITIVES in jitserve/compilers/evaluator/primitives.py" in str(info.value)
 
 
 def test_wrong_number_of_inputs():
@@ -188,7 +188,7 @@ def test_evaluator_reports_defn_errors():
 
 
 def test_a_parameter_the_implementation_does_not_handle_is_an_error_naming_it(monkeypatch):
-    from jitserve import primitives
+    from jitserve.compilers.evaluator import primitives
 
     monkeypatch.setitem(primitives.PRIMITIVES, "integer_pow", lambda x: x)
     graph = js.trace(lambda x: lax.integer_pow(x, 3), np.ones(3, np.float32))
@@ -198,7 +198,7 @@ def test_a_parameter_the_implementation_does_not_handle_is_an_error_naming_it(mo
 
 @pytest.mark.parametrize("checks", [True, False])
 def test_checks_name_the_node_whose_result_is_misshapen(monkeypatch, checks):
-    from jitserve import primitives
+    from jitserve.compilers.evaluator import primitives
 
     monkeypatch.setitem(primitives.PRIMITIVES, "neg", lambda x: np.negative(x).ravel())
     graph = js.trace(lambda x: -x * 2, np.ones((2, 3), np.float32))

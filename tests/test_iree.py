@@ -14,7 +14,8 @@ import pytest
 
 import jitserve as js
 
-iree = pytest.importorskip("jitserve.iree")
+pytest.importorskip("iree.runtime")
+from jitserve import iree
 
 SEED_MLIR = (Path(__file__).resolve().parents[1] / "examples" / "cos_sin.mlir").read_text()  # NxIREE's example module
 SEED_RESULT = [1.3817732, -1.2576177, -0.1485215, -1.4951146]

@@ -20,7 +20,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import jitserve as js
-from jitserve.primitives import PHYSICAL_RULES, PRIMITIVES, physical_shape_dtype
+from jitserve.compilers.evaluator.primitives import PHYSICAL_RULES, PRIMITIVES, physical_shape_dtype
 
 rng = np.random.default_rng(20261122)
 

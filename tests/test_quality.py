@@ -76,8 +76,6 @@ def test_mypy_is_clean():
 LAYERS = (
     ("errors", "template", "defaults", "device", "version", "params"),
     ("graph",),
-    ("interpreter", "primitives"),
-    ("iree",),
     ("compilers",),
     ("defn",),
     ("batch", "loadtest", "workloads"),

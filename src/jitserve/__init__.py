@@ -1,10 +1,13 @@
 """jitserve: write a numerical function once, compile it with the compiler that
 suits the machine (XLA, IREE or a numpy interpreter), and serve it."""
 
+from typing import Any
+
 from . import cluster  # noqa: F401 - plugs the cluster back ends (Ray) into the serving registry
 from .batch import Batch
 from .compilers import Compiler, Device, Executable
 from .compilers import register as register_compiler
+from .compilers.evaluator.interpreter import Interpreter, Node
 from .defaults import default_options, options, set_default_options
 from .defn import Compiled, MLIRModule, compile, defn, devices, jit, to_mlir
 from .errors import (
@@ -29,7 +32,6 @@ from .errors import (
     WorkerCrashedError,
 )
 from .graph import Graph, trace
-from .interpreter import Interpreter, Node
 from .params import load_params
 from .serving import (
     BatchReport,
@@ -107,3 +109,13 @@ __all__ = [
     "to_mlir",
     "trace",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``from jitserve import iree``: IREE from Python (``jitserve.compilers.iree.runtime``), imported on first
+    use, since it needs the ``iree`` extra."""
+    if name == "iree":
+        from .compilers.iree import runtime
+
+        return runtime
+    raise AttributeError(f"module 'jitserve' has no attribute {name!r}")

@@ -29,7 +29,7 @@ def test_evaluator_agrees_with_xla(case):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_iree_agrees_with_xla_or_says_clearly_why_not(case):
-    pytest.importorskip("jitserve.iree")
+    pytest.importorskip("iree.runtime")
     outcome, detail = run(case, "iree")
     assert outcome in ("agree", "clear error"), detail
     if outcome == "clear error":

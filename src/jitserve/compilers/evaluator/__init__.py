@@ -1,6 +1,6 @@
 """The ``evaluator`` compiler: trace to a Graph and interpret it with numpy.
 
-No XLA: each node runs through the table in :mod:`jitserve.primitives`, and
+No XLA: each node runs through the table in :mod:`.primitives`, and
 values are freed after their last use. It is the reference to debug and
 instrument a definition with (subclass :class:`jitserve.Interpreter`).
 Option ``free_after_last_use`` (default True) keeps every value alive when
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..graph import trace
-from ..interpreter import Interpreter
-from .base import Compiler, Device, Executable, flat_templates
+from ...graph import trace
+from ..base import Compiler, Device, Executable, flat_templates
+from .interpreter import Interpreter
 
 
 class EvaluatorCompiler(Compiler):

@@ -7,7 +7,7 @@ device, StableHLO input, the host CPU for llvm-cpu), ``iree_runtime_options``
 are IREE DeviceArrays (``np.asarray`` turns them into numpy arrays).
 
 What IREE compiles is the definition made explicit by
-:mod:`jitserve.compilers.explicit` (in-range gathers and scatters, stable
+:mod:`.explicit` (in-range gathers and scatters, stable
 sorts), so that its answers are XLA's; flags that would change a function's
 signature (demoting f64 to f32) are refused rather than followed silently.
 """
@@ -20,12 +20,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import iree
-from ..errors import CompileError
-from ..template import Template
-from .base import Compiler, Device, Executable, flat_templates
+from ...errors import CompileError
+from ...template import Template
+from ..base import Compiler, Device, Executable, flat_templates
+from ..xla import to_mlir
+from . import runtime as iree
 from .explicit import explicit
-from .xla import to_mlir
 
 
 def _device(options: Mapping[str, Any]) -> Any:

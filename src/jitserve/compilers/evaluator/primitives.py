@@ -36,6 +36,8 @@ import scipy.special as special
 from jax import lax
 from numpy.lib.stride_tricks import sliding_window_view
 
+from ..semantics import gather_fill, is_float, max_identity, min_identity
+
 Impl = Callable[..., Any]
 
 # Parameters that hold sub-graphs, per primitive; the interpreter replaces them by interpreters.
@@ -76,7 +78,7 @@ def bind_params(primitive: str, impl: Impl, params: dict[str, Any]) -> dict[str,
         if name not in names and name not in VALUE_NEUTRAL_PARAMS:
             raise NotImplementedError(
                 f"the evaluator's implementation of primitive {primitive!r} does not handle its parameter "
-                f"{name!r} (= {value!r}); extend it in jitserve/primitives.py")
+                f"{name!r} (= {value!r}); extend it in jitserve/compilers/evaluator/primitives.py")
     return {name: value for name, value in params.items() if name in names}
 
 
@@ -327,18 +329,6 @@ def _clamp(low: np.ndarray, x: np.ndarray, high: np.ndarray) -> np.ndarray:
     return np.minimum(np.maximum(x, low), high)
 
 
-def gather_fill(dtype: np.dtype, fill_value: Any) -> Any:
-    """What JAX's ``fill`` gather mode puts in out-of-range windows when no ``fill_value`` is given:
-    NaN for inexact types, True for bool, the minimum of signed and the maximum of unsigned integers."""
-    if fill_value is not None:
-        return fill_value
-    if jax.dtypes.issubdtype(dtype, np.inexact):
-        return np.nan
-    if dtype == np.bool_:
-        return True
-    return np.iinfo(dtype).min if jax.dtypes.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
-
-
 def _window_starts(operand_shape: tuple[int, ...], indices: np.ndarray, index_map: tuple[int, ...],
                    batching: tuple[tuple[int, int], ...], sizes: tuple[int, ...], clip: bool
                    ) -> tuple[list[np.ndarray | int], np.ndarray]:
@@ -433,13 +423,9 @@ def _scatter_with(combine: Callable[..., Any] | None) -> Impl:
     return scatter
 
 
-def _is_float(dtype: np.dtype) -> bool:
-    return bool(jax.dtypes.issubdtype(dtype, np.floating))
-
-
 def _total_order(x: np.ndarray) -> np.ndarray:
     """Integer keys ordering floats totally as XLA does: -NaN < -inf < ... < -0 < +0 < ... < inf < NaN."""
-    if not _is_float(x.dtype):
+    if not is_float(x.dtype):
         return x
     signed = np.ascontiguousarray(x).view(np.dtype(f"int{_bits(x)}")).reshape(np.shape(x))  # 0-d stays 0-d
     magnitude = np.array(np.iinfo(signed.dtype).max, signed.dtype)
@@ -450,7 +436,7 @@ def _sort_ranks(key: np.ndarray) -> list[np.ndarray]:
     """What ``lax.sort`` compares: the total order with -0.0 == 0.0 and every NaN alike; complex as (real, imag)."""
     if key.dtype.kind == "c":
         return [*_sort_ranks(key.real), *_sort_ranks(key.imag)]
-    if _is_float(key.dtype):
+    if is_float(key.dtype):
         key = np.where(np.isnan(key), np.array(np.nan, key.dtype), np.where(key == 0, np.zeros((), key.dtype), key))
     return [_total_order(key)]
 
@@ -501,20 +487,6 @@ def _reduce_precision(x: np.ndarray, *, exponent_bits: int, mantissa_bits: int) 
         value = np.where(overflows, signed_zero | exponent_mask, np.where(underflows, signed_zero, value))
     result = np.asarray(value, unsigned).view(x.dtype)
     return np.where(np.isnan(x), x, result) if mantissa_bits < source_mantissa else result
-
-
-def max_identity(dtype: np.dtype) -> Any:
-    """The value no maximum is below: -inf, the least integer, False."""
-    if _is_float(dtype):
-        return -np.inf
-    return False if dtype == np.bool_ else np.iinfo(dtype).min
-
-
-def min_identity(dtype: np.dtype) -> Any:
-    """The value no minimum is above: +inf, the greatest integer, True."""
-    if _is_float(dtype):
-        return np.inf
-    return True if dtype == np.bool_ else np.iinfo(dtype).max
 
 
 def _windows(x: np.ndarray, fill: Any, window_dimensions: tuple[int, ...], window_strides: tuple[int, ...],
@@ -574,7 +546,7 @@ def _select_and_scatter_add(source: np.ndarray, operand: np.ndarray, *, select_p
 
 def _accumulator(dtype: np.dtype) -> np.dtype:
     """Where numpy should sum products of ``dtype``: float32 for narrower floats, int64 for integers."""
-    if _is_float(dtype):
+    if is_float(dtype):
         return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
     if dtype.kind in "iub":
         return np.dtype(np.int64) if dtype.kind != "u" else np.dtype(np.uint64)
@@ -587,7 +559,7 @@ def _conv_general_dilated(lhs: np.ndarray, rhs: np.ndarray, *, window_strides: t
                           batch_group_count: int, preferred_element_type: Any) -> np.ndarray:
     lhs_spec, rhs_spec, out_spec = dimension_numbers
     out_dtype = np.dtype(preferred_element_type) if preferred_element_type is not None else lhs.dtype
-    compute = _accumulator(np.result_type(lhs.dtype, out_dtype) if _is_float(out_dtype) else lhs.dtype)
+    compute = _accumulator(np.result_type(lhs.dtype, out_dtype) if is_float(out_dtype) else lhs.dtype)
     x = np.transpose(lhs, lhs_spec).astype(compute)   # (N, C, spatial...)
     w = np.transpose(rhs, rhs_spec).astype(compute)   # (O, I, kernel...)
     spatial = x.ndim - 2
@@ -625,7 +597,7 @@ def _fft(x: np.ndarray, *, fft_type: Any, fft_lengths: tuple[int, ...]) -> np.nd
 
 def _lapack_dtype(x: np.ndarray) -> np.ndarray:
     """LAPACK has no half precision: those go through float32 (the interpreter casts the results back)."""
-    return x.astype(np.float32) if _is_float(x.dtype) and x.dtype.itemsize < 4 else x
+    return x.astype(np.float32) if is_float(x.dtype) and x.dtype.itemsize < 4 else x
 
 
 def _per_matrix(x: np.ndarray) -> Any:

@@ -60,8 +60,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from .. import primitives
-from ..errors import CompileError
+from ...errors import CompileError
+from .. import semantics
 
 LINEAR_ALGEBRA = ("jitserve rewrites LU, Cholesky and triangular solves for IREE, not this; use compiler='xla' or "
                   "compiler='evaluator'")
@@ -179,7 +179,7 @@ def _gather(operand: Any, indices: Any, *, dimension_numbers: Any, slice_sizes: 
         return [out]
     batch_axes = tuple(axis for axis in range(out.ndim) if axis not in dn.offset_dims)
     keep = lax.broadcast_in_dim(in_range, out.shape, batch_axes)
-    return [lax.select(keep, out, lax.full_like(out, primitives.gather_fill(operand.dtype, fill_value)))]
+    return [lax.select(keep, out, lax.full_like(out, semantics.gather_fill(operand.dtype, fill_value)))]
 
 
 def _scatter(primitive: Any) -> Callable[..., list[Any]]:
@@ -340,7 +340,7 @@ def _select_and_scatter_add(source: Any, operand: Any, *, select_prim: Any, wind
         return [lax.full(operand.shape, 0, source.dtype)]
     pick_max = select_prim is lax.ge_p
     keep = lax.ge if pick_max else lax.le
-    fill = primitives.max_identity(operand.dtype) if pick_max else primitives.min_identity(operand.dtype)
+    fill = semantics.max_identity(operand.dtype) if pick_max else semantics.min_identity(operand.dtype)
     padded = lax.pad(operand, np.array(fill, operand.dtype), [(lo, hi, 0) for lo, hi in padding])
     out_shape = source.shape
     offsets = list(np.ndindex(*window_dimensions))

@@ -2,7 +2,7 @@
 
 Everything that does not depend on the input values is worked out once, when
 the interpreter is built: each node's implementation from the table in
-:mod:`jitserve.primitives`, the slot of every value, and after which node each
+:mod:`.primitives`, the slot of every value, and after which node each
 value is used for the last time. Running is then a loop over prepared nodes
 that frees every value, inputs included, right after its last use.
 
@@ -32,11 +32,11 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from .defaults import CHECKS_ENV
-from .errors import EvaluationError
-from .graph import Graph, graph_of_jaxpr, trace
+from ...defaults import CHECKS_ENV
+from ...errors import EvaluationError
+from ...graph import Graph, graph_of_jaxpr, trace
+from ...template import Template
 from .primitives import MULTIPLE_RESULTS, PHYSICAL_RULES, PRIMITIVES, SUBGRAPH_PARAMS, bind_params, physical_shape_dtype
-from .template import Template
 
 
 class Node:
@@ -86,7 +86,7 @@ def checks_from_environment() -> bool:
 def _unsupported(primitive: str) -> NotImplementedError:
     return NotImplementedError(
         f"the evaluator has no implementation of primitive {primitive!r}; "
-        f"add an entry for it to PRIMITIVES in jitserve/primitives.py"
+        f"add an entry for it to PRIMITIVES in jitserve/compilers/evaluator/primitives.py"
     )
 
 

@@ -29,10 +29,10 @@ import iree.runtime as iree_runtime
 import jax
 import numpy as np
 
-from .defaults import CACHE_DIR_ENV
-from .device import Device
-from .errors import CompileError, EvaluationError, OptionError, TemplateMismatchError
-from .template import Template, is_template, template_of
+from ...defaults import CACHE_DIR_ENV
+from ...device import Device
+from ...errors import CompileError, EvaluationError, OptionError, TemplateMismatchError
+from ...template import Template, is_template, template_of
 
 DEFAULT_DRIVER = "local-task"
 
