@@ -518,6 +518,16 @@ class _Dispatch:
     def __init__(self, router: Router) -> None:
         self.router = router
 
+    def compiled(self, rows: int, tree: Any, row_signature: Any, batch_key: Any = None) -> None:
+        """Nothing to compile here: the replicas compiled at their warm-up."""
+
+    def place(self, params: Any) -> tuple[()]:
+        """Nothing to place here: the replicas hold the weights."""
+        return ()
+
+    def close(self) -> None:
+        """Nothing to release: the router outlives the coalescer's partitions."""
+
     def execute(self, batch: Batch, params: Any) -> Any:
         """``params`` is ``()``: the replicas hold the weights."""
         return self.router.send(batch.materialize(), batch.size, batch.user_key)

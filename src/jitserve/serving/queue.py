@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..batch import Batch
+from ..errors import QueueFullError, RequestTooLargeError
 
 if TYPE_CHECKING:
     from .request import Request
@@ -142,6 +143,24 @@ class Queues:
 
     def __bool__(self) -> bool:
         return bool(self._queues)
+
+    def admit(self, size: int, level: int, server: str) -> None:
+        """Admission: raise unless ``size`` more rows at ``level`` fit the queue bounds (``max_queue``, and
+        the level's own): ``RequestTooLargeError`` for a request no bound can ever hold, ``QueueFullError``
+        (retryable) for one that does not fit now."""
+        max_queue, level_limit = self.policy.max_queue, self.level_limits.get(level)
+        if max_queue is None and level_limit is None:
+            return
+        for limit, which in [(max_queue, "max_queue"), (level_limit, f"priority level {level}'s max_queue")]:
+            if limit is not None and size > limit:
+                raise RequestTooLargeError(f"a request of {size} rows can never fit server {server!r}'s "
+                                           f"queue: {which} is {limit} rows")
+        if max_queue is not None and self.depth + size > max_queue:
+            raise QueueFullError(f"server {server!r} queue is full: {self.depth} rows queued, max_queue is "
+                                 f"{max_queue}; a request of {size} rows was rejected")
+        if level_limit is not None and (queued := self.level_depth.get(level, 0)) + size > level_limit:
+            raise QueueFullError(f"server {server!r} queue for priority level {level} is full: {queued} rows "
+                                 f"queued, its max_queue is {level_limit}; a request of {size} rows was rejected")
 
     def add(self, request: Request, parts: Sequence[Batch], signature: Signature, now: float) -> bool:
         """Queue a request's parts (consecutive row ranges). True when a waiting worker must look now:

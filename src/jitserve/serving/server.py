@@ -18,19 +18,20 @@ coalescer gives executors that send the batch to a remote replica instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
 import jax
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..batch import Batch
+from ..batch import Batch, RowSignature
 from ..errors import BatchSizeError, OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError
 from ..params import load_params
 from .queue import BatchPolicy, Piece, Queues
@@ -56,11 +57,43 @@ class BatchReport:
     error: BaseException | None
 
 
+@dataclass
+class ServerStats:
+    """A server's counters since it started (``Server.stats()`` gives them as a dict): requests taken, and
+    rejected (queue full or too large), timed out, cancelled or stopped before they ran; batches and the rows
+    they ran, padding included, executions per padded size, seconds waiting and executing, compiles, failed
+    batches and the runs bisecting them took."""
+
+    requests: int = 0
+    batches: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+    compiles: int = 0
+    errors: int = 0
+    rejected: int = 0
+    timeouts: int = 0
+    cancelled: int = 0
+    stopped: int = 0
+    bisect_runs: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # padded size -> batches
+    batch_execution_s: dict[int, float] = field(default_factory=dict)  # padded size -> seconds
+    queue_wait_s: float = 0.0
+    execution_s: float = 0.0
+
+
 class BatchExecutor(Protocol):
-    """What a partition runs batches with: ``params`` is what its ``place`` made of the serving's weights
-    (``()`` for a serving without any, and for executors that send batches elsewhere)."""
+    """What a partition runs batches with, every method the server calls: ``compiled`` at warm-up (each batch
+    size, before the first request), ``place`` for each version of the weights (what it returns is the
+    ``params`` of ``execute``: ``()`` for a serving without weights, and for executors that send batches
+    elsewhere), ``execute`` per batch, ``close`` once the partition's thread has ended."""
+
+    def compiled(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any = None) -> Any: ...
+
+    def place(self, params: Any) -> Any: ...
 
     def execute(self, batch: Batch, params: Any) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 class Weights:
@@ -135,12 +168,7 @@ class Server(Corridor, Lifecycle):
         self._in_flight = 0
         self._listeners: list[Callable[[BatchReport], None]] = []
         self._on_stop: list[Callable[[Any], None]] = []
-        self._stats: dict[str, Any] = {
-            "requests": 0, "batches": 0, "rows": 0, "padded_rows": 0, "compiles": 0, "errors": 0,
-            "rejected": 0, "timeouts": 0, "cancelled": 0, "stopped": 0, "bisect_runs": 0, "batch_sizes": {},
-            "batch_execution_s": {}, "queue_wait_s": 0.0,
-            "execution_s": 0.0,
-        }
+        self._stats = ServerStats()
         self._compiles_own = executors is None
         if executors is None:
             isolated = serving.isolation == "process"
@@ -179,14 +207,13 @@ class Server(Corridor, Lifecycle):
                                            leave=False) as progress:
             for partition, size, key in work:
                 started = time.perf_counter()
-                partition.executor.compiled(size, tree, row_signature, key)  # type: ignore[attr-defined]
+                partition.executor.compiled(size, tree, row_signature, key)
                 log.info("server %s: partition %d compiled batch size %d%s in %.3fs", self.name, partition.index,
                          size, "" if key is None else f" for batch key {key!r}", time.perf_counter() - started)
                 progress.update(1)
 
     def _place(self, params: Any) -> Weights:
-        return Weights([partition.executor.place(params)  # type: ignore[attr-defined]
-                        for partition in self._partitions])
+        return Weights([partition.executor.place(params) for partition in self._partitions])
 
     def update_params(self, params: Any) -> None:
         """Serve with new weights from the next batch on, compiling nothing: ``params`` must have the
@@ -244,9 +271,7 @@ class Server(Corridor, Lifecycle):
             self._wake(finished)
         for partition in self._partitions:
             partition.thread.join()
-            close = getattr(partition.executor, "close", None)
-            if close is not None:  # a worker process
-                close()
+            partition.executor.close()
         for callback in self._on_stop:
             callback(self)
         self._stopped.set()
@@ -259,7 +284,7 @@ class Server(Corridor, Lifecycle):
             ran = "some of its rows had run, the rest never will" if request.started else "nothing of it ran"
             if request.fail(ServerStoppedError(f"server {self.name!r} {reason}; {ran}")):
                 finished.append(request)
-        self._stats["stopped"] += len(finished)
+        self._stats.stopped += len(finished)
         return finished
 
     @property
@@ -277,17 +302,15 @@ class Server(Corridor, Lifecycle):
         self._listeners.append(listener)
 
     def stats(self) -> dict[str, Any]:
+        """The counters of :class:`ServerStats` as a dict, with the rows queued now (``queue_depth``) and the
+        batches running (``in_flight``)."""
         with self._lock:
-            stats = dict(self._stats)
-            stats["batch_sizes"] = dict(stats["batch_sizes"])
-            stats["batch_execution_s"] = dict(stats["batch_execution_s"])
-            stats["queue_depth"] = self._queues.depth
-            stats["in_flight"] = self._in_flight
-        return stats
+            return {**dataclasses.asdict(self._stats), "queue_depth": self._queues.depth,
+                    "in_flight": self._in_flight}
 
     def _count_compile(self) -> None:
         with self._lock:
-            self._stats["compiles"] += 1
+            self._stats.compiles += 1
 
     # callers ---------------------------------------------------------------------------------
 
@@ -308,38 +331,18 @@ class Server(Corridor, Lifecycle):
         parts = batch.chunks(serving.batch_size) if size > serving.batch_size else [batch]
         request = Request(size, loop, level, stream)
         queues = self._queues
-        policy = queues.policy
-        level_limit = queues.level_limits.get(level)
         with self._lock:
-            if policy.max_queue is not None or level_limit is not None:
-                self._check_fits(size, level, level_limit)
             if self._stopping:
                 raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
-            if policy.max_queue is not None and queues.depth + size > policy.max_queue:
-                self._stats["rejected"] += 1
-                raise QueueFullError(
-                    f"server {self.name!r} queue is full: {queues.depth} rows queued, "
-                    f"max_queue is {policy.max_queue}; a request of {size} rows was rejected"
-                )
-            if level_limit is not None and (queued_at_level := queues.level_depth.get(level, 0)) + size > level_limit:
-                self._stats["rejected"] += 1
-                raise QueueFullError(
-                    f"server {self.name!r} queue for priority level {level} is full: {queued_at_level} rows "
-                    f"queued, its max_queue is {level_limit}; a request of {size} rows was rejected"
-                )
-            self._stats["requests"] += 1
+            try:
+                queues.admit(size, level, self.name)
+            except (QueueFullError, RequestTooLargeError):
+                self._stats.rejected += 1
+                raise
+            self._stats.requests += 1
             if queues.add(request, parts, batch.signature, time.monotonic()):
                 self._cond.notify()  # else a waiting partition wakes at the deadline it already knows
         return request
-
-    def _check_fits(self, size: int, level: int, level_limit: int | None) -> None:
-        """Under the lock: a request larger than a queue bound could never be queued (not a retryable "full")."""
-        for limit, which in [(self._queues.policy.max_queue, "max_queue"),
-                             (level_limit, f"priority level {level}'s max_queue")]:
-            if limit is not None and size > limit:
-                self._stats["rejected"] += 1
-                raise RequestTooLargeError(f"a request of {size} rows can never fit server {self.name!r}'s "
-                                           f"queue: {which} is {limit} rows")
 
     def _abandon(self, request: Request) -> None:
         """A streaming caller stopped reading: its queued rows leave the queues, and a running streaming
@@ -349,7 +352,7 @@ class Server(Corridor, Lifecycle):
                 return
             self._queues.withdraw(request)
             request.fail(_ABANDONED)
-            self._stats["cancelled"] += 1
+            self._stats.cancelled += 1
 
     def _withdraw(self, request: Request, timed_out: bool) -> bool:
         """Take a request that has not started (nor finished) off the queues; False if it had."""
@@ -358,7 +361,10 @@ class Server(Corridor, Lifecycle):
                 return False
             self._queues.withdraw(request)
             request.rows_left = 0
-            self._stats["timeouts" if timed_out else "cancelled"] += 1
+            if timed_out:
+                self._stats.timeouts += 1
+            else:
+                self._stats.cancelled += 1
             return True
 
     # partitions ------------------------------------------------------------------------------
@@ -432,15 +438,15 @@ class Server(Corridor, Lifecycle):
                 finished += (self._deliver(part, part_outputs, report) if part_error is None
                              else self._fail(part, part_error))
             stats = self._stats
-            stats["bisect_runs"] += reruns
-            stats["batches"] += 1
-            stats["rows"] += batch.size
-            stats["padded_rows"] += batch.padding
-            stats["batch_sizes"][padded] = stats["batch_sizes"].get(padded, 0) + 1
-            stats["batch_execution_s"][padded] = stats["batch_execution_s"].get(padded, 0.0) + elapsed
-            stats["queue_wait_s"] += wait
-            stats["execution_s"] += elapsed
-            stats["errors"] += error is not None
+            stats.bisect_runs += reruns
+            stats.batches += 1
+            stats.rows += batch.size
+            stats.padded_rows += batch.padding
+            stats.batch_sizes[padded] = stats.batch_sizes.get(padded, 0) + 1
+            stats.batch_execution_s[padded] = stats.batch_execution_s.get(padded, 0.0) + elapsed
+            stats.queue_wait_s += wait
+            stats.execution_s += elapsed
+            stats.errors += error is not None
             self._in_flight -= 1
         self._wake(finished)
         if self._listeners:

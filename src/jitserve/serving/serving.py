@@ -160,6 +160,9 @@ class Executor:
         release_pages(array)
         return placed
 
+    def close(self) -> None:
+        """Nothing to release: the executables go with the executor."""
+
     def execute(self, batch: Batch, params: Any) -> Any:
         """Run one batch (``batch.size`` rows padded by ``batch.padding``) with ``params`` as :meth:`place`
         gave them; outputs cut to the real rows, as numpy."""
