@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..serving.generation import GenerationFront, GenerationServer
-from ..serving.server import BatchReport, Server
+from ..serving.partition import BatchReport
+from ..serving.server import Server
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

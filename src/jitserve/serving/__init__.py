@@ -2,6 +2,7 @@
 ``Generation``, continuous batching of decode loops."""
 
 from .generation import Generation, GenerationServer, Sampling
+from .partition import BatchReport
 from .queue import BatchPolicy
 from .registry import (
                        batched_run,
@@ -18,7 +19,7 @@ from .registry import (
                        servers,
 )
 from .request import Request
-from .server import BatchReport, Server
+from .server import Server
 from .serving import Serving
 
 __all__ = ["BatchPolicy", "BatchReport", "Generation", "GenerationServer", "Request", "Sampling", "Server", "Serving",

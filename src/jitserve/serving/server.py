@@ -7,12 +7,14 @@ partition waits until :class:`~jitserve.serving.queue.Queues` says a queue is
 ready, takes a batch from it, runs it and hands every caller its rows. The
 waiting workers are the queue of free partitions, so a row passes between
 threads only twice: caller to worker and back. This is Nx.Serving's loop, with
-padding to compiled sizes, splitting, a bounded queue and timeouts on top; the
-batching policy itself lives in ``queue.py``.
+padding to compiled sizes, splitting, a bounded queue and timeouts on top.
 
-An executor is anything with ``execute(batch) -> outputs``: by default each
-partition compiles the serving's function (:class:`Executor`); the cluster
-coalescer gives executors that send the batch to a remote replica instead.
+The rooms: the lifecycle, warm-up, weights and submission are here; the
+request handle and every way to wait in ``request.py`` (the corridor); the
+batching policy and admission in ``queue.py``; the partitions' loop,
+bisection and delivery in ``partition.py``, with the executor protocol. By
+default each partition compiles the serving's function (:class:`Executor`);
+the cluster coalescer gives executors that send the batch to a remote replica.
 """
 
 from __future__ import annotations
@@ -23,105 +25,23 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Self
+from collections.abc import Callable, Sequence
+from typing import Any, Self
 
-import jax
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..batch import Batch, RowSignature
+from ..batch import Batch
 from ..errors import BatchSizeError, OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError
 from ..params import load_params
-from .queue import BatchPolicy, Piece, Queues
-from .request import END, Corridor, Request
+from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, ServerStats, Weights
+from .queue import BatchPolicy, Queues
+from .request import Corridor, Request
 from .serving import Executor, Serving, optional_seconds
 from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
 _ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
-
-
-@dataclass(frozen=True)
-class BatchReport:
-    """What one executed batch did: given to every batch listener after it ran, and to a serving's
-    ``postprocess`` as the metadata of the batches that ran a request's rows."""
-
-    server: str
-    partition: int
-    size: int
-    padded_size: int
-    queue_wait_s: float
-    execution_s: float
-    error: BaseException | None
-
-
-@dataclass
-class ServerStats:
-    """A server's counters since it started (``Server.stats()`` gives them as a dict): requests taken, and
-    rejected (queue full or too large), timed out, cancelled or stopped before they ran; batches and the rows
-    they ran, padding included, executions per padded size, seconds waiting and executing, compiles, failed
-    batches and the runs bisecting them took."""
-
-    requests: int = 0
-    batches: int = 0
-    rows: int = 0
-    padded_rows: int = 0
-    compiles: int = 0
-    errors: int = 0
-    rejected: int = 0
-    timeouts: int = 0
-    cancelled: int = 0
-    stopped: int = 0
-    bisect_runs: int = 0
-    batch_sizes: dict[int, int] = field(default_factory=dict)  # padded size -> batches
-    batch_execution_s: dict[int, float] = field(default_factory=dict)  # padded size -> seconds
-    queue_wait_s: float = 0.0
-    execution_s: float = 0.0
-
-
-class BatchExecutor(Protocol):
-    """What a partition runs batches with, every method the server calls: ``compiled`` at warm-up (each batch
-    size, before the first request), ``place`` for each version of the weights (what it returns is the
-    ``params`` of ``execute``: ``()`` for a serving without weights, and for executors that send batches
-    elsewhere), ``execute`` per batch, ``close`` once the partition's thread has ended."""
-
-    def compiled(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any = None) -> Any: ...
-
-    def place(self, params: Any) -> Any: ...
-
-    def execute(self, batch: Batch, params: Any) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-class Weights:
-    """One version of a serving's weights, resident on every partition (``placed[i]`` on partition ``i``'s
-    device). A request is pinned to the version its first rows ran with, so that all of its rows see the
-    same weights; a version is freed once neither the server nor any request pinned to it holds it."""
-
-    __slots__ = ("placed",)
-
-    def __init__(self, placed: list[Any]) -> None:
-        self.placed = placed
-
-
-def _resolve_futures(requests: list[Request]) -> None:
-    """On an event loop: wake the asyncio callers whose requests finished (one hop per loop and batch)."""
-    for request in requests:
-        if request.future is not None and not request.future.done():
-            request.future.set_result(None)
-
-
-class _Partition:
-    """A worker thread with its own executables."""
-
-    def __init__(self, server: Server, index: int, executor: BatchExecutor) -> None:
-        self.index = index
-        self.executor = executor
-        self.thread = threading.Thread(target=server._work, args=(self,), name=f"jitserve-{server.name}-p{index}",
-                                       daemon=True)
 
 
 class Lifecycle:
@@ -150,7 +70,7 @@ class Lifecycle:
         return self._stopping
 
 
-class Server(Corridor, Lifecycle):
+class Server(Corridor, BatchRunner, Lifecycle):
     """A named, running server of one :class:`Serving`. Use :func:`jitserve.serve` to start one.
 
     ``executors`` (one per partition) replace the compiled executors of the serving's own partitions;
@@ -176,7 +96,7 @@ class Server(Corridor, Lifecycle):
                          if isolated else Executor(serving, options, self._count_compile,
                                                    reuse_inputs=serving.compiles)  # user code sees no buffer
                          for index, options in enumerate(serving.partition_options())]
-        self._partitions = [_Partition(self, i, executor) for i, executor in enumerate(executors)]
+        self._partitions = [Partition(self._work, name, i, executor) for i, executor in enumerate(executors)]
         self._swappable = self._compiles_own and serving.has_params  # batches pin a version of weights
         self._weights = Weights([()] * len(self._partitions))
         self._update_lock = threading.Lock()
@@ -366,229 +286,3 @@ class Server(Corridor, Lifecycle):
             else:
                 self._stats.cancelled += 1
             return True
-
-    # partitions ------------------------------------------------------------------------------
-
-    def _next_batch(self) -> tuple[list[Piece], Batch, Weights | None, float] | None:
-        """Wait for a queue to be ready and take a batch from it, with the weights it runs with (None: its
-        requests are pinned to different versions); None once stopped and drained."""
-        queues = self._queues
-        with self._lock:
-            while True:
-                signature, wait = queues.ready(time.monotonic(), self._stopping)
-                if signature is not None:
-                    break
-                if self._stopping and not queues:
-                    return None
-                self._cond.wait(wait)
-            pieces, batch = queues.take(signature, time.monotonic())
-            weights = self._pin(pieces) if self._swappable else self._weights
-            self._in_flight += 1
-            if queues:
-                self._cond.notify()  # more rows are waiting: another free partition may take them
-        return pieces, batch, weights, time.monotonic()
-
-    def _pin(self, pieces: list[Piece]) -> Weights | None:
-        """Under the lock: the weights a batch runs with: those a request among it already ran with (the
-        rest of its rows must see them too), else the current ones, to which its new requests are pinned.
-        None when its requests are pinned to different versions (rare: updates while a split request of a
-        lower priority waits); the batch then runs once per version."""
-        chosen = None
-        mixed = False
-        for piece in pieces:
-            pinned = piece.request.weights
-            if pinned is not None and pinned is not chosen:
-                mixed = chosen is not None
-                if mixed:
-                    break
-                chosen = pinned
-        chosen = chosen or self._weights
-        for piece in pieces:
-            if piece.request.weights is None:
-                piece.request.weights = chosen
-        return None if mixed else chosen
-
-    # workers ---------------------------------------------------------------------------------
-
-    def _work(self, partition: _Partition) -> None:
-        while (work := self._next_batch()) is not None:
-            self._execute(partition, *work)
-
-    def _execute(self, partition: _Partition, pieces: list[Piece], batch: Batch, weights: Weights | None,
-                 formed: float) -> None:
-        started = time.perf_counter()
-        outcomes: list[tuple[list[Piece], Any, BaseException | None]] = []
-        reruns = 0
-        error: BaseException | None = None
-        runs = [(pieces, batch, weights)] if weights is not None else self._runs_by_weights(pieces)
-        for run_pieces, run_batch, run_weights in runs:
-            run_outcomes, run_reruns, run_error = self._run(partition, run_pieces, run_batch,
-                                                            run_weights.placed[partition.index])
-            outcomes += run_outcomes
-            reruns += run_reruns
-            error = error or run_error
-        elapsed = time.perf_counter() - started
-        padded = batch.size + batch.padding
-        wait = sum(formed - piece.enqueued for piece in pieces)
-        report = BatchReport(self.name, partition.index, batch.size, padded,
-                             max(formed - piece.enqueued for piece in pieces), elapsed, error)
-        with self._lock:  # a split request's parts may finish on several partitions at once
-            finished = []
-            for part, part_outputs, part_error in outcomes:
-                finished += (self._deliver(part, part_outputs, report) if part_error is None
-                             else self._fail(part, part_error))
-            stats = self._stats
-            stats.bisect_runs += reruns
-            stats.batches += 1
-            stats.rows += batch.size
-            stats.padded_rows += batch.padding
-            stats.batch_sizes[padded] = stats.batch_sizes.get(padded, 0) + 1
-            stats.batch_execution_s[padded] = stats.batch_execution_s.get(padded, 0.0) + elapsed
-            stats.queue_wait_s += wait
-            stats.execution_s += elapsed
-            stats.errors += error is not None
-            self._in_flight -= 1
-        self._wake(finished)
-        if self._listeners:
-            for listener in self._listeners:
-                try:
-                    listener(report)
-                except Exception:
-                    log.exception("server %s: batch listener %r failed", self.name, listener)
-
-    def _runs_by_weights(self, pieces: list[Piece]) -> list[tuple[list[Piece], Batch, Weights]]:
-        """A batch's pieces as one batch per version of the weights their requests are pinned to."""
-        groups: dict[int, tuple[list[Piece], Weights]] = {}
-        for piece in pieces:
-            groups.setdefault(id(piece.request.weights), ([], piece.request.weights))[0].append(piece)
-        return [(group, self._queues.policy.join(group), weights) for group, weights in groups.values()]
-
-    def _run(self, partition: _Partition, pieces: list[Piece], batch: Batch, params: Any
-             ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int, BaseException | None]:
-        """Run one batch with ``params``: the outcomes per group of pieces (one group, unless a failure was
-        bisected), the re-runs that took, and the batch's error if it failed."""
-        outputs: Any = None
-        try:
-            outputs = partition.executor.execute(batch, params)
-            if self.serving.streaming:  # each step reaches the callers as soon as the serving yields it
-                for step, step_outputs in enumerate(outputs):
-                    with self._lock:
-                        if not self._deliver_step(pieces, step, step_outputs):
-                            break
-                outputs.close()  # a generator nobody reads any more stops here (its finally blocks run)
-                outputs = None
-        except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
-            if self.serving.isolate_failures and not self.serving.streaming:
-                return *self._bisect(partition, pieces, failure, params), failure
-            return [(pieces, None, failure)], 0, failure
-        return [(pieces, outputs, None)], 0, None
-
-    def _bisect(self, partition: _Partition, pieces: list[Piece], error: BaseException, params: Any
-                ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int]:
-        """A batch failed: re-run its requests in halves so that only requests whose own rows fail get an
-        error. Each request's pieces stay together. If both halves of the first split fail too, the function
-        fails whatever the rows and everyone gets the original error; re-runs stop after 2 x log2(requests)
-        + 2, the rest getting their last error. Returns (pieces, outputs, error) groups and the re-run count."""
-        groups: dict[int, list[Piece]] = {}
-        for piece in pieces:
-            groups.setdefault(id(piece.request), []).append(piece)
-        requests = list(groups.values())
-        budget = 2 * max(len(requests) - 1, 1).bit_length() + 2
-        outcomes: list[tuple[list[Piece], Any, BaseException | None]] = []
-        reruns = 0
-
-        def flat(part: list[list[Piece]]) -> list[Piece]:
-            return [piece for group in part for piece in group]
-
-        def split(part: list[list[Piece]], failure: BaseException, top: bool) -> None:
-            nonlocal reruns
-            if len(part) == 1 or reruns >= budget:
-                outcomes.append((flat(part), None, failure))
-                return
-            middle = len(part) // 2
-            halves: list[tuple[list[list[Piece]], Any, BaseException | None]] = []
-            for half in (part[:middle], part[middle:]):
-                reruns += 1
-                try:
-                    halves.append((half, partition.executor.execute(self._queues.policy.join(flat(half)), params),
-                                   None))
-                except BaseException as half_failure:  # noqa: BLE001 - sorted below
-                    halves.append((half, None, half_failure))
-            if top and all(half_error is not None for _, _, half_error in halves):
-                outcomes.append((flat(part), None, failure))  # it fails whatever the rows: no deeper
-                return
-            for half, half_outputs, half_error in halves:
-                if half_error is None:
-                    outcomes.append((flat(half), half_outputs, None))
-                else:
-                    split(half, half_error, top=False)
-
-        split(requests, error, top=True)
-        return outcomes, reruns
-
-    @staticmethod
-    def _pieces_of(pieces: list[Piece], outputs: Any) -> Iterator[tuple[Piece, Any]]:
-        """Each piece with its rows of the outputs."""
-        leaves, structure = jax.tree_util.tree_flatten(outputs)
-        tree: Any = structure  # jaxlib's PyTreeDef, which its stubs do not export
-        single = leaves[0] if len(leaves) == 1 and tree.num_nodes == 1 else None  # one array: no unflattening
-        at = 0
-        for piece in pieces:
-            start, at = at, at + piece.batch.size
-            yield piece, single[start:at] if single is not None else tree.unflatten([leaf[start:at] for leaf in leaves])
-
-    def _deliver(self, pieces: list[Piece], outputs: Any, report: BatchReport) -> list[Request]:
-        """Give each piece its rows of the outputs (and the batch's report); returns the requests now
-        complete. (A serving that yields steps delivered them already: only the report and the count.)"""
-        finished = []
-        parts = self._pieces_of(pieces, outputs) if outputs is not None else ((piece, None) for piece in pieces)
-        for piece, part in parts:
-            request = piece.request
-            if request.error is not None:  # another part of it failed: its caller has the error already
-                continue
-            if part is not None:
-                if request.stream is not None:
-                    request.stream.put((piece.offset, part))
-                else:
-                    request.parts.append((piece.offset, part))
-            request.reports.append(report)
-            request.rows_left -= piece.batch.size
-            if request.rows_left == 0:
-                finished.append(request)
-                if request.stream is not None:
-                    request.stream.put(END)
-        return finished
-
-    def _deliver_step(self, pieces: list[Piece], step: int, outputs: Any) -> bool:
-        """One step a streaming serving yielded: each caller's rows of it, to its stream or its parts. False
-        when none of the callers is waiting any more (each stopped reading): no more steps are wanted."""
-        wanted = False
-        for piece, part in self._pieces_of(pieces, outputs):
-            request = piece.request
-            if request.error is not None:
-                continue
-            wanted = True
-            if request.stream is not None:
-                request.stream.put((step, part))
-            else:
-                request.parts.append((step, part))
-        return wanted
-
-    @staticmethod
-    def _fail(pieces: list[Piece], error: BaseException) -> list[Request]:
-        return [piece.request for piece in pieces if piece.request.fail(error)]
-
-    @staticmethod
-    def _wake(finished: list[Request]) -> None:
-        """Wake the finished callers: sync ones directly, asyncio ones with one call per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
-        for request in finished:
-            if request.loop is None:
-                request.done.release()
-            else:
-                by_loop.setdefault(request.loop, []).append(request)
-        for loop, requests in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_resolve_futures, requests)
-            except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-                pass
