@@ -8,7 +8,7 @@ changes or a task needs more (a stamp file holds what is installed), so a
 second run starts at once.
 
     python3 dev.py serve [ARGS]    # the main job: serve the bundled example model (HTTP :8000, gRPC :8001)
-    python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest)
+    python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest; installs Chromium with apt-get)
     python3 dev.py demo            # softmax with every installed compiler against numpy
     python3 dev.py bench NAME      # one script of bench/, e.g. peers (with the bench extra)
     python3 dev.py env             # only set up the environment
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -60,6 +61,23 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     STAMP.write_text(f"{_project_hash()} {','.join(wanted)}")
 
 
+def ensure_chromium() -> None:
+    """The real browser the test suite drives (tests/protocol/test_browser.py): Debian's ``chromium``
+    package, the only way it installs here (apt-get, as root or through sudo), unless one is on PATH."""
+    if any(shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")):
+        return
+    apt = shutil.which("apt-get")
+    if apt is None:
+        sys.exit("the test suite drives a real Chromium: install one (Debian: apt-get install chromium) and "
+                 "run again")
+    sudo = [] if os.geteuid() == 0 else ["sudo"]
+    install = [*sudo, apt, "install", "-y", "--no-install-recommends", "chromium"]
+    print("installing Chromium for the browser test (apt-get install chromium)", flush=True)
+    if subprocess.run(install).returncode != 0:  # a fresh machine may have no package lists yet
+        subprocess.run([*sudo, apt, "update"], check=True)
+        subprocess.run(install, check=True)
+
+
 def _exec(argv: list[str]) -> int:
     os.chdir(ROOT)
     os.environ["PYTHONUNBUFFERED"] = "1"
@@ -87,6 +105,8 @@ def main(argv: list[str]) -> int:
         print(f"bench needs a name, one of: {', '.join(names)}", file=sys.stderr)
         return 2
     ensure_environment(TASK_EXTRAS.get(task, ALL_EXTRAS))
+    if task == "test":
+        ensure_chromium()
     return TASKS[task](args)
 
 

@@ -30,9 +30,15 @@ def server():
     running = start_server(MODELS, "--write-timeout", "2", "--max-stream-requests", str(STREAM_REQUESTS),
                            "--stream-buffer-bytes", str(STREAM_BUFFER))
     yield running
-    output = stop(running)
-    assert "Traceback (most recent call last)" in output  # the model's own failures, logged whole
-    assert "stopped reading its replies for 2 s (--write-timeout): stream ended" in output
+    stop(running)
+
+
+def logged(running: Running, text: str, seconds: float = 10) -> bool:
+    """Whether the server's log shows ``text`` within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while text not in running.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return text in running.output()
 
 
 def infer_request(model: str, values, request_id: str = "") -> object:
@@ -91,6 +97,7 @@ def test_a_models_exceptions_are_500_whatever_their_class_and_model_error_speaks
     (internal, internal_text), said = asyncio.run(over_grpc())
     assert internal == "INTERNAL" and "secret" not in internal_text
     assert said == ("INVALID_ARGUMENT", "the input must be below 5")
+    assert logged(server, "Traceback (most recent call last)")  # the model's own failures, logged whole
     server.assert_healthy()
 
 
@@ -125,6 +132,7 @@ def test_a_stream_that_is_never_read_holds_bounded_memory_and_is_cut_off_after_t
     assert peak < 200 * 2**20, f"grew {peak / 2**20:.0f} MiB"
     assert ended == "UNAVAILABLE: the client did not read its replies for 2 s (--write-timeout)"
     assert received < STREAM_REQUESTS + 4
+    assert logged(server, "stopped reading its replies for 2 s (--write-timeout): stream ended")
     server.assert_healthy()
 
 
@@ -284,3 +292,30 @@ def test_stalled_tls_handshakes_are_counted_and_cut_at_the_read_timeout(certific
     finally:
         output = stop(running)
     assert "TLS connection closed before its handshake: the server holds its limit of 10 open connections" in output
+
+
+# protocol features jitserve does not implement: refused, not ignored --------------------------------------
+
+def test_sequence_and_classification_parameters_are_refused_not_ignored(server):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    payload = json_input(1.0)
+    status, body = server.infer_json("slow", {**payload, "parameters": {"sequence_id": 7, "sequence_start": True}})
+    assert (status, body["error"]) == (400, "the request: the 'sequence_id' parameter is not supported: jitserve has "
+                                            "no sequence batching (Triton's stateful models); each request stands "
+                                            "alone")
+    status, body = server.infer_json("slow", {**payload, "outputs": [{"name": "output",
+                                                                      "parameters": {"classification": 3}}]})
+    assert status == 400 and body["error"].startswith("output 'output': the 'classification' parameter is not "
+                                                      "supported: jitserve does not turn outputs into class labels")
+    for module, port in ((httpclient, server.port), (grpcclient, server.grpc_port)):
+        client = module.InferenceServerClient(f"127.0.0.1:{port}")
+        tensor = module.InferInput("input", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.float32([[1.0]]))
+        with pytest.raises(InferenceServerException, match="the 'sequence_(id|start|end)' parameter is not supported"):
+            client.infer("slow", [tensor], sequence_id=7, sequence_start=True)
+        with pytest.raises(InferenceServerException, match="the 'classification' parameter is not supported"):
+            client.infer("slow", [tensor], outputs=[module.InferRequestedOutput("output", class_count=3)])
+        assert client.infer("slow", [tensor]).as_numpy("output").tolist() == [[2.0]]

@@ -3,6 +3,7 @@ the lines a request causes carry its request id, the client's own when it sends 
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 
@@ -37,6 +38,8 @@ def test_json_logs_parse_line_by_line_and_carry_request_ids():
         output = stop(running)
     lines = [json.loads(line) for line in output.splitlines()]  # every line is JSON
     assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    assert all(datetime.datetime.fromisoformat(line["time"]).utcoffset() == datetime.timedelta(0) for line in lines)
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", line["time"]) for line in lines)
     by_id = {line.get("request_id"): line for line in lines if line["level"] == "WARNING"}
     assert "expects [-1, 16]" in by_id["client-42"]["message"] and by_id["client-42"]["logger"] == "jitserve.serve"
     assert by_id["grpc-7"]["message"].startswith("grpc: model 'mlp': INVALID_ARGUMENT")

@@ -29,7 +29,7 @@ from .access import Access, ApiKeyInterceptor
 from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents
 from .limits import Limits, Tls
 from .logs import REQUEST_ID, request_id
-from .service import InferenceService, shown, status_of
+from .service import InferenceService, refuse_unsupported, shown, status_of
 
 log = logging.getLogger("jitserve.grpc")
 
@@ -344,6 +344,8 @@ def _priority(request: Any) -> int | None:
 
 
 def _decode_inputs(request: Any) -> dict[str, np.ndarray]:
+    for output in request.outputs:
+        refuse_unsupported(output.parameters, f"output '{shown(output.name)}'")
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")

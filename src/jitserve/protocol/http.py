@@ -38,7 +38,7 @@ from .codec import DATATYPES, datatype_of, decode_numbers, decode_raw, decode_va
 from .limits import Limits
 from .logs import REQUEST_ID, request_id
 from .metrics import CONTENT_TYPE
-from .service import InferenceService, loggable, status_of
+from .service import InferenceService, loggable, refuse_unsupported, status_of
 
 log = logging.getLogger("jitserve.http")
 
@@ -484,6 +484,7 @@ def _decode_request(request: dict[str, Any], binary: memoryview
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise ProtocolError("each requested output must be an object with a string 'name'")
         output_parameters = _parameters(output, f"output '{output['name']}'")
+        refuse_unsupported(output_parameters, f"output '{output['name']}'")
         chosen = _flag(output_parameters, "binary_data", f"output '{output['name']}'") \
             if "binary_data" in output_parameters else None
         requested.append((output["name"], chosen))

@@ -3,7 +3,7 @@
 A request's id is the client's ``X-Request-ID`` (HTTP header or gRPC metadata)
 when it sends one, else a fresh one; the fronts set it for the time the request
 is handled, every line logged meanwhile carries it, and HTTP responses echo it.
-``--log-format json`` writes one JSON object per line (``time``, ``level``,
+``--log-format json`` writes one JSON object per line (``time``, ISO 8601 in UTC, ``level``,
 ``logger``, ``message``, ``request_id`` when there is one, ``error`` with the
 traceback), as log collectors read them.
 """
@@ -11,6 +11,7 @@ traceback), as log collectors read them.
 from __future__ import annotations
 
 import contextvars
+import datetime
 import itertools
 import logging
 import os
@@ -45,7 +46,8 @@ class _RequestTag(logging.Filter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, object] = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+        line: dict[str, object] = {"time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                                       timespec="milliseconds"), "level": record.levelname, "logger": record.name,
                                    "message": record.getMessage()}
         if getattr(record, "request_id", None):
             line["request_id"] = record.request_id  # type: ignore[attr-defined]

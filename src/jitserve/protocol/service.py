@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,23 @@ STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
     (ServerStoppedError, 503, "UNAVAILABLE"),
     (TimeoutError, 504, "DEADLINE_EXCEEDED"),
 )
+
+
+# parameters of the protocol that jitserve does not implement: refused by name, never silently ignored
+UNSUPPORTED_PARAMETERS = {
+    "sequence_id": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
+    "sequence_start": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
+    "sequence_end": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
+    "classification": "jitserve does not turn outputs into class labels; ask for the output and take its top-k",
+}
+
+
+def refuse_unsupported(parameters: Iterable[str], where: str) -> None:
+    """A ProtocolError naming the first parameter of ``parameters`` that jitserve does not implement."""
+    for name in parameters:
+        why = UNSUPPORTED_PARAMETERS.get(name)
+        if why is not None:
+            raise ProtocolError(f"{where}: the '{name}' parameter is not supported: {why}")
 
 
 def status_of(error: BaseException) -> tuple[int, str]:
@@ -217,6 +234,7 @@ class InferenceService:
         A generation answers with all its outputs at once, stacked (``parameters``: see
         :class:`GenerationSpec`)."""
         spec = self.model(model, version)
+        refuse_unsupported(parameters or (), "the request")
         if isinstance(spec, GenerationSpec):
             with self._tallied(spec):
                 steps = [outputs async for outputs in self._generated(spec, tensors, parameters, priority)]
@@ -242,6 +260,7 @@ class InferenceService:
         consumer that stops early frees its queued rows (a generation's slot). Returns the version that runs
         it with the outputs to come."""
         spec = self.model(model, version)
+        refuse_unsupported(parameters or (), "the request")
         if isinstance(spec, GenerationSpec):
             return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority),
                                               requested)
