@@ -724,6 +724,11 @@ def test_metrics(server):
     assert 'jitserve_queue_depth{model="mlp"} 0.0' in text
     assert 'jitserve_compiles{model="mlp"} 6.0' in text
     assert "jitserve_padding_rows_total" in text and "jitserve_execution_seconds_bucket" in text
+    count = re.search(r'jitserve_request_seconds_count\{model="mlp",version="1"\} (\S+)', text)
+    assert count is not None and float(count.group(1)) >= 1, "request durations by model and version"
+    for process in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
+                    "python_gc_collections_total"):
+        assert process in text, process
 
 
 # fuzz ----------------------------------------------------------------------------------------

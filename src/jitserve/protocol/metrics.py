@@ -1,10 +1,13 @@
 """Prometheus metrics of the network front, fed by the servers' batch listeners.
 
-Requests by model, protocol and status; queue depth and compiles read from
-each server's stats at scrape time (and a generation server's busy slots; its
-times to first output and decode steps as histograms) (and, for a cluster serving, each replica's
-requests, batches, rows, errors and queue depth); executed batch sizes, padding rows, queue
-wait and execution time from every executed batch.
+- requests by model, protocol and status, and their durations by model and
+  version (from arrival to the last output, answered or failed);
+- the process: CPU, memory, open descriptors, garbage collection;
+- read from each server's stats at scrape time: queue depth and compiles; a
+  generation server's slots and busy slots; for a cluster serving, each
+  replica's requests, batches, rows, errors and queue depth;
+- from every executed batch: its size, padding rows, queue wait and execution
+  time; from a generation server, each time to first output and each step.
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..serving.generation import GenerationFront, GenerationServer
@@ -76,6 +87,11 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("jitserve_requests", "Inference requests", ["model", "protocol", "status"],
                                 registry=self.registry)
+        self.request_seconds = Histogram("jitserve_request_seconds", "Time of a request in the service, from its "
+                                         "arrival to its last output, answered or failed", ["model", "version"],
+                                         buckets=(*_TIME_BUCKETS, 30, 60, 120), registry=self.registry)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):  # CPU, memory, descriptors, GC
+            collector(registry=self.registry)
         self.batch_size = Histogram("jitserve_batch_size", "Executed batch size, padding included", ["model"],
                                     buckets=_BATCH_BUCKETS, registry=self.registry)
         self.padding = Counter("jitserve_padding_rows", "Padding rows executed", ["model"], registry=self.registry)

@@ -98,8 +98,10 @@ def split_version(key: str) -> tuple[str, str]:
 
 @dataclass
 class Tally:
-    """One model version's request outcomes, as Triton's statistics report them."""
+    """One model version's request outcomes, as Triton's statistics report them, and the histogram of their
+    durations in ``/metrics``."""
 
+    duration: Any  # jitserve_request_seconds for this model version
     success_count: int = 0
     success_ns: int = 0
     fail_count: int = 0
@@ -108,6 +110,7 @@ class Tally:
 
     def add(self, started_ns: int, ok: bool) -> None:
         elapsed = time.perf_counter_ns() - started_ns
+        self.duration.observe(elapsed / 1e9)
         if ok:
             self.success_count += 1
             self.success_ns += elapsed
@@ -133,10 +136,10 @@ class InferenceService:
         for name, specs in self.versions.items():
             self.versions[name] = dict(sorted(specs.items(), key=lambda item: _version_order(item[0])))
         self.models = {name: list(specs.values())[-1] for name, specs in self.versions.items()}
-        self.tallies = {(spec.name, spec.version): Tally() for specs in self.versions.values()
-                        for spec in specs.values()}
         self.request_timeout = request_timeout
         self.metrics = Metrics(servers)
+        self.tallies = {(spec.name, spec.version): Tally(self.metrics.request_seconds.labels(spec.name, spec.version))
+                        for specs in self.versions.values() for spec in specs.values()}
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
         self._counters: dict[tuple[str, str, str], Any] = {}  # requests_total children by labels
 
