@@ -259,8 +259,8 @@ class InferenceService:
                      ) -> tuple[str, AsyncIterator[list[tuple[str, np.ndarray]]]]:
         """``infer`` whose outputs come as they are ready: one item per batch that ran some of the rows (in
         row order), per step of a streaming serving, or per output of a generation. The request is checked
-        and queued now (its errors raise here, before anything is sent; a generation's at its first item); a
-        consumer that stops early frees its queued rows (a generation's slot). Returns the version that runs
+        and queued now (its errors raise here, before anything is sent); a consumer that stops early frees
+        its queued rows (a generation's slot). Returns the version that runs
         it with the outputs to come."""
         spec = self.model(model, version)
         refuse_unsupported(parameters or (), "the request")

@@ -565,16 +565,14 @@ class GenerationServer(GenerationFront):
             groups.setdefault(length, []).append(request)
         for length, group in groups.items():
             count = g.prefill_batches[bisect.bisect_left(g.prefill_batches, len(group))]
+            # padding rows repeat the first prompt, into its slot: written twice, alike
+            padded = group + [group[0]] * (count - len(group))
             tokens = np.zeros((count, length), np.int32)
-            lengths = np.zeros(count, np.int32)
-            slots = np.zeros(count, np.int32)
-            for row in range(count):  # padding rows repeat the first prompt, into its slot: written twice, alike
-                request = group[row] if row < len(group) else group[0]
+            for row, request in enumerate(padded):
                 tokens[row, :request.prompt.size] = request.prompt
-                lengths[row] = request.prompt.size
-                slots[row] = request.slot
+            lengths = np.array([request.prompt.size for request in padded], np.int32)
+            slots = np.array([request.slot for request in padded], np.int32)
             rows, first = programs.prefill(length, count)(self._params, tokens, lengths)
-            padded = [group[row] if row < len(group) else group[0] for row in range(count)]
             self._carry, outputs = programs.update(count)(self._carry, rows, first, slots,
                                                           *programs.option_arrays(padded))
             self._stats["prefills"] += 1
