@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 import time
@@ -553,3 +554,14 @@ def test_a_function_that_returns_no_array_is_a_clear_error_run_or_served():
     with js.serve(serving, name="returns-none"):
         with pytest.raises(js.OutputShapeError, match=message):  # it was an IndexError from inside the server
             js.batched_run("returns-none", js.Batch.stack([np.ones(3, np.float32)]))
+
+
+def test_a_servings_options_are_a_frozen_record_that_replace_changes():
+    serving = js.Serving(lambda x: x * 2, batch_size=8, batch_sizes=[2, 8], max_queue=64, cache_dir="/tmp/a")
+    assert serving.options.batch_size == 8 and serving.options.compiler_options == {"cache_dir": "/tmp/a"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        serving.options.batch_size = 4  # type: ignore[misc]
+    smaller = serving.replace(batch_size=4, cache_dir="/tmp/b")
+    assert (smaller.batch_size, smaller.batch_sizes, smaller.max_queue) == (4, [1, 2, 4], 64)
+    assert smaller.options.compiler_options == {"cache_dir": "/tmp/b"}
+    assert serving.batch_sizes == [2, 8] and serving.options.compiler_options == {"cache_dir": "/tmp/a"}

@@ -60,8 +60,9 @@ from ..batch import Batch
 from ..compilers.xla import run_cpu_computations_inline
 from ..errors import OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError, UnknownServerError
 from ..serving.generation import GREEDY, Generation, GenerationFront, GenerationServer, Sampling
+from ..serving.options import finite_number
 from ..serving.server import Server
-from ..serving.serving import Serving, finite_number
+from ..serving.serving import Serving
 
 log = logging.getLogger("jitserve.cluster")
 

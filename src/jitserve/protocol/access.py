@@ -1,6 +1,12 @@
-"""Who may call the server: an optional API key (HTTP and gRPC) and the browser origins CORS admits.
+"""Who is calling and who may: each request's id, an optional API key (HTTP and gRPC) and the browser
+origins CORS admits.
 
-Both are off unless asked for. With a key, every call carries ``Authorization:
+A request's id is the client's ``X-Request-ID`` (HTTP header or gRPC metadata)
+when it sends one, else a fresh one; the fronts set it (``REQUEST_ID``) for the
+time the request is handled, every line logged meanwhile carries it, and HTTP
+responses echo it.
+
+The key and CORS are off unless asked for. With a key, every call carries ``Authorization:
 Bearer KEY`` (HTTP header or gRPC metadata; ``X-API-Key: KEY`` is accepted
 over HTTP too), else it is answered 401 / UNAUTHENTICATED; health checks
 (``/v2/health/*``, ``grpc.health.v1``, KServe's ``ServerLive`` and
@@ -9,7 +15,11 @@ over HTTP too), else it is answered 401 / UNAUTHENTICATED; health checks
 
 from __future__ import annotations
 
+import contextvars
 import hmac
+import itertools
+import os
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +33,19 @@ OPEN_GRPC = ("/grpc.health.v1.", "/inference.GRPCInferenceService/ServerLive",
              "/inference.GRPCInferenceService/ServerReady")  # health, as HTTP's /v2/health/*
 UNAUTHORIZED = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
 CORS_METHODS = b"GET, POST, HEAD, OPTIONS"
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("jitserve_request_id", default=None)
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_ID_PREFIX = os.urandom(4).hex()  # this process's: ids of several servers do not collide
+_ID_COUNTER = itertools.count(1)  # then a counter: no system call per request, as uuid4 makes
+
+
+def request_id(given: str | bytes | None) -> str:
+    """The id of a request: the client's, when it is a plain token of at most 64 characters, else a new one."""
+    if isinstance(given, bytes):
+        given = given.decode("latin-1")
+    return given if given is not None and _CLIENT_ID.fullmatch(given) else f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+
+
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from typing import Any
 import uvicorn
 
 from ..errors import OptionError
+from ..serving.options import optional_seconds
 from ..serving.registry import serve
 from ..serving.server import Server
-from ..serving.serving import Serving, optional_seconds
+from ..serving.serving import Serving
 from .access import Access
 from .connection import GuardedHttpProtocol
 from .grpc import GrpcServer

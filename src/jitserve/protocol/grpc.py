@@ -25,10 +25,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from ..errors import ProtocolError
-from .access import Access, ApiKeyInterceptor
+from .access import REQUEST_ID, Access, ApiKeyInterceptor, request_id
 from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents
 from .limits import Limits, Tls
-from .logs import REQUEST_ID, request_id
 from .service import InferenceService, refuse_unsupported, shown, status_of
 
 log = logging.getLogger("jitserve.grpc")

@@ -33,10 +33,9 @@ import orjson
 import simdjson
 
 from ..errors import BodyTooLargeError, ProtocolError
-from .access import CORS_METHODS, UNAUTHORIZED, Access
+from .access import CORS_METHODS, REQUEST_ID, UNAUTHORIZED, Access, request_id
 from .codec import DATATYPES, datatype_of, decode_numbers, decode_raw, decode_values, json_values, raw_contents
 from .limits import Limits
-from .logs import REQUEST_ID, request_id
 from .metrics import CONTENT_TYPE
 from .service import InferenceService, loggable, refuse_unsupported, status_of
 

@@ -13,7 +13,7 @@ import ssl
 from pathlib import Path
 
 from ..errors import OptionError
-from ..serving.serving import finite_number
+from ..serving.options import finite_number
 
 MiB = 2**20
 

@@ -34,7 +34,7 @@ from ..errors import (
 from ..serving.generation import GenerationFront
 from ..serving.server import Server
 from ..version import __version__
-from .logs import REQUEST_ID, request_id
+from .access import REQUEST_ID, request_id
 from .metrics import Metrics
 from .model import GenerationSpec, ModelSpec, select_outputs
 
@@ -250,7 +250,7 @@ class InferenceService:
             raise ProtocolError(f"model '{model}' streams its results: call it with ModelStreamInfer (gRPC) or "
                                 f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
         with self._tallied(spec):
-            outputs = await server.call_async(value, self._timeout(serving, priority), priority)
+            outputs = await server.call_async(value, self.request_timeout, priority)
         return spec.version, select_outputs(spec.named_outputs(outputs), requested, model)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
@@ -268,7 +268,7 @@ class InferenceService:
             return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority),
                                               requested)
         server = spec.server
-        items = server.open_stream_async(spec.value(tensors), self._timeout(server.serving, priority), priority)
+        items = server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
         return spec.version, self._stream(spec, items, requested)
 
     async def _stream(self, spec: Spec, items: AsyncIterator[Any], requested: Sequence[str] | None
@@ -290,9 +290,6 @@ class InferenceService:
     def _tallied(self, spec: Spec) -> _Tallied:
         """Count what a ``with`` block runs in the model's statistics (see :class:`_Tallied`)."""
         return _Tallied(self.tallies[(spec.name, spec.version)])
-
-    def _timeout(self, serving: Any, priority: int | None) -> float | None:
-        return self.request_timeout if self.request_timeout is not None else serving.default_timeout(priority)
 
     def count(self, model: str, protocol: str, status: int | str) -> None:
         key = (model if model in self.models else "", protocol, str(status))

@@ -50,9 +50,10 @@ from ..errors import (
     raised_by_model,
 )
 from ..template import Template, is_template, params_template, templates_of
+from .options import count_option, finite_number, optional_count, optional_seconds
 from .request import END, Stream
 from .server import Lifecycle
-from .serving import count_option, finite_number, optional_count, optional_seconds, owned_host_array
+from .serving import owned_host_array
 
 log = logging.getLogger("jitserve.generation")
 

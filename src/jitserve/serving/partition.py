@@ -21,7 +21,7 @@ import jax
 
 from ..batch import Batch, RowSignature
 from .queue import Piece, Queues
-from .request import END, Request
+from .request import END, Request, resolve_futures
 from .serving import Serving
 
 log = logging.getLogger("jitserve.server")
@@ -89,13 +89,6 @@ class Weights:
 
     def __init__(self, placed: list[Any]) -> None:
         self.placed = placed
-
-
-def _resolve_futures(requests: list[Request]) -> None:
-    """On an event loop: wake the asyncio callers whose requests finished (one hop per loop and batch)."""
-    for request in requests:
-        if request.future is not None and not request.future.done():
-            request.future.set_result(None)
 
 
 class Partition:
@@ -343,6 +336,6 @@ class BatchRunner:
                 by_loop.setdefault(request.loop, []).append(request)
         for loop, requests in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_resolve_futures, requests)
+                loop.call_soon_threadsafe(resolve_futures, requests)
             except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
                 pass

@@ -19,8 +19,9 @@ import numpy as np
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
 from .generation import Generation, GenerationFront, GenerationServer, Sampling
+from .options import optional_seconds
 from .server import Server
-from .serving import Serving, optional_seconds
+from .serving import Serving
 
 LOCAL = "local"
 

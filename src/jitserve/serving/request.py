@@ -15,18 +15,76 @@ from __future__ import annotations
 import asyncio
 import queue as thread_queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from ..batch import Batch
-from .serving import concatenate_outputs, optional_seconds
+from ..errors import (
+    BatchError,
+    BatchSizeError,
+    QueueFullError,
+    RequestTooLargeError,
+    ServerStoppedError,
+    raised_by_model,
+)
+from .options import seconds_option
 
 if TYPE_CHECKING:
+    from .partition import ServerStats
+    from .queue import Queues
     from .serving import Serving
 
 END = object()  # the last item of a stream
+NO_INFO = object()  # what ``prepare`` gives as info when ``preprocess`` returned a bare batch
+_ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
+
+
+def model_code(function: Callable[..., Any], *arguments: Any) -> Any:
+    """``function(*arguments)``, the user's code (a serving's function, ``preprocess``, ``postprocess``):
+    what it raises is the model's own failure."""
+    try:
+        return function(*arguments)
+    except Exception as error:
+        raised_by_model(error)
+        raise
+
+
+def prepare(serving: Serving, value: Any) -> tuple[Batch, Any]:
+    """The caller's input as ``(batch, info)``: through ``preprocess`` when given, which may return a
+    Batch or ``(batch, info)`` (Nx's ``client_preprocessing``); info is ``NO_INFO`` without one."""
+    prepared = value if serving.preprocess is None else model_code(serving.preprocess, value)
+    batch, info = prepared if type(prepared) is tuple and len(prepared) == 2 else (prepared, NO_INFO)
+    if not isinstance(batch, Batch):
+        raise BatchError(
+            f"expected a jitserve.Batch (build one with Batch.stack or Batch.concatenate), "
+            f"or (batch, info) from preprocess; got {type(prepared).__name__}"
+        )
+    if batch.size == 0:
+        raise BatchError("the batch holds no rows; send at least one")
+    return batch, info
+
+
+def finish(serving: Serving, outputs: Any, info: Any = NO_INFO, metadata: Sequence[Any] = ()) -> Any:
+    """``postprocess(outputs)``; when ``preprocess`` gave info, ``postprocess((outputs, metadata), info)``
+    as Nx's ``client_postprocessing`` (``metadata``: the reports of the batches that ran the rows)."""
+    if serving.postprocess is None:
+        return outputs
+    if info is NO_INFO:
+        return model_code(serving.postprocess, outputs)
+    return model_code(serving.postprocess, (outputs, tuple(metadata)), info)
+
+
+def concatenate_outputs(parts: Sequence[Any]) -> Any:
+    """Outputs of consecutive row ranges joined on axis 0 (the parts of a split request)."""
+    if len(parts) == 1:
+        return parts[0]
+    flat = [jax.tree_util.tree_flatten(p) for p in parts]
+    tree = flat[0][1]
+    return jax.tree_util.tree_unflatten(tree, [np.concatenate(leaves) for leaves in zip(*(f[0] for f in flat))])
 
 
 class Stream:
@@ -91,22 +149,71 @@ class Request:
 
 
 class Corridor:
-    """The callers' side of a server: the corridor every request takes, and the ways to wait. The server
-    supplies ``submit`` (queue a batch), ``_withdraw`` (take an unstarted request back) and ``_abandon``
-    (a caller stopped reading)."""
+    """The callers' side of a server (mixed into :class:`~jitserve.serving.server.Server`, whose state it
+    shares under the server's lock): the corridor every request takes, submission, the ways to wait, and
+    taking a request back."""
 
     name: str
     serving: Serving
+    _lock: threading.RLock
+    _cond: threading.Condition
+    _queues: Queues
+    _stopping: bool
+    _stats: ServerStats
 
-    def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None, priority: int | None = None,
-               stream: bool = False) -> Request:
-        raise NotImplementedError
+    def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None,
+               priority: int | None = None, stream: bool = False) -> Request:
+        """Queue the batch's rows (split into pieces of at most ``batch_size``) at ``priority`` (1 is the
+        most urgent level; None or 0: the serving's default); returns the request.
 
-    def _withdraw(self, request: Request, timed_out: bool) -> bool:
-        raise NotImplementedError
+        Give the running ``loop`` for a caller that will await :meth:`result_async` or read
+        :meth:`stream_async`; ``stream=True`` for a caller that reads the results as they come."""
+        serving = self.serving
+        size = batch.size
+        if serving.batch_keys is not None:
+            serving.check_key(batch)
+        level = serving.default_priority if priority is None else serving.priority_level(priority)
+        if size > serving.batch_size and (serving.oversize == "error" or serving.streaming):
+            why = " (a streaming serving runs each request in one batch)" if serving.streaming else ""
+            raise BatchSizeError(f"batch size ({size}) cannot exceed server batch size of {serving.batch_size}{why}")
+        parts = batch.chunks(serving.batch_size) if size > serving.batch_size else [batch]
+        request = Request(size, loop, level, stream)
+        queues = self._queues
+        with self._lock:
+            if self._stopping:
+                raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
+            try:
+                queues.admit(size, level, self.name)
+            except (QueueFullError, RequestTooLargeError):
+                self._stats.rejected += 1
+                raise
+            self._stats.requests += 1
+            if queues.add(request, parts, batch.signature, time.monotonic()):
+                self._cond.notify()  # else a waiting partition wakes at the deadline it already knows
+        return request
 
     def _abandon(self, request: Request) -> None:
-        raise NotImplementedError
+        """A streaming caller stopped reading: its queued rows leave the queues, and a running streaming
+        batch stops at its next step once none of its callers reads. Counted as cancelled."""
+        with self._lock:
+            if request.rows_left == 0:
+                return
+            self._queues.withdraw(request)
+            request.fail(_ABANDONED)
+            self._stats.cancelled += 1
+
+    def _withdraw(self, request: Request, timed_out: bool) -> bool:
+        """Take a request that has not started (nor finished) off the queues; False if it had."""
+        with self._lock:
+            if request.started or request.rows_left == 0:
+                return False
+            self._queues.withdraw(request)
+            request.rows_left = 0
+            if timed_out:
+                self._stats.timeouts += 1
+            else:
+                self._stats.cancelled += 1
+            return True
 
     # the corridor: prepare -> submit -> wait -> finish -----------------------------------------
 
@@ -116,12 +223,12 @@ class Corridor:
         ``postprocess`` run in the caller. Returns exactly this caller's results. ``timeout``: give up on
         a request whose rows have not started after that many seconds (default: its level's)."""
         request, info, timeout = self._enter(value, timeout, priority, None, False)
-        return self.serving.finish(self.result(request, timeout), info, request.reports)
+        return finish(self.serving, self.result(request, timeout), info, request.reports)
 
     async def call_async(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
         """:meth:`call` for asyncio callers: awaits the rows without blocking the event loop."""
         request, info, timeout = self._enter(value, timeout, priority, asyncio.get_running_loop(), False)
-        return self.serving.finish(await self.result_async(request, timeout), info, request.reports)
+        return finish(self.serving, await self.result_async(request, timeout), info, request.reports)
 
     def open_stream(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Iterator[Any]:
         """:meth:`call` whose results come as they are ready: this caller's rows in order, one part per
@@ -129,7 +236,7 @@ class Corridor:
         runs on each. The request is prepared and queued now (its errors raise here); closing the iterator
         early takes the rows that have not started off the queue."""
         request, info, timeout = self._enter(value, timeout, priority, None, True)
-        return (self.serving.finish(outputs, info, request.reports) for outputs in self.stream(request, timeout))
+        return (finish(self.serving, outputs, info, request.reports) for outputs in self.stream(request, timeout))
 
     def open_stream_async(self, value: Any, timeout: float | None = None,
                           priority: int | None = None) -> AsyncIterator[Any]:
@@ -139,16 +246,19 @@ class Corridor:
 
     async def _finished_async(self, items: AsyncIterator[Any], request: Request, info: Any) -> AsyncIterator[Any]:
         async for outputs in items:
-            yield self.serving.finish(outputs, info, request.reports)
+            yield finish(self.serving, outputs, info, request.reports)
 
     def _enter(self, value: Any, timeout: float | None, priority: int | None,
                loop: asyncio.AbstractEventLoop | None, stream: bool) -> tuple[Request, Any, float | None]:
         """Prepare and queue: the request, ``preprocess``'s info and the timeout to wait with."""
-        optional_seconds("timeout", timeout)
+        if timeout is not None:
+            seconds_option("timeout", timeout, or_none=True)
         serving = self.serving
-        batch, info = serving.prepare(value)
+        batch, info = prepare(serving, value)
         request = self.submit(batch, loop, priority, stream)
-        return request, info, serving.default_timeout(priority) if timeout is None else timeout
+        if timeout is None and serving.priority_queues:
+            timeout = serving.default_timeout(priority)
+        return request, info, timeout
 
     # waiting --------------------------------------------------------------------------------------
 
@@ -236,6 +346,13 @@ class Corridor:
         """A streaming request's timeout passed: withdrawn with TimeoutError unless its rows started."""
         if self._withdraw(request, timed_out=True):
             raise self._timeout_error(timeout) from None
+
+
+def resolve_futures(requests: list[Request]) -> None:
+    """On an event loop: wake the asyncio callers whose requests finished (one hop per loop and batch)."""
+    for request in requests:
+        if request.future is not None and not request.future.done():
+            request.future.set_result(None)
 
 
 class StreamOrder:

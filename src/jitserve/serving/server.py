@@ -9,8 +9,8 @@ waiting workers are the queue of free partitions, so a row passes between
 threads only twice: caller to worker and back. This is Nx.Serving's loop, with
 padding to compiled sizes, splitting, a bounded queue and timeouts on top.
 
-The rooms: the lifecycle, warm-up, weights and submission are here; the
-request handle and every way to wait in ``request.py`` (the corridor); the
+The rooms: the lifecycle, warm-up and weights are here; the request handle,
+submission and every way to wait in ``request.py`` (the corridor); the
 batching policy and admission in ``queue.py``; the partitions' loop,
 bisection and delivery in ``partition.py``, with the executor protocol. By
 default each partition compiles the serving's function (:class:`Executor`);
@@ -19,7 +19,6 @@ the cluster coalescer gives executors that send the batch to a remote replica.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import sys
@@ -31,17 +30,16 @@ from typing import Any, Self
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..batch import Batch
-from ..errors import BatchSizeError, OptionError, QueueFullError, RequestTooLargeError, ServerStoppedError
+from ..errors import OptionError, ServerStoppedError
 from ..params import load_params
+from .options import optional_seconds
 from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, ServerStats, Weights
 from .queue import BatchPolicy, Queues
 from .request import Corridor, Request
-from .serving import Executor, Serving, optional_seconds
+from .serving import Executor, Serving
 from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
-_ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
 
 
 class Lifecycle:
@@ -231,58 +229,3 @@ class Server(Corridor, BatchRunner, Lifecycle):
     def _count_compile(self) -> None:
         with self._lock:
             self._stats.compiles += 1
-
-    # callers ---------------------------------------------------------------------------------
-
-    def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None,
-               priority: int | None = None, stream: bool = False) -> Request:
-        """Queue the batch's rows (split into pieces of at most ``batch_size``) at ``priority`` (1 is the
-        most urgent level; None or 0: the serving's default); returns the request.
-
-        Give the running ``loop`` for a caller that will await :meth:`result_async` or read
-        :meth:`stream_async`; ``stream=True`` for a caller that reads the results as they come."""
-        serving = self.serving
-        size = batch.size
-        serving.check_key(batch)
-        level = serving.priority_level(priority)
-        if size > serving.batch_size and (serving.oversize == "error" or serving.streaming):
-            why = " (a streaming serving runs each request in one batch)" if serving.streaming else ""
-            raise BatchSizeError(f"batch size ({size}) cannot exceed server batch size of {serving.batch_size}{why}")
-        parts = batch.chunks(serving.batch_size) if size > serving.batch_size else [batch]
-        request = Request(size, loop, level, stream)
-        queues = self._queues
-        with self._lock:
-            if self._stopping:
-                raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
-            try:
-                queues.admit(size, level, self.name)
-            except (QueueFullError, RequestTooLargeError):
-                self._stats.rejected += 1
-                raise
-            self._stats.requests += 1
-            if queues.add(request, parts, batch.signature, time.monotonic()):
-                self._cond.notify()  # else a waiting partition wakes at the deadline it already knows
-        return request
-
-    def _abandon(self, request: Request) -> None:
-        """A streaming caller stopped reading: its queued rows leave the queues, and a running streaming
-        batch stops at its next step once none of its callers reads. Counted as cancelled."""
-        with self._lock:
-            if request.rows_left == 0:
-                return
-            self._queues.withdraw(request)
-            request.fail(_ABANDONED)
-            self._stats.cancelled += 1
-
-    def _withdraw(self, request: Request, timed_out: bool) -> bool:
-        """Take a request that has not started (nor finished) off the queues; False if it had."""
-        with self._lock:
-            if request.started or request.rows_left == 0:
-                return False
-            self._queues.withdraw(request)
-            request.rows_left = 0
-            if timed_out:
-                self._stats.timeouts += 1
-            else:
-                self._stats.cancelled += 1
-            return True

@@ -10,10 +10,12 @@ the caller, any size, in chunks of at most ``batch_size``; a server
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,79 +28,18 @@ from ..defn import defn_errors, resolve_options, warn_large_constants
 from ..errors import BatchError, OptionError, OutputShapeError, raised_by_model
 from ..params import load_params, release_pages
 from ..template import Template, check_params, is_template, params_template, template_of
+from .options import (
+    ISOLATION_MODES,
+    OVERSIZE_MODES,
+    ServingOptions,
+    check_batch_sizes,
+    count_option,
+    optional_count,
+    queue_policy,
+    seconds_option,
+)
 from .queue import BatchPolicy
-
-OVERSIZE_MODES = ("split", "error")
-NO_INFO = object()  # what ``prepare`` gives as info when ``preprocess`` returned a bare batch
-ISOLATION_MODES = ("thread", "process")
-
-
-QUEUE_POLICY_KEYS = ("max_queue", "timeout")
-
-
-def finite_number(value: Any) -> bool:
-    """Whether ``value`` is a real, finite number (a bool is not one; NaN and the infinities are not finite)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)) \
-        and math.isfinite(value)
-
-
-def count_option(name: str, value: Any, or_none: bool = False) -> int:
-    """``value`` as a positive whole number, else an OptionError naming ``name`` (saying that None is allowed
-    too, for an option whose caller takes None before asking: see :func:`optional_count`)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise OptionError(f"{name} must be a positive integer{' or None' if or_none else ''}, got {value!r}")
-    return int(value)
-
-
-def seconds_option(name: str, value: Any, zero: bool = True, or_none: bool = False) -> float:
-    """``value`` as a finite number of seconds, >= 0 (> 0 unless ``zero``), else an OptionError naming
-    ``name``: a NaN, infinite or negative wait would wait forever, or never (``or_none``: see
-    :func:`optional_seconds`)."""
-    if not finite_number(value) or value < 0 or (value == 0 and not zero):
-        raise OptionError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0"
-                          f"{' or None' if or_none else ''}, got {value!r}")
-    return float(value)
-
-
-def optional_count(name: str, value: Any) -> int | None:
-    """None, or ``value`` checked by :func:`count_option`."""
-    return None if value is None else count_option(name, value, or_none=True)
-
-
-def optional_seconds(name: str, value: Any) -> float | None:
-    """None, or ``value`` checked by :func:`seconds_option` (>= 0)."""
-    return None if value is None else seconds_option(name, value, or_none=True)
-
-
-def _queue_policy(level: Any, policy: Mapping[str, Any]) -> dict[str, Any]:
-    """One level's queue policy (Triton's per-level ``queue_policy``): ``max_queue`` rows, default ``timeout``."""
-    unknown = sorted(set(policy) - set(QUEUE_POLICY_KEYS))
-    if unknown:
-        raise OptionError(f"priority_queues[{level!r}] has unknown key {unknown[0]!r}; expected "
-                          f"{', '.join(QUEUE_POLICY_KEYS)}")
-    checked: dict[str, Any] = {}
-    if "max_queue" in policy:
-        checked["max_queue"] = optional_count(f"priority_queues[{level!r}]['max_queue']", policy["max_queue"])
-    if "timeout" in policy:
-        checked["timeout"] = optional_seconds(f"priority_queues[{level!r}]['timeout']", policy["timeout"])
-    return checked
-
-
-def _default_batch_sizes(batch_size: int) -> list[int]:
-    sizes = [1 << k for k in range(batch_size.bit_length()) if 1 << k < batch_size]
-    return [*sizes, batch_size]
-
-
-def _check_batch_sizes(batch_size: int, batch_sizes: Sequence[int] | None) -> list[int]:
-    count_option("batch_size", batch_size)
-    if batch_sizes is None:
-        return _default_batch_sizes(batch_size)
-    sizes = sorted(set(count_option(f"each of batch_sizes {list(batch_sizes)}", s) for s in batch_sizes))
-    if not sizes or sizes[-1] != batch_size:
-        raise OptionError(
-            f"batch_sizes must be positive and end at batch_size ({batch_size}), got {list(batch_sizes)}"
-        )
-    return sizes
+from .request import concatenate_outputs, finish, model_code, prepare
 
 
 class Executor:
@@ -170,7 +111,7 @@ class Executor:
         run = self.compiled(rows, batch.tree, batch.row_signature, batch.user_key)
         buffers = self._input_buffers  # empty unless reused: then outputs are checked against them
         inputs = batch.materialize(self._input_buffer if self._reuse_inputs else None)
-        outputs = _model_code(run, params, inputs) if self.serving.has_params else _model_code(run, inputs)
+        outputs = model_code(run, params, inputs) if self.serving.has_params else model_code(run, inputs)
         if self.serving.streaming:  # a generator of steps, each cut as it comes
             return _steps_cut(outputs, rows, batch.size, buffers)
         return cut_rows(outputs, rows, batch.size, buffers)
@@ -191,16 +132,6 @@ def owned_host_array(value: Any) -> np.ndarray:
     callers keep slices of the outputs."""
     to_host = getattr(value, "to_host", None)
     return np.array(to_host() if to_host is not None else value)
-
-
-def _model_code(function: Callable[..., Any], *arguments: Any) -> Any:
-    """``function(*arguments)``, the user's ``preprocess`` or ``postprocess``: what it raises is the model's
-    own failure."""
-    try:
-        return function(*arguments)
-    except Exception as error:
-        raised_by_model(error)
-        raise
 
 
 def _steps_cut(steps: Iterator[Any], rows: int, keep: int, inputs: Sequence[np.ndarray]) -> Iterator[Any]:
@@ -238,15 +169,6 @@ def cut_rows(outputs: Any, rows: int, keep: int, inputs: Sequence[np.ndarray] | 
     return jax.tree_util.tree_unflatten(tree, cut)
 
 
-def concatenate_outputs(parts: Sequence[Any]) -> Any:
-    """Outputs of consecutive row ranges joined on axis 0 (the parts of a split request)."""
-    if len(parts) == 1:
-        return parts[0]
-    flat = [jax.tree_util.tree_flatten(p) for p in parts]
-    tree = flat[0][1]
-    return jax.tree_util.tree_unflatten(tree, [np.concatenate(leaves) for leaves in zip(*(f[0] for f in flat))])
-
-
 class Serving:
     """A function served with dynamic batching; see :func:`jitserve.serve` for the server."""
 
@@ -276,8 +198,11 @@ class Serving:
         isolate_failures: bool = True,
         **compiler_options: Any,
     ) -> None:
-        self._arguments = {k: v for k, v in locals().items() if k not in ("self", "compiler_options", "__class__")}
-        self._arguments.update(compiler_options)
+        self.options = ServingOptions(
+            fn, params, batch_size, batch_timeout, batch_sizes, oversize, partitions, max_queue, input_template,
+            preprocess, postprocess, compiler, isolation, batch_keys, priority_levels, default_priority,
+            priority_aging, priority_queues, adaptive, streaming, isolate_failures,
+            types.MappingProxyType(compiler_options))
         if not callable(fn):
             raise OptionError(f"a Serving needs a function to serve, got {type(fn).__name__} {fn!r:.80}")
         self.fn = fn
@@ -287,7 +212,7 @@ class Serving:
         self.params = params
         self.has_params = params is not None  # stays True in a copy without them (``with_params(None)``)
         self.params_template = None if params is None else params_template(params)
-        self.batch_sizes = _check_batch_sizes(batch_size, batch_sizes)
+        self.batch_sizes = check_batch_sizes(batch_size, batch_sizes)
         self.batch_size = int(batch_size)
         self.batch_timeout = seconds_option("batch_timeout", batch_timeout)
         if oversize not in OVERSIZE_MODES:
@@ -321,7 +246,7 @@ class Serving:
         self.default_priority = priority_levels  # the least urgent, unless said otherwise
         self.default_priority = self.priority_level(default_priority)
         self.priority_aging = seconds_option("priority_aging", priority_aging, zero=False)
-        self.priority_queues = {self.priority_level(level): _queue_policy(level, policy)
+        self.priority_queues = {self.priority_level(level): queue_policy(level, policy)
                                 for level, policy in (priority_queues or {}).items()}
         self.adaptive = bool(adaptive)
         self.isolate_failures = bool(isolate_failures)
@@ -330,10 +255,7 @@ class Serving:
 
     def replace(self, **changes: Any) -> Serving:
         """A new Serving with some arguments changed (a new ``batch_size`` drops explicit ``batch_sizes``)."""
-        arguments = {**self._arguments, **changes}
-        if "batch_size" in changes and "batch_sizes" not in changes:
-            arguments["batch_sizes"] = None
-        return Serving(**arguments)
+        return Serving(**self.options.changed(changes).arguments())
 
     def batch_function(self, batch_key: Any = None) -> Callable[..., Any]:
         """The served function with a declared batch key bound: ``f(params, batch)`` for a serving with
@@ -363,7 +285,7 @@ class Serving:
         a tree puts them back, checked against the templates."""
         copy = Serving.__new__(Serving)
         copy.__setstate__({**self.__getstate__(), "params": None if params is None else self.check_params(params),
-                           "_arguments": {**self._arguments, "params": params}})
+                           "options": dataclasses.replace(self.options, params=params)})
         return copy
 
     @functools.cached_property
@@ -409,39 +331,16 @@ class Serving:
         leaves, tree = jax.tree_util.tree_flatten(self.input_template)
         return tree, tuple((t.shape, t.dtype) for t in leaves)
 
-    def prepare(self, value: Any) -> tuple[Batch, Any]:
-        """The caller's input as ``(batch, info)``: through ``preprocess`` when given, which may return a
-        Batch or ``(batch, info)`` (Nx's ``client_preprocessing``); info is ``NO_INFO`` without one."""
-        prepared = value if self.preprocess is None else _model_code(self.preprocess, value)
-        batch, info = prepared if type(prepared) is tuple and len(prepared) == 2 else (prepared, NO_INFO)
-        if not isinstance(batch, Batch):
-            raise BatchError(
-                f"expected a jitserve.Batch (build one with Batch.stack or Batch.concatenate), "
-                f"or (batch, info) from preprocess; got {type(prepared).__name__}"
-            )
-        if batch.size == 0:
-            raise BatchError("the batch holds no rows; send at least one")
-        self.check_key(batch)
-        return batch, info
-
     def check_key(self, batch: Batch) -> None:
         """With declared ``batch_keys``, a batch must carry one of them."""
         if self.batch_keys is not None and batch.user_key not in self.batch_keys:
             raise BatchError(f"unknown batch key: {batch.user_key!r} "
                              f"(expected one of {', '.join(repr(k) for k in self.batch_keys)})")
 
-    def finish(self, outputs: Any, info: Any = NO_INFO, metadata: Sequence[Any] = ()) -> Any:
-        """``postprocess(outputs)``; when ``preprocess`` gave info, ``postprocess((outputs, metadata), info)``
-        as Nx's ``client_postprocessing`` (``metadata``: the reports of the batches that ran the rows)."""
-        if self.postprocess is None:
-            return outputs
-        if info is NO_INFO:
-            return _model_code(self.postprocess, outputs)
-        return _model_code(self.postprocess, (outputs, tuple(metadata)), info)
-
     def run(self, value: Any) -> Any:
         """Run inline in the caller: any number of rows, in padded chunks of at most ``batch_size``."""
-        batch, info = self.prepare(value)
+        batch, info = prepare(self, value)
+        self.check_key(batch)
         if self._inline is None:
             with self._inline_lock:
                 if self._inline is None:
@@ -451,7 +350,7 @@ class Serving:
         parts = []
         for chunk in batch.chunks(self.batch_size):
             parts.append(executor.execute(chunk.pad_to(self.policy.padded_size(chunk.size)), params))
-        return self.finish(concatenate_outputs(parts), info)
+        return finish(self, concatenate_outputs(parts), info)
 
     def __getstate__(self) -> dict[str, Any]:
         """What travels to another process (a cluster replica or client): the configuration, not the
