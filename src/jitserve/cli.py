@@ -143,8 +143,7 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
         raise OptionError(f"{args.target} is a {type(found).__name__}, not a jitserve.Serving or Generation or a "
                           f"dict of them")
     servings = _by_version(found) if isinstance(found, dict) else {args.name or _default_name(args.target): found}
-    changes = {k: v for k, v in [("batch_size", args.batch_size), ("batch_timeout", args.batch_timeout),
-                                 ("compiler", args.compiler)] if v is not None}
+    changes = _overrides(args)
     for name, serving in servings.items():
         if isinstance(serving, Generation):
             if changes:
@@ -157,6 +156,12 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
                               f"or Generation")
         servings[name] = serving.replace(**changes) if changes else serving
     return servings
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The Serving options the command line overrides."""
+    return {k: v for k, v in [("batch_size", args.batch_size), ("batch_timeout", args.batch_timeout),
+                              ("compiler", args.compiler)] if v is not None}
 
 
 API_KEY_ENV = "JITSERVE_API_KEY"
@@ -201,7 +206,7 @@ def _network_options(args: argparse.Namespace) -> dict[str, Any]:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
             "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, "limits": limits,
-            "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls}
+            "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls, "access_log": args.access_log}
 
 
 def _logging(args: argparse.Namespace) -> None:
@@ -213,6 +218,18 @@ def _logging(args: argparse.Namespace) -> None:
 def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
 
+    if (args.target is None) == (args.model_repository is None):
+        raise OptionError("serve takes a TARGET or --model-repository DIR, not both nor neither")
+    if args.model_repository is not None:
+        if args.ray is not None or args.name is not None or _overrides(args):
+            raise OptionError("--model-repository serves each DIR/NAME/model.py as it is: --ray, --name, "
+                              "--batch-size, --batch-timeout and --compiler do not apply to it")
+        repository = app.start_repository(args.model_repository, args.model_control_mode,
+                                          args.repository_poll_secs, tuple(args.load_model or ()))
+        run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
+        _logging(args)
+        app.run(lambda servers: None, repository=repository, **_network_options(args))
+        return 0
     run_cpu_computations_inline()  # before the user's module runs anything on JAX's CPU client
     _logging(args)
     servings = load_servings(args)
@@ -323,6 +340,8 @@ def _add_network(parser: argparse.ArgumentParser) -> None:
 def _add_logging(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="log lines as text, or one JSON object per line (default text)")
+    parser.add_argument("--access-log", action="store_true", help="log one line per inference request (id, model, "
+                        "version, protocol, status, rows, latency) on the jitserve.access logger")
 
 
 def _add_security(parser: argparse.ArgumentParser) -> None:
@@ -347,6 +366,7 @@ SERVE_EXAMPLES = """examples:
   jitserve serve models.py:servings --host 0.0.0.0       # a dict of name -> Serving, on every interface
   jitserve serve pkg.models:mlp --api-key "$KEY" --tls-cert cert.pem --tls-key key.pem
   jitserve serve examples/mlp.py:serving --ray 127.0.0.1:6379 --replicas 2
+  jitserve serve --model-repository models/ --model-control-mode explicit --load-model mlp
 """
 
 
@@ -361,8 +381,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve", help="serve a Serving over HTTP and gRPC (Open Inference Protocol)", epilog=SERVE_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve a js.Serving or js.Generation, or a dict of name -> either, until SIGINT/SIGTERM.")
-    serve_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict); "
-                              "the working directory and the file's folder are importable")
+    serve_parser.add_argument("target", nargs="?", help="path/to/file.py:attr or package.module:attr (a Serving or "
+                              "a dict); the working directory and the file's folder are importable")
+    serve_parser.add_argument("--model-repository", metavar="DIR", help="serve DIR/NAME/model.py (each defines "
+                              "'serving') as model NAME, instead of a TARGET")
+    serve_parser.add_argument("--model-control-mode", choices=("none", "explicit", "poll"), default="none",
+                              help="as Triton's: none loads every model at start, explicit loads what load "
+                              "requests (and --load-model) name, poll rescans DIR (default none)")
+    serve_parser.add_argument("--load-model", action="append", metavar="NAME",
+                              help="with --model-control-mode explicit, a model to load at start (repeatable)")
+    serve_parser.add_argument("--repository-poll-secs", type=float, default=15.0,
+                              help="with --model-control-mode poll, seconds between scans of DIR (default 15)")
     serve_parser.add_argument("--name", help="the model name of a single Serving (default: the file's or module's "
                               "name, e.g. 'mlp' for examples/mlp.py:serving)")
     _add_network(serve_parser)

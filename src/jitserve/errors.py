@@ -90,6 +90,11 @@ class BodyTooLargeError(ProtocolError):
     """A network request body is larger than the server's limit (HTTP 413)."""
 
 
+class RepositoryError(JitserveError, RuntimeError):
+    """A model repository cannot load, reload or unload a model: its ``model.py`` is missing, fails to run or
+    defines no ``serving``, or the repository's control mode does not take the request."""
+
+
 class OutputShapeError(JitserveError, ValueError):
     """A serving function returned outputs that are not batch-major (axis 0 = the batch's rows)."""
 

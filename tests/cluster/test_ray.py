@@ -240,7 +240,7 @@ def test_serve_with_ray_and_a_front_in_another_process_answer_tritonclient(ray_c
             np.testing.assert_array_equal(result.as_numpy("output"), x * 2 + 1)
         with urllib.request.urlopen(f"http://127.0.0.1:{front_port}/metrics", timeout=5) as response:
             metrics = response.read().decode()
-        assert 'jitserve_replica_rows_total{model="netaffine",replica="netaffine/0"} 6.0' in metrics
+        assert 'jitserve_replica_rows_total{model="netaffine",version="1",replica="netaffine/0"} 6.0' in metrics
     finally:
         for process in (front, served):
             if process is not None:

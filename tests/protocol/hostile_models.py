@@ -39,4 +39,6 @@ models = {
                        input_template=js.template((1,), "float32")),
     "slow": js.Serving(slow, batch_size=4, batch_timeout=0, compiler="eager",
                        input_template=js.template((1,), "float32")),
+    "scores": js.Serving(lambda x: x * jnp.float32([0.1, 0.9, 0.5, 0.75, 0.2]), batch_size=4, batch_timeout=0.001,
+                         input_template=js.template((1,), "float32"), labels={"output": ["cat", "dog", "cow", "owl"]}),
 }

@@ -150,6 +150,6 @@ def test_a_client_that_leaves_frees_its_slot_and_metrics_show_the_generation(ser
 def gauge(server, metric: str, model: str) -> float:
     text = server.request("GET", "/metrics")[2].decode()
     for line in text.splitlines():
-        if line.startswith(f'{metric}{{model="{model}"}}'):
+        if line.startswith(f'{metric}{{model="{model}",version="1"}}'):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no {metric} for {model} in /metrics")

@@ -5,6 +5,7 @@ in count and time."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import time
@@ -296,7 +297,7 @@ def test_stalled_tls_handshakes_are_counted_and_cut_at_the_read_timeout(certific
 
 # protocol features jitserve does not implement: refused, not ignored --------------------------------------
 
-def test_sequence_and_classification_parameters_are_refused_not_ignored(server):
+def test_sequence_parameters_are_refused_not_ignored(server):
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
@@ -306,16 +307,43 @@ def test_sequence_and_classification_parameters_are_refused_not_ignored(server):
     assert (status, body["error"]) == (400, "the request: the 'sequence_id' parameter is not supported: jitserve has "
                                             "no sequence batching (Triton's stateful models); each request stands "
                                             "alone")
-    status, body = server.infer_json("slow", {**payload, "outputs": [{"name": "output",
-                                                                      "parameters": {"classification": 3}}]})
-    assert status == 400 and body["error"].startswith("output 'output': the 'classification' parameter is not "
-                                                      "supported: jitserve does not turn outputs into class labels")
+    status, body = server.infer_json("slow", {**payload, "parameters": {"classification": 3}})
+    assert (status, body["error"]) == (400, "the request: the 'classification' parameter is not supported: it is a "
+                                            "parameter of a requested output (tritonclient's InferRequestedOutput("
+                                            "name, class_count=k)), not of the request")
     for module, port in ((httpclient, server.port), (grpcclient, server.grpc_port)):
         client = module.InferenceServerClient(f"127.0.0.1:{port}")
         tensor = module.InferInput("input", [1, 1], "FP32")
         tensor.set_data_from_numpy(np.float32([[1.0]]))
         with pytest.raises(InferenceServerException, match="the 'sequence_(id|start|end)' parameter is not supported"):
             client.infer("slow", [tensor], sequence_id=7, sequence_start=True)
-        with pytest.raises(InferenceServerException, match="the 'classification' parameter is not supported"):
-            client.infer("slow", [tensor], outputs=[module.InferRequestedOutput("output", class_count=3)])
         assert client.infer("slow", [tensor]).as_numpy("output").tolist() == [[2.0]]
+
+
+def test_classification_as_triton_answers_it(server):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    for module, port in ((httpclient, server.port), (grpcclient, server.grpc_port)):
+        client = module.InferenceServerClient(f"127.0.0.1:{port}")
+        tensor = module.InferInput("input", [2, 1], "FP32")
+        tensor.set_data_from_numpy(np.float32([[1.0], [-2.0]]))
+
+        def classes(count, model="scores"):
+            result = client.infer(model, [tensor], outputs=[module.InferRequestedOutput("output", class_count=count)])
+            return result.as_numpy("output").tolist()
+
+        assert classes(3) == [[b"0.900000:1:dog", b"0.750000:3:owl", b"0.500000:2:cow"],
+                              [b"-0.200000:0:cat", b"-0.400000:4", b"-1.000000:2:cow"]]
+        assert len(classes(9)[0]) == 5, "a count beyond the classes gives them all, as Triton's"
+        assert classes(1, "slow") == [[b"2.000000:0"], [b"-1.000000:0"]], "no labels: value:index"
+        assert client.infer("scores", [tensor]).as_numpy("output").shape == (2, 5), "no count: the tensor itself"
+    status, body = server.infer_json("scores", {**json_input(1.0), "outputs": [
+        {"name": "output", "parameters": {"classification": "three"}}]})
+    assert (status, body["error"]) == (400, "output 'output': the 'classification' parameter must be a whole number "
+                                            "of classes >= 0, got 'three'")
+    status, body = server.infer_json("scores", {**json_input(1.0), "outputs": [
+        {"name": "output", "parameters": {"classification": 2}}]})
+    assert status == 200 and body["outputs"][0] == {"name": "output", "datatype": "BYTES", "shape": [1, 2],
+                                                    "data": ["0.900000:1:dog", "0.750000:3:owl"]}
+    assert "classification" in json.loads(server.request("GET", "/v2")[2])["extensions"]

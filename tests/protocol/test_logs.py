@@ -44,3 +44,36 @@ def test_json_logs_parse_line_by_line_and_carry_request_ids():
     assert "expects [-1, 16]" in by_id["client-42"]["message"] and by_id["client-42"]["logger"] == "jitserve.serve"
     assert by_id["grpc-7"]["message"].startswith("grpc: model 'mlp': INVALID_ARGUMENT")
     assert any(line["message"].startswith("HTTP: http://127.0.0.1") for line in lines)
+
+
+MLP_INPUT = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 16], "data": [0.5] * 48}]})
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_the_access_log_has_one_line_per_inference_request(log_format):
+    running = start_server(str(ROOT / "examples/mlp.py") + ":serving", "--access-log", "--log-format", log_format)
+    try:
+        assert running.request("POST", "/v2/models/mlp/infer", MLP_INPUT.encode(), {"X-Request-ID": "ok-1"})[0] == 200
+        assert running.request("POST", "/v2/models/mlp/infer", BAD_INPUT.encode(), {"X-Request-ID": "bad-2"})[0] == 400
+        assert running.request("GET", "/v2/health/ready")[0] == 200  # not an inference request: not logged
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+        tensor = grpcclient.InferInput("input", [2, 16], "FP32")
+        tensor.set_data_from_numpy(np.ones((2, 16), np.float32))
+        client.infer("mlp", [tensor], headers={"x-request-id": "grpc-3"})
+    finally:
+        output = stop(running)
+    if log_format == "json":
+        lines = [json.loads(line) for line in output.splitlines()]
+        access = [line for line in lines if line["logger"] == "jitserve.access"]
+        assert [{k: line[k] for k in ("request_id", "model", "version", "protocol", "status", "rows")}
+                for line in access] == [
+            {"request_id": "ok-1", "model": "mlp", "version": "1", "protocol": "http", "status": 200, "rows": 3},
+            {"request_id": "bad-2", "model": "mlp", "version": "1", "protocol": "http", "status": 400, "rows": 1},
+            {"request_id": "grpc-3", "model": "mlp", "version": "1", "protocol": "grpc", "status": "OK", "rows": 2}]
+        assert all(line["latency_ms"] > 0 and line["level"] == "INFO" for line in access)
+        return
+    access = [line for line in output.splitlines() if " jitserve.access: " in line]
+    assert len(access) == 3
+    assert re.search(r" INFO jitserve\.access: http mlp/1 200 rows=3 \d+\.\d{3}ms \[request ok-1\]$", access[0])
+    assert re.search(r" INFO jitserve\.access: http mlp/1 400 rows=1 \d+\.\d{3}ms \[request bad-2\]$", access[1])
+    assert re.search(r" INFO jitserve\.access: grpc mlp/1 OK rows=2 \d+\.\d{3}ms \[request grpc-3\]$", access[2])

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("uvicorn")
 httpclient = pytest.importorskip("tritonclient.http")
@@ -393,7 +394,7 @@ def test_non_finite_floats_are_strict_json_both_ways(server):
 
 def test_a_body_cut_short_by_a_half_close_never_runs(server):
     def batches_run() -> float:
-        found = re.search(r'jitserve_batch_size_count\{model="chunked"\} (\S+)',
+        found = re.search(r'jitserve_batch_size_count\{model="chunked",version="1"\} (\S+)',
                           server.request("GET", "/metrics")[2].decode())
         return float(found.group(1)) if found else 0.0
 
@@ -595,7 +596,7 @@ def test_http_server_sent_events_bring_each_batch_as_it_finishes(server):
 def test_a_client_that_leaves_mid_stream_frees_its_queued_rows(server):
     def batches_run() -> float:
         metrics = server.request("GET", "/metrics")[2].decode()
-        found = re.search(r'jitserve_batch_size_count\{model="chunked"\} (\S+)', metrics)
+        found = re.search(r'jitserve_batch_size_count\{model="chunked",version="1"\} (\S+)', metrics)
         return float(found.group(1)) if found else 0.0
 
     before = batches_run()
@@ -719,16 +720,25 @@ def test_metrics(server):
     status, headers, data = server.request("GET", "/metrics")
     text = data.decode()
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    assert 'jitserve_requests_total{model="mlp",protocol="http",status="200"}' in text
-    assert 'jitserve_batch_size_bucket{le="1.0",model="mlp"}' in text
-    assert 'jitserve_queue_depth{model="mlp"} 0.0' in text
-    assert 'jitserve_compiles{model="mlp"} 6.0' in text
+    assert 'jitserve_requests_total{model="mlp",version="1",protocol="http",status="200"}' in text
+    assert 'jitserve_batch_size_bucket{le="1.0",model="mlp",version="1"}' in text
+    assert 'jitserve_queue_depth{model="mlp",version="1"} 0.0' in text
+    assert 'jitserve_compiles{model="mlp",version="1"} 6.0' in text
     assert "jitserve_padding_rows_total" in text and "jitserve_execution_seconds_bucket" in text
     count = re.search(r'jitserve_request_seconds_count\{model="mlp",version="1"\} (\S+)', text)
     assert count is not None and float(count.group(1)) >= 1, "request durations by model and version"
     for process in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
                     "python_gc_collections_total"):
         assert process in text, process
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    ours = [family for name, family in families.items() if name.startswith("jitserve_")]
+    assert {"jitserve_requests", "jitserve_request_seconds", "jitserve_queue_wait_seconds", "jitserve_batch_size",
+            "jitserve_queue_depth", "jitserve_compiles"} <= {family.name for family in ours}
+    for family in ours:  # one label scheme: every sample of every family names its model and version
+        for sample in family.samples:
+            assert {"model", "version"} <= set(sample.labels), (family.name, sample.labels)
+    waits = families["jitserve_queue_wait_seconds"].samples
+    assert any(s.name.endswith("_count") and s.labels["model"] == "mlp" and s.value >= 1 for s in waits)
 
 
 # fuzz ----------------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""Who is calling and who may: each request's id, an optional API key (HTTP and gRPC) and the browser
-origins CORS admits.
+"""Who is calling, who may, and what they got: each request's id, an optional API key (HTTP and gRPC), the
+browser origins CORS admits, and the access log.
 
 A request's id is the client's ``X-Request-ID`` (HTTP header or gRPC metadata)
-when it sends one, else a fresh one; the fronts set it (``REQUEST_ID``) for the
-time the request is handled, every line logged meanwhile carries it, and HTTP
-responses echo it.
+when it sends one, else a fresh one; the fronts set it (:func:`begin_request`)
+for the time the request is handled, every line logged meanwhile carries it,
+and HTTP responses echo it.
+
+The access log (``--access-log``) is one line per inference request, on the
+``jitserve.access`` logger: its id, model, version, protocol, status, rows and
+latency from arrival, as text or as the fields of a JSON line.
 
 The key and CORS are off unless asked for. With a key, every call carries ``Authorization:
 Bearer KEY`` (HTTP header or gRPC metadata; ``X-API-Key: KEY`` is accepted
@@ -18,8 +22,10 @@ from __future__ import annotations
 import contextvars
 import hmac
 import itertools
+import logging
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +43,28 @@ REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("jitserv
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _ID_PREFIX = os.urandom(4).hex()  # this process's: ids of several servers do not collide
 _ID_COUNTER = itertools.count(1)  # then a counter: no system call per request, as uuid4 makes
+
+
+REQUEST_ARRIVED: contextvars.ContextVar[float] = contextvars.ContextVar("jitserve_request_arrived", default=0.0)
+REQUEST_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jitserve_request_rows", default=0)
+ACCESS_LOG = logging.getLogger("jitserve.access")
+
+
+def begin_request(given: str | bytes | None) -> str:
+    """Tag the current task with a request's id (see :func:`request_id`) and its arrival; returns the id."""
+    rid = request_id(given)
+    REQUEST_ID.set(rid)
+    REQUEST_ARRIVED.set(time.perf_counter())
+    return rid
+
+
+def log_access(model: str, version: str | None, protocol: str, status: int | str) -> None:
+    """The access log's line for the current request, answered with ``status``."""
+    fields = {"request_id": REQUEST_ID.get(), "model": model, "version": version or "", "protocol": protocol,
+              "status": status, "rows": REQUEST_ROWS.get(),
+              "latency_ms": round((time.perf_counter() - REQUEST_ARRIVED.get()) * 1000, 3)}
+    ACCESS_LOG.info("%(protocol)s %(model)s/%(version)s %(status)s rows=%(rows)d %(latency_ms).3fms", fields,
+                    extra={"access": fields})
 
 
 def request_id(given: str | bytes | None) -> str:

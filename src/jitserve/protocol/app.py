@@ -31,6 +31,7 @@ from .connection import GuardedHttpProtocol
 from .grpc import GrpcServer
 from .http import HttpFront
 from .limits import Limits, Tls
+from .repository import ModelRepository
 from .service import InferenceService
 
 log = logging.getLogger("jitserve.serve")
@@ -96,6 +97,21 @@ def start_locally(servings: Mapping[str, Serving]) -> Callable[[dict[str, Server
     return start
 
 
+def start_repository(directory: str, mode: str, poll_seconds: float = 15.0,
+                     load: tuple[str, ...] = ()) -> Callable[[InferenceService], ModelRepository]:
+    """A ``repository`` for :func:`run`: the models of ``directory`` under control ``mode`` (``load``: the
+    models an ``explicit`` repository loads at start). The directory and mode are checked now."""
+    ModelRepository(directory, InferenceService({}), mode, poll_seconds)
+
+    def start(service: InferenceService) -> ModelRepository:
+        repository = ModelRepository(directory, service, mode, poll_seconds)
+        service.control = repository
+        repository.start(load)
+        return repository
+
+    return start
+
+
 def check_ports_free(host: str, ports: list[int | None]) -> None:
     """Refuse to start, before compiling anything, when another process listens on one of the ports (a
     second gRPC server would otherwise share the port and silently take a part of the first one's calls)."""
@@ -157,11 +173,14 @@ def http_config(service: InferenceService, host: str, port: int, limits: Limits 
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
         grpc_port: int | None = 8001, request_timeout: float | None = None, limits: Limits = Limits(),
         on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None, access: Access = Access(),
-        tls: Tls | None = None) -> None:
+        tls: Tls | None = None, repository: Callable[[InferenceService], ModelRepository] | None = None,
+        access_log: bool = False) -> None:
     """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal, holding clients to ``limits``
     and ``access`` (API key, CORS), over TLS when ``tls`` is given.
-    ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers); at
-    exit each is stopped (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs."""
+    ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers), and
+    ``repository`` (:func:`start_repository`) loads a model repository's; at exit every server is stopped
+    (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs. ``access_log``: one
+    line per inference request (``protocol/access.py``)."""
     optional_seconds("request_timeout", request_timeout)  # checked before anything starts: a NaN drain
     optional_seconds("drain_timeout", drain_timeout)  # timeout would otherwise fail only at exit
     check_ports_free(host, [port, grpc_port])
@@ -170,9 +189,13 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     signal.signal(signal.SIGTERM, _Shutdown())
     servers: dict[str, Server] = {}
     grpc_server = None
+    service: InferenceService | None = None
+    models: ModelRepository | None = None
     try:
         start(servers)
-        service = InferenceService(servers, request_timeout)
+        service = InferenceService(servers, request_timeout, access_log)
+        if repository is not None:
+            models = repository(service)
         if grpc_port is not None:
             grpc_server = GrpcServer(service, host, grpc_port, limits, access, tls)
             grpc_server.start()
@@ -192,7 +215,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         gc.freeze()
         http_server = _HttpServer(config, stop_accepting)
         log.info("HTTP: %s://%s:%d/v2 (models: %s; metrics at /metrics)%s", "https" if tls else "http", host, port,
-                 ", ".join(servers), "; API key required" if access.api_key is not None else "")
+                 ", ".join(service.models) or "none", "; API key required" if access.api_key is not None else "")
         with asyncio.Runner(loop_factory=event_loop_factory(tls is not None)) as runner:
             runner.run(http_server.serve())
     except KeyboardInterrupt as reason:
@@ -200,7 +223,9 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace)
-        for name, server in servers.items():
+        if models is not None:
+            models.stop()
+        for name, server in (servers if service is None else service.servers()).items():
             server.stop(timeout=drain_timeout)
             log.info("model '%s' drained and stopped: %s", name, server.stats())
         if on_exit is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,10 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from ..errors import ProtocolError
-from .access import REQUEST_ID, Access, ApiKeyInterceptor, request_id
+from .access import REQUEST_ARRIVED, Access, ApiKeyInterceptor, begin_request
 from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents
 from .limits import Limits, Tls
+from .model import class_count
 from .service import InferenceService, refuse_unsupported, shown, status_of
 
 log = logging.getLogger("jitserve.grpc")
@@ -118,6 +120,22 @@ class GrpcFront:
         return await _answer(context, "RepositoryIndexResponse",
                              lambda: {"models": self.service.repository_index(request.ready)})
 
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return await self._control(self.service.control.load, request, context, "RepositoryModelLoadResponse")
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return await self._control(self.service.control.unload, request, context, "RepositoryModelUnloadResponse")
+
+    async def _control(self, action: Callable[[str, dict[str, Any]], None], request: Any, context: Any,
+                       response: str) -> Any:
+        """A repository load or unload, answered once done (see ``InferenceService.control``)."""
+        try:
+            await asyncio.to_thread(action, request.model_name, _parameter_values(request))
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            _, status, message = self.service.failed("grpc", request.model_name, error)
+            await context.abort(getattr(grpc.StatusCode, status), message)
+        return MESSAGES[response]()
+
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         model = request.model_name
         if self.service.draining:
@@ -125,16 +143,16 @@ class GrpcFront:
         self.calls += 1  # what ``quiet`` waits on at a shutdown
         try:
             tensors = _decode_inputs(request)
-            served, outputs = await self.service.infer(model, tensors, [o.name for o in request.outputs] or None,
+            served, outputs = await self.service.infer(model, tensors, _requested(request),
                                                        _priority(request), request.model_version,
                                                        _parameter_values(request))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
-            _, status, message = self.service.failed("grpc", model, error)
+            _, status, message = self.service.failed("grpc", model, error, request.model_version)
             await context.abort(getattr(grpc.StatusCode, status), message)
         finally:
             self.calls -= 1
             self.last_call = asyncio.get_running_loop().time()
-        self.service.count(model, "grpc", "OK")
+        self.service.count(model, "grpc", "OK", served)
         return _infer_response(model, served, request.id, outputs)
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
@@ -241,6 +259,7 @@ class StreamCall:
         self.replies.put_nowait((message, size))
 
     async def _answer(self, data: bytes) -> None:
+        REQUEST_ARRIVED.set(time.perf_counter())  # this request's task: its latency in the access log
         service = self.front.service
         model = ""
         request = None
@@ -248,16 +267,17 @@ class StreamCall:
             request = parse(MESSAGES["ModelInferRequest"], data)
             model = request.model_name
             tensors = _decode_inputs(request)
-            names = [o.name for o in request.outputs] or None
+            names = _requested(request)
             served, stream = service.infer_stream(model, tensors, names, _priority(request), request.model_version,
                                                   _parameter_values(request))
             async for outputs in stream:
                 await self._put(MESSAGES["ModelStreamInferResponse"](
                     infer_response=_infer_response(model, served, request.id, outputs)))
         except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
-            await self._put(_stream_error(request, model, service.failed("grpc", model, error)[2]))
+            version = None if request is None else request.model_version
+            await self._put(_stream_error(request, model, service.failed("grpc", model, error, version)[2]))
             return
-        service.count(model, "grpc", "OK")
+        service.count(model, "grpc", "OK", served)
         if _flag(request, "triton_enable_empty_final_response"):
             final = MESSAGES["ModelInferResponse"](model_name=model, model_version=served, id=request.id)
             final.parameters["triton_final_response"].bool_param = True
@@ -331,6 +351,18 @@ def _parameter_values(request: Any) -> dict[str, Any]:
             for name, parameter in request.parameters.items()}
 
 
+def _requested(request: Any) -> dict[str, int] | None:
+    """The outputs a request asks for, each with its classification count (0: the tensor), or None for all;
+    an output parameter jitserve does not implement is refused, not ignored."""
+    requested = {}
+    for output in request.outputs:
+        where = f"output '{shown(output.name)}'"
+        parameters = _parameter_values(output)
+        refuse_unsupported(set(parameters) - {"classification", "binary_data"}, where)
+        requested[output.name] = class_count(parameters.get("classification", 0), where)
+    return requested or None
+
+
 def _priority(request: Any) -> int | None:
     """The request's ``priority`` parameter (tritonclient sends it as ``uint64_param``)."""
     if "priority" not in request.parameters:
@@ -343,8 +375,6 @@ def _priority(request: Any) -> int | None:
 
 
 def _decode_inputs(request: Any) -> dict[str, np.ndarray]:
-    for output in request.outputs:
-        refuse_unsupported(output.parameters, f"output '{shown(output.name)}'")
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
@@ -393,13 +423,14 @@ def _parsing(handler: Callable[[Any, Any], Any], request_class: Any) -> Callable
 
 def _tag_request(context: Any) -> None:
     """This call's request id (the client's ``x-request-id`` metadata, else a new one) on its log lines."""
-    REQUEST_ID.set(request_id(dict(context.invocation_metadata() or ()).get("x-request-id")))
+    begin_request(dict(context.invocation_metadata() or ()).get("x-request-id"))
 
 
 def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:
     pool = {}
     for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
-                   "ModelConfig", "ModelStatistics", "RepositoryIndex"):
+                   "ModelConfig", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad",
+                   "RepositoryModelUnload"):
         pool[method] = grpc.unary_unary_rpc_method_handler(
             _parsing(getattr(front, method), MESSAGES[f"{method}Request"]),
             response_serializer=MESSAGES[f"{method}Response"].SerializeToString)

@@ -4,6 +4,7 @@ Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2``,
 ``/v2/models/{m}[/versions/{v}]``, ``/v2/models/{m}[/versions/{v}]/ready``,
 Triton's ``/v2/models/{m}[/versions/{v}]/config``, ``/v2/models[/{m}[/versions/{v}]]/stats``,
 ``POST /v2/repository/index`` (and ``GET /v2/models``, the same list),
+``POST /v2/repository/models/{m}/load`` and ``/unload`` (see ``InferenceService.control``),
 ``POST /v2/models/{m}[/versions/{v}]/infer`` (JSON tensors and the binary
 tensor extension that tritonclient uses by default),
 ``POST /v2/models/{m}[/versions/{v}]/infer_stream`` (the same request; the
@@ -33,10 +34,11 @@ import orjson
 import simdjson
 
 from ..errors import BodyTooLargeError, ProtocolError
-from .access import CORS_METHODS, REQUEST_ID, UNAUTHORIZED, Access, request_id
+from .access import CORS_METHODS, UNAUTHORIZED, Access, begin_request
 from .codec import DATATYPES, datatype_of, decode_numbers, decode_raw, decode_values, json_values, raw_contents
 from .limits import Limits
 from .metrics import CONTENT_TYPE
+from .model import class_count
 from .service import InferenceService, loggable, refuse_unsupported, status_of
 
 log = logging.getLogger("jitserve.http")
@@ -96,7 +98,8 @@ class HttpFront:
             ("GET", re.compile(r"/v2/models/stats"), self.statistics),
             ("GET", re.compile(r"/v2/models"), self.model_list),
             ("POST", re.compile(r"/v2/repository/index"), self.repository_index),
-            ("POST", re.compile(r"/v2/repository/models/(?P<model>[^/]+)/load"), self.load_model),
+            ("POST", re.compile(r"/v2/repository/models/(?P<model>[^/]+)/(?P<action>load|unload)"),
+             self.model_control),
             ("GET", re.compile(model + "/ready"), self.model_ready),
             ("GET", re.compile(model + "/config"), self.model_config),
             ("GET", re.compile(model + "/stats"), self.statistics),
@@ -109,8 +112,7 @@ class HttpFront:
             return
         headers = dict(scope["headers"])
         method = scope["method"]
-        rid = request_id(headers.get(b"x-request-id"))
-        REQUEST_ID.set(rid)  # this request's task only: every line it logs carries the id
+        rid = begin_request(headers.get(b"x-request-id"))  # this request's task only: every line it logs carries it
         if method == "OPTIONS":  # a browser's CORS preflight, or a client asking what is allowed
             await _send(send, 204, [(b"allow", CORS_METHODS), *self.access.preflight_headers(headers)], b"", False)
             return
@@ -190,18 +192,21 @@ class HttpFront:
             return _error(400, f"the repository index request must be a JSON object: {error}")
         return _json(200, self.service.repository_index(isinstance(options, dict) and options.get("ready") is True))
 
-    async def load_model(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str) -> Response:
-        """Triton's repository load of a served model: its weights reloaded from their file (see
-        ``InferenceService.load_model``)."""
+    async def model_control(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str,
+                            action: Literal["load", "unload"]) -> Response:
+        """Triton's repository ``load`` and ``unload`` of a model, answered once done (see
+        ``InferenceService.control``); a body ``{"parameters": {...}}`` as tritonclient sends it."""
         try:
             body, _ = await self._read_body(headers, receive)
             try:
                 request = orjson.loads(body) if body.strip() else {}
             except orjson.JSONDecodeError as error:
-                raise ProtocolError(f"the load request body is not valid JSON: {error}") from None
-            if not isinstance(request, dict):
-                raise ProtocolError("the load request must be a JSON object")
-            await self.service.load_model(model, request.get("parameters"))
+                raise ProtocolError(f"the {action} request body is not valid JSON: {error}") from None
+            if not isinstance(request, dict) or not isinstance(request.get("parameters", {}), dict):
+                raise ProtocolError(f'the {action} request must be a JSON object, its "parameters" an object')
+            control = self.service.control
+            await asyncio.to_thread(control.load if action == "load" else control.unload, model,
+                                    request.get("parameters"))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error)
         return _json(200, {})
@@ -250,13 +255,14 @@ class HttpFront:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, binary_outputs = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
-            served, outputs = await self.service.infer(model, tensors, [name for name, _ in requested] or None,
+            served, outputs = await self.service.infer(model, tensors, _classes(requested),
                                                        _priority(request), version, request.get("parameters"))
             response = await self._off_loop(sum(array.nbytes for _, array in outputs), lambda: _encode_response(
-                model, served, request.get("id"), outputs, dict(requested), binary_outputs))
+                model, served, request.get("id"), outputs, {name: binary for name, binary, _ in requested},
+                binary_outputs))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
-            return self._failed(model, error)
-        self.service.count(model, "http", 200)
+            return self._failed(model, error, version)
+        self.service.count(model, "http", 200, served)
         return response
 
     async def _off_loop(self, size: int, work: Callable[[], _T]) -> _T:
@@ -268,8 +274,8 @@ class HttpFront:
         async with self._offloaded:
             return await asyncio.to_thread(work)
 
-    def _failed(self, model: str, error: BaseException) -> Response:
-        status, _, message = self.service.failed("http", model, error)
+    def _failed(self, model: str, error: BaseException, version: str | None = None) -> Response:
+        status, _, message = self.service.failed("http", model, error, version)
         return _error(status, message)
 
 
@@ -281,10 +287,10 @@ class HttpFront:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, _ = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
-            served, stream = self.service.infer_stream(model, tensors, [name for name, _ in requested] or None,
+            served, stream = self.service.infer_stream(model, tensors, _classes(requested),
                                                        _priority(request), version, request.get("parameters"))
         except Exception as error:  # noqa: BLE001 - statuses by error class
-            return self._failed(model, error)
+            return self._failed(model, error, version)
         return _Events(self._events(model, served, request.get("id"), stream))
 
     async def _events(self, model: str, served: str, request_id: Any,
@@ -293,12 +299,12 @@ class HttpFront:
             async for outputs in stream:
                 yield b"data: " + _encode_response(model, served, request_id, outputs, {}, False)[2] + b"\n\n"
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
-            status, _, message = self.service.failed("http", model, error)
+            status, _, message = self.service.failed("http", model, error, served)
             yield b"event: error\ndata: " + orjson.dumps({"error": message, "status": status}) + b"\n\n"
             return
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
-        self.service.count(model, "http", 200)
+        self.service.count(model, "http", 200, served)
 
 
 async def _send_events(events: AsyncIterator[bytes], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -376,7 +382,7 @@ def _too_large(size: int, limit: int) -> BodyTooLargeError:
 
 
 def _parse_request(body: bytes, header_length: int | None
-                   ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[tuple[str, bool | None]], bool]:
+                   ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[tuple[str, bool | None, int]], bool]:
     """The request object, its input tensors, the outputs it asks for (and how), and whether binary output is
     its default."""
     request, binary = _split_body(body, header_length)
@@ -441,7 +447,7 @@ def _json_tensor(name: str, datatype: str, shape: Any, data: Any) -> np.ndarray:
 
 
 def _decode_request(request: dict[str, Any], binary: memoryview
-                    ) -> tuple[dict[str, np.ndarray], list[tuple[str, bool | None]], bool]:
+                    ) -> tuple[dict[str, np.ndarray], list[tuple[str, bool | None, int]], bool]:
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ProtocolError("the request needs a non-empty 'inputs' list")
@@ -478,16 +484,22 @@ def _decode_request(request: dict[str, Any], binary: memoryview
     outputs = request.get("outputs") or []
     if not isinstance(outputs, list):
         raise ProtocolError("'outputs' must be a list of objects with a string 'name'")
-    requested: list[tuple[str, bool | None]] = []
+    requested: list[tuple[str, bool | None, int]] = []
     for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise ProtocolError("each requested output must be an object with a string 'name'")
-        output_parameters = _parameters(output, f"output '{output['name']}'")
-        refuse_unsupported(output_parameters, f"output '{output['name']}'")
-        chosen = _flag(output_parameters, "binary_data", f"output '{output['name']}'") \
-            if "binary_data" in output_parameters else None
-        requested.append((output["name"], chosen))
+        where = f"output '{output['name']}'"
+        output_parameters = _parameters(output, where)
+        classes = class_count(output_parameters.get("classification", 0), where)
+        refuse_unsupported(set(output_parameters) - {"classification"}, where)
+        chosen = _flag(output_parameters, "binary_data", where) if "binary_data" in output_parameters else None
+        requested.append((output["name"], chosen, classes))
     return tensors, requested, binary_all
+
+
+def _classes(requested: list[tuple[str, bool | None, int]]) -> dict[str, int] | None:
+    """The outputs a request asks for, each with its classification count (0: the tensor), or None for all."""
+    return {name: classes for name, _, classes in requested} or None
 
 
 def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class JsonFormatter(logging.Formatter):
                                    "message": record.getMessage()}
         if getattr(record, "request_id", None):
             line["request_id"] = record.request_id  # type: ignore[attr-defined]
+        line.update(getattr(record, "access", ()))  # an access log line's fields
         if record.exc_info:
             line["error"] = self.formatException(record.exc_info)
         return orjson.dumps(line).decode()

@@ -6,14 +6,17 @@
 - read from each server's stats at scrape time: queue depth and compiles; a
   generation server's slots and busy slots; for a cluster serving, each
   replica's requests, batches, rows, errors and queue depth;
-- from every executed batch: its size, padding rows, queue wait and execution
-  time; from a generation server, each time to first output and each step.
+- from every executed batch: its size, padding rows, execution time, and the
+  queue wait of each request that started in it; from a generation server,
+  each time to first output and each step.
+
+Every family of a model is labelled ``model`` and ``version`` (the version
+``1`` for a model served in one version).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -41,37 +44,40 @@ _GENERATION_TIMES = {"first_output": "Time from a generation request's arrival t
 _TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+LABELS = ["model", "version"]  # on every family of a model; requests add protocol and status
+
+
 class _ServerStats:
     """Reads queue depth and compile counts from the servers when scraped."""
 
-    def __init__(self, servers: Mapping[str, Server | GenerationFront]) -> None:
+    def __init__(self, servers: Mapping[tuple[str, str], Server | GenerationFront]) -> None:
         self.servers = servers
 
     def collect(self) -> Iterator[Metric]:
-        depth = GaugeMetricFamily("jitserve_queue_depth", "Rows waiting in the queue", labels=["model"])
-        compiles = GaugeMetricFamily("jitserve_compiles", "Executables compiled so far", labels=["model"])
-        replica = {key: CounterMetricFamily(f"jitserve_replica_{key}", help, labels=["model", "replica"])
+        depth = GaugeMetricFamily("jitserve_queue_depth", "Rows waiting in the queue", labels=LABELS)
+        compiles = GaugeMetricFamily("jitserve_compiles", "Executables compiled so far", labels=LABELS)
+        replica = {key: CounterMetricFamily(f"jitserve_replica_{key}", help, labels=[*LABELS, "replica"])
                    for key, help in _REPLICA_COUNTERS.items()}
         replica_depth = GaugeMetricFamily("jitserve_replica_queue_depth", "Rows waiting on a cluster replica",
-                                          labels=["model", "replica"])
-        slots = {key: GaugeMetricFamily(f"jitserve_generation_{key}", help, labels=["model"])
+                                          labels=[*LABELS, "replica"])
+        slots = {key: GaugeMetricFamily(f"jitserve_generation_{key}", help, labels=LABELS)
                  for key, help in _GENERATION_GAUGES.items()}
         clustered = False
-        for name, server in self.servers.items():
+        for labels, server in list(self.servers.items()):
             stats = server.stats()
-            depth.add_metric([name], stats["queue_depth"])
-            compiles.add_metric([name], stats["compiles"])
+            depth.add_metric(labels, stats["queue_depth"])
+            compiles.add_metric(labels, stats["compiles"])
             if isinstance(server, GenerationFront):
                 for key, gauge in slots.items():
-                    gauge.add_metric([name], stats[key])
+                    gauge.add_metric(labels, stats[key])
             replica_stats = getattr(server, "replica_stats", None)  # a cluster serving's local front
             if replica_stats is None:
                 continue
             clustered = True
             for replica_name, one in replica_stats().items():
                 for key, family in replica.items():
-                    family.add_metric([name, replica_name], one[key])
-                replica_depth.add_metric([name, replica_name], one["queue_depth"])
+                    family.add_metric([*labels, replica_name], one[key])
+                replica_depth.add_metric([*labels, replica_name], one["queue_depth"])
         yield depth
         yield compiles
         yield from slots.values()
@@ -81,54 +87,65 @@ class _ServerStats:
 
 
 class Metrics:
-    """One registry per network front (so that several fronts in one process do not collide)."""
+    """One registry per network front (so that several fronts in one process do not collide); models come
+    and go with :meth:`add` and :meth:`remove`."""
 
-    def __init__(self, servers: Mapping[str, Server | GenerationFront]) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("jitserve_requests", "Inference requests", ["model", "protocol", "status"],
+        self.requests = Counter("jitserve_requests", "Inference requests", [*LABELS, "protocol", "status"],
                                 registry=self.registry)
         self.request_seconds = Histogram("jitserve_request_seconds", "Time of a request in the service, from its "
-                                         "arrival to its last output, answered or failed", ["model", "version"],
+                                         "arrival to its last output, answered or failed", LABELS,
                                          buckets=(*_TIME_BUCKETS, 30, 60, 120), registry=self.registry)
         for collector in (ProcessCollector, PlatformCollector, GCCollector):  # CPU, memory, descriptors, GC
             collector(registry=self.registry)
-        self.batch_size = Histogram("jitserve_batch_size", "Executed batch size, padding included", ["model"],
+        self.batch_size = Histogram("jitserve_batch_size", "Executed batch size, padding included", LABELS,
                                     buckets=_BATCH_BUCKETS, registry=self.registry)
-        self.padding = Counter("jitserve_padding_rows", "Padding rows executed", ["model"], registry=self.registry)
-        self.queue_wait = Histogram("jitserve_queue_wait_seconds", "Longest wait of a row in each batch", ["model"],
-                                    buckets=_TIME_BUCKETS, registry=self.registry)
-        self.execution = Histogram("jitserve_execution_seconds", "Execution time of each batch", ["model"],
+        self.padding = Counter("jitserve_padding_rows", "Padding rows executed", LABELS, registry=self.registry)
+        self.queue_wait = Histogram("jitserve_queue_wait_seconds", "Time each request waited in the queue before "
+                                    "its first rows ran, by batch", LABELS, buckets=_TIME_BUCKETS,
+                                    registry=self.registry)
+        self.execution = Histogram("jitserve_execution_seconds", "Execution time of each batch", LABELS,
                                    buckets=_TIME_BUCKETS, registry=self.registry)
         self.generation = {  # per generation server and per kind of event it tells
-            kind: Histogram(f"jitserve_generation_{kind}_seconds", help, ["model"], buckets=_TIME_BUCKETS,
+            kind: Histogram(f"jitserve_generation_{kind}_seconds", help, LABELS, buckets=_TIME_BUCKETS,
                             registry=self.registry) for kind, help in _GENERATION_TIMES.items()}
-        self._children: dict[str, tuple[Any, ...]] = {}  # each model's children of the four per-batch metrics
-        self.registry.register(_ServerStats(servers))
-        for name, server in servers.items():
-            if isinstance(server, GenerationServer):  # a cluster's generation steps on its replicas
-                server.add_listener(self._generation_listener(name))
-            elif isinstance(server, Server):
-                server.add_batch_listener(self.on_batch)
+        self.servers: dict[tuple[str, str], Server | GenerationFront] = {}
+        self.registry.register(_ServerStats(self.servers))
 
-    def _generation_listener(self, model: str) -> Callable[[str, float], None]:
-        children = {kind: metric.labels(model) for kind, metric in self.generation.items()}
+    def add(self, model: str, version: str, server: Server | GenerationFront) -> None:
+        """Report ``server`` as ``model`` at ``version`` (replacing the server reported there before)."""
+        self.servers[(model, version)] = server
+        if isinstance(server, GenerationServer):  # a cluster's generation steps on its replicas
+            server.add_listener(self._generation_listener(model, version))
+        elif isinstance(server, Server):
+            server.add_batch_listener(self._batch_listener(model, version))
+
+    def remove(self, model: str, version: str) -> None:
+        """Stop reporting ``model`` at ``version`` from its server's stats (its histograms keep their counts)."""
+        self.servers.pop((model, version), None)
+
+    def _generation_listener(self, model: str, version: str) -> Callable[[str, float], None]:
+        children = {kind: metric.labels(model, version) for kind, metric in self.generation.items()}
 
         def observe(kind: str, seconds: float) -> None:
             children[kind].observe(seconds)
 
         return observe
 
-    def on_batch(self, report: BatchReport) -> None:
-        children = self._children.get(report.server)
-        if children is None:  # labels() takes a lock and builds a key: once per model, not per batch
-            children = self._children[report.server] = tuple(
-                metric.labels(report.server) for metric in (self.batch_size, self.padding, self.queue_wait,
-                                                            self.execution))
-        batch_size, padding, queue_wait, execution = children
-        batch_size.observe(report.padded_size)
-        padding.inc(report.padded_size - report.size)
-        queue_wait.observe(report.queue_wait_s)
-        execution.observe(report.execution_s)
+    def _batch_listener(self, model: str, version: str) -> Callable[[BatchReport], None]:
+        # labels() takes a lock and builds a key: once per model, not per batch
+        batch_size, padding = self.batch_size.labels(model, version), self.padding.labels(model, version)
+        queue_wait, execution = self.queue_wait.labels(model, version), self.execution.labels(model, version)
+
+        def observe(report: BatchReport) -> None:
+            batch_size.observe(report.padded_size)
+            padding.inc(report.padded_size - report.size)
+            for wait in report.queue_waits_s:
+                queue_wait.observe(wait)
+            execution.observe(report.execution_s)
+
+        return observe
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -187,16 +187,46 @@ class ModelSpec:
         return list(zip(names, (np.asarray(leaf) for leaf in leaves)))
 
 
-def select_outputs(outputs: Sequence[tuple[str, np.ndarray]], requested: Sequence[str] | None,
-                   model: str) -> list[tuple[str, np.ndarray]]:
-    """The outputs the request asked for (all when it names none)."""
+def select_outputs(outputs: Sequence[tuple[str, np.ndarray]], requested: Mapping[str, int] | None, model: str,
+                   labels: Mapping[str, Sequence[str]] | None = None) -> list[tuple[str, np.ndarray]]:
+    """The outputs the request asked for (all when it names none), each as it is or, when asked for with a
+    classification count, as its top classes (:func:`classify`, with the serving's ``labels`` of it)."""
     if not requested:
         return list(outputs)
     available = dict(outputs)
     unknown = [n for n in requested if n not in available]
     if unknown:
         raise ProtocolError(f"unknown output '{unknown[0]}' for model '{model}'; it has: {', '.join(available)}")
-    return [(n, available[n]) for n in requested]
+    return [(name, classify(available[name], count, (labels or {}).get(name), name) if count else available[name])
+            for name, count in requested.items()]
+
+
+def class_count(value: Any, where: str) -> int:
+    """A requested output's ``classification`` parameter: how many classes to return (0: the tensor)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ProtocolError(f"{where}: the 'classification' parameter must be a whole number of classes >= 0, "
+                            f"got {value!r:.40}")
+    return int(value)
+
+
+def classify(array: np.ndarray, count: int, labels: Sequence[str] | None, name: str) -> np.ndarray:
+    """Triton's classification: each row's ``count`` highest values (all of them if fewer), highest first,
+    as BYTES ``value:index[:label]`` shaped ``[rows, count]``; a value as C++'s ``std::to_string`` writes it,
+    as Triton does (``0.750000``, ``7``); ties in index order."""
+    if array.ndim == 0 or array.dtype.kind not in "iuf" or (array.dtype.kind == "f" and array.dtype.itemsize < 4):
+        raise ProtocolError(f"output '{name}': class results are not available for a {datatype_of(array.dtype)} "
+                            f"output{' without a batch axis' if array.ndim == 0 else ''}; Triton classifies "
+                            f"batched integer, FP32 and FP64 outputs")
+    rows = array.reshape(array.shape[0], -1)
+    key = -rows if rows.dtype.kind == "f" else np.invert(rows)  # highest first; ~x reverses integers, no overflow
+    order = np.argsort(key, axis=1, kind="stable")[:, :count]
+    shown = "{:f}" if rows.dtype.kind == "f" else "{:d}"
+    classes = np.empty(order.shape, dtype=object)
+    for row, indices in enumerate(order):
+        for k, index in enumerate(indices.tolist()):
+            label = f":{labels[index]}" if labels is not None and index < len(labels) else ""
+            classes[row, k] = f"{shown.format(rows[row, index].item())}:{index}{label}".encode()
+    return classes
 
 
 class GenerationSpec:

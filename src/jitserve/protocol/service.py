@@ -8,12 +8,11 @@ each other and with in-process callers.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from ..errors import (
     ModelError,
     ProtocolError,
     QueueFullError,
+    RepositoryError,
     ServerStoppedError,
     TemplateMismatchError,
     UnknownServerError,
@@ -34,7 +34,7 @@ from ..errors import (
 from ..serving.generation import GenerationFront
 from ..serving.server import Server
 from ..version import __version__
-from .access import REQUEST_ID, request_id
+from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .metrics import Metrics
 from .model import GenerationSpec, ModelSpec, select_outputs
 
@@ -42,7 +42,7 @@ log = logging.getLogger("jitserve.serve")
 
 Spec = ModelSpec | GenerationSpec  # a served model as the network sees it
 
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository", "statistics"]
 
 # exception class -> (HTTP status, gRPC status name); the first match in order wins
 STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
@@ -53,6 +53,7 @@ STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
     (BatchSizeError, 400, "INVALID_ARGUMENT"),
     (TemplateMismatchError, 400, "INVALID_ARGUMENT"),
     (CheckpointError, 400, "INVALID_ARGUMENT"),
+    (RepositoryError, 400, "INVALID_ARGUMENT"),
     (QueueFullError, 503, "UNAVAILABLE"),
     (ServerStoppedError, 503, "UNAVAILABLE"),
     (TimeoutError, 504, "DEADLINE_EXCEEDED"),
@@ -64,7 +65,8 @@ UNSUPPORTED_PARAMETERS = {
     "sequence_id": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
     "sequence_start": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
     "sequence_end": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
-    "classification": "jitserve does not turn outputs into class labels; ask for the output and take its top-k",
+    "classification": "it is a parameter of a requested output (tritonclient's InferRequestedOutput(name, "
+                      "class_count=k)), not of the request",
 }
 
 
@@ -120,28 +122,71 @@ class Tally:
         self.last_inference_ms = int(time.time() * 1000)
 
 
+class ModelControl(Protocol):
+    """What loads and unloads models by name (Triton's repository extension): a model repository
+    (``protocol/repository.py``), or :class:`FixedModels` when the models are fixed at start. Its methods
+    block; the fronts call them on a thread."""
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        """Every model it knows, each version with its ``state`` and the ``reason`` for it."""
+
+    def load(self, name: str, parameters: Mapping[str, Any] | None) -> None:
+        """Load ``name``, or reload it when it is loaded; returns once it answers."""
+
+    def unload(self, name: str, parameters: Mapping[str, Any] | None) -> None:
+        """Stop serving ``name``: new requests are refused, those it holds finish, then it is freed."""
+
+
 class InferenceService:
     """The served models by name and version, and inference on them.
 
     ``servers`` is keyed by model name, or ``name/version`` for a model served in several versions; a
-    request that names no version gets the highest one (Triton's default version policy)."""
+    request that names no version gets the highest one (Triton's default version policy). A model
+    repository changes the models while they serve (:meth:`put`, :meth:`remove`); ``control`` is what
+    loads and unloads them."""
 
-    def __init__(self, servers: Mapping[str, Server | GenerationFront], request_timeout: float | None = None) -> None:
+    def __init__(self, servers: Mapping[str, Server | GenerationFront], request_timeout: float | None = None,
+                 access_log: bool = False) -> None:
         self.versions: dict[str, dict[str, Spec]] = {}
-        for key, server in servers.items():
-            name, version = split_version(key)
-            self.versions.setdefault(name, {})[version] = (GenerationSpec(name, server, version)
-                                                           if isinstance(server, GenerationFront)
-                                                           else ModelSpec(name, server, version))
-        for name, specs in self.versions.items():
-            self.versions[name] = dict(sorted(specs.items(), key=lambda item: _version_order(item[0])))
-        self.models = {name: list(specs.values())[-1] for name, specs in self.versions.items()}
+        self.access_log = access_log  # one line per inference request (protocol/access.py)
+        self.models: dict[str, Spec] = {}
         self.request_timeout = request_timeout
-        self.metrics = Metrics(servers)
-        self.tallies = {(spec.name, spec.version): Tally(self.metrics.request_seconds.labels(spec.name, spec.version))
-                        for specs in self.versions.values() for spec in specs.values()}
+        self.metrics = Metrics()
+        self.tallies: dict[tuple[str, str], Tally] = {}
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
-        self._counters: dict[tuple[str, str, str], Any] = {}  # requests_total children by labels
+        self._counters: dict[tuple[str, str, str, str], Any] = {}  # requests_total children by labels
+        for key, server in servers.items():
+            self.put(key, server)
+        self.control: ModelControl = FixedModels(self)
+
+    def put(self, key: str, server: Server | GenerationFront) -> Server | GenerationFront | None:
+        """Serve ``server`` as ``key`` (``name`` or ``name/version``) from now on; returns the server it
+        replaces, if any, which the caller stops (drained: what it holds finishes there). Requests that
+        took the old one but had not queued yet are sent to the new one (see :meth:`_current`)."""
+        name, version = split_version(key)
+        spec: Spec = (GenerationSpec(name, server, version) if isinstance(server, GenerationFront)
+                      else ModelSpec(name, server, version))
+        old = self.versions.get(name, {}).get(version)
+        self.metrics.add(name, version, server)
+        self.tallies.setdefault((name, version), Tally(self.metrics.request_seconds.labels(name, version)))
+        specs = dict(sorted({**self.versions.get(name, {}), version: spec}.items(),
+                            key=lambda item: _version_order(item[0])))
+        self.versions[name] = specs  # each a single assignment: readers on other threads see old or new
+        self.models[name] = list(specs.values())[-1]
+        return None if old is None else old.server
+
+    def remove(self, name: str) -> list[Server | GenerationFront]:
+        """Stop sending requests to every version of ``name``; returns their servers, for the caller to stop."""
+        specs = self.versions.pop(name, {})
+        self.models.pop(name, None)
+        for version in specs:
+            self.metrics.remove(name, version)
+        return [spec.server for spec in specs.values()]
+
+    def servers(self) -> dict[str, Server | GenerationFront]:
+        """The servers serving now, by ``name/version``."""
+        return {f"{name}/{version}": spec.server for name, specs in self.versions.items()
+                for version, spec in specs.items()}
 
     def model(self, name: str, version: str | None = None) -> Spec:
         """The model ``name`` at ``version`` (None or empty: the highest); unknown ones are 404 / NOT_FOUND
@@ -161,13 +206,14 @@ class InferenceService:
         return {**self.model(name, version).metadata(), "versions": list(self.versions[name])}
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        """Every model version and its state (Triton's repository index); none when ``ready_only`` and the
-        server is not ready."""
-        ready = self.ready()
-        if ready_only and not ready:
-            return []
-        state = "READY" if ready else "UNAVAILABLE"
-        return [{"name": name, "version": version, "state": state, "reason": ""}
+        """Every model version and its state (Triton's repository index); with ``ready_only``, the ready
+        ones only."""
+        return [entry for entry in self.control.index(ready_only) if not ready_only or entry["state"] == "READY"]
+
+    def served_index(self) -> list[dict[str, str]]:
+        """The models serving now, READY, or UNAVAILABLE once the server drains."""
+        state = "READY" if self.ready() else "UNAVAILABLE"
+        return [{"name": name, "version": version, "state": state, "reason": "" if state == "READY" else "draining"}
                 for name, specs in self.versions.items() for version in specs]
 
     def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
@@ -202,34 +248,13 @@ class InferenceService:
                             for size, count in sorted(stats.get("batch_sizes", {}).items())],
         }
 
-    async def load_model(self, name: str, parameters: Any = None) -> None:
-        """Triton's repository ``load`` of a model that is being served: reload its weights from the file they
-        came from, in every version, without a compile (``Server.reload_params``); the old weights serve
-        until the new ones are live. Loading what is not served, or with parameters, is not something
-        jitserve does, and is refused."""
-        if parameters:
-            raise ProtocolError(f"model '{name}': jitserve reloads a model's weights from their file; load "
-                                f"parameters ({', '.join(sorted(map(str, parameters)))}) are not supported")
-        specs = self.versions.get(name)
-        if specs is None:
-            self.model(name)  # the unknown-model error
-            return
-        servers = [spec.server for spec in specs.values() if isinstance(spec, ModelSpec)]
-        if len(servers) < len(specs):
-            raise ProtocolError(f"model '{name}' is a generation; reloading its weights is not supported")
-        if any(server.serving.params_source is None for server in servers):
-            raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
-                                f"(Serving(params=PATH)): there is nothing to reload")
-        for server in servers:
-            await asyncio.to_thread(server.reload_params)
-
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "jitserve", "version": __version__, "extensions": EXTENSIONS}
 
     def ready(self) -> bool:
         return not self.draining and all(not spec.server.stopping for spec in self.models.values())
 
-    async def infer(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+    async def infer(self, model: str, tensors: Mapping[str, np.ndarray], requested: Mapping[str, int] | None,
                     priority: int | None = None, version: str | None = None,
                     parameters: Mapping[str, Any] | None = None) -> tuple[str, list[tuple[str, np.ndarray]]]:
         """Run one request's tensors on ``model`` (at ``version``) at ``priority`` (the request's ``priority``
@@ -238,6 +263,8 @@ class InferenceService:
         :class:`GenerationSpec`)."""
         spec = self.model(model, version)
         refuse_unsupported(parameters or (), "the request")
+        if self.access_log:
+            REQUEST_ROWS.set(_rows(spec, tensors))
         if isinstance(spec, GenerationSpec):
             with self._tallied(spec):
                 steps = [outputs async for outputs in self._generated(spec, tensors, parameters, priority)]
@@ -250,10 +277,14 @@ class InferenceService:
             raise ProtocolError(f"model '{model}' streams its results: call it with ModelStreamInfer (gRPC) or "
                                 f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
         with self._tallied(spec):
-            outputs = await server.call_async(value, self.request_timeout, priority)
-        return spec.version, select_outputs(spec.named_outputs(outputs), requested, model)
+            try:
+                outputs = await server.call_async(value, self.request_timeout, priority)
+            except ServerStoppedError:
+                spec = self._current(spec)  # reloaded or unloaded meanwhile
+                outputs = await spec.server.call_async(spec.value(tensors), self.request_timeout, priority)
+        return spec.version, select_outputs(spec.named_outputs(outputs), requested, model, spec.server.serving.labels)
 
-    def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+    def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Mapping[str, int] | None,
                      priority: int | None = None, version: str | None = None,
                      parameters: Mapping[str, Any] | None = None
                      ) -> tuple[str, AsyncIterator[list[tuple[str, np.ndarray]]]]:
@@ -264,20 +295,26 @@ class InferenceService:
         it with the outputs to come."""
         spec = self.model(model, version)
         refuse_unsupported(parameters or (), "the request")
+        if self.access_log:
+            REQUEST_ROWS.set(_rows(spec, tensors))
         if isinstance(spec, GenerationSpec):
             return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority),
                                               requested)
-        server = spec.server
-        items = server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
+        try:
+            items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
+        except ServerStoppedError:
+            spec = self._current(spec)  # reloaded or unloaded meanwhile
+            items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
         return spec.version, self._stream(spec, items, requested)
 
-    async def _stream(self, spec: Spec, items: AsyncIterator[Any], requested: Sequence[str] | None
+    async def _stream(self, spec: Spec, items: AsyncIterator[Any], requested: Mapping[str, int] | None
                       ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """The stream's outputs; tallied in the statistics once it ends or fails (not when the client leaves)."""
         named = spec.named_outputs if isinstance(spec, ModelSpec) else (lambda outputs: outputs)
+        labels = spec.server.serving.labels if isinstance(spec, ModelSpec) else None
         with self._tallied(spec):
             async for outputs in items:
-                yield select_outputs(named(outputs), requested, spec.name)
+                yield select_outputs(named(outputs), requested, spec.name, labels)
 
     def _generated(self, spec: GenerationSpec, tensors: Mapping[str, np.ndarray],
                    parameters: Mapping[str, Any] | None, priority: int | None
@@ -287,18 +324,42 @@ class InferenceService:
                                 f"no priority levels; send no 'priority' parameter")
         return spec.generate(tensors, parameters or {}, self.request_timeout)
 
+    def _current(self, spec: Spec) -> ModelSpec:
+        """After ``spec``'s server refused a request as stopped: the model that replaced it (a reload), else
+        the error again (the server is shutting down, or the model was unloaded: unknown now)."""
+        current = self.versions.get(spec.name, {}).get(spec.version)
+        if current is spec or self.draining:
+            raise ServerStoppedError(f"server {spec.name!r} is stopped and takes no new requests")
+        current = self.model(spec.name, spec.version)
+        if not isinstance(current, ModelSpec):
+            raise ProtocolError(f"model '{spec.name}' was reloaded as a generation; send it a prompt")
+        return current
+
     def _tallied(self, spec: Spec) -> _Tallied:
         """Count what a ``with`` block runs in the model's statistics (see :class:`_Tallied`)."""
         return _Tallied(self.tallies[(spec.name, spec.version)])
 
-    def count(self, model: str, protocol: str, status: int | str) -> None:
-        key = (model if model in self.models else "", protocol, str(status))
+    def count(self, model: str, protocol: str, status: int | str, version: str | None = None) -> None:
+        """Count one answered request in ``jitserve_requests_total`` and the access log (a model this server
+        does not have is counted as model "", so that clients cannot grow the label set)."""
+        asked = model
+        spec = self.models.get(model)
+        if spec is None:
+            model = version = ""
+        elif not version:
+            version = spec.version  # a request that named no version went to this one
+        elif version not in self.versions[model]:
+            version = ""  # nor versions a client makes up
+        key = (model, version, protocol, str(status))
         counter = self._counters.get(key)
         if counter is None:  # prometheus_client's labels() takes a lock and builds a key: once per key
             counter = self._counters[key] = self.metrics.requests.labels(*key)
         counter.inc()
+        if self.access_log:
+            log_access(loggable(asked), version, protocol, status)
 
-    def failed(self, protocol: str, model: str, error: BaseException) -> tuple[int, str, str]:
+    def failed(self, protocol: str, model: str, error: BaseException,
+               version: str | None = None) -> tuple[int, str, str]:
         """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
         client. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
         the client gets only that id; a client's mistake, or a model's :class:`ModelError` (whose message is
@@ -313,8 +374,44 @@ class InferenceService:
         else:
             log.warning("%s: model '%s': %s: %s", protocol, loggable(model), status, loggable(str(error)))
             message = str(error)
-        self.count(model, protocol, status)
+        self.count(model, protocol, status, version)
         return http_status, grpc_status, message
+
+
+class FixedModels:
+    """The model control of a server whose models are fixed at start (no model repository): the index
+    lists them; ``load`` of a served model reloads its weights from the file they came from
+    (``Serving(params=PATH)``), in every version, compiling nothing (``Server.reload_params``), the old
+    weights serving until the new ones are live; ``unload`` is refused."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        return self.service.served_index()
+
+    def load(self, name: str, parameters: Mapping[str, Any] | None) -> None:
+        if parameters:
+            raise ProtocolError(f"model '{name}': jitserve reloads a model's weights from their file; load "
+                                f"parameters ({', '.join(sorted(map(str, parameters)))}) are not supported")
+        specs = self.service.versions.get(name)
+        if specs is None:
+            self.service.model(name)  # the unknown-model error
+            return
+        servers = [spec.server for spec in specs.values() if isinstance(spec, ModelSpec)]
+        if len(servers) < len(specs):
+            raise ProtocolError(f"model '{name}' is a generation; reloading its weights is not supported")
+        if any(server.serving.params_source is None for server in servers):
+            raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
+                                f"(Serving(params=PATH)): there is nothing to reload")
+        for server in servers:
+            server.reload_params()
+
+    def unload(self, name: str, parameters: Mapping[str, Any] | None) -> None:
+        self.service.model(name)  # the unknown-model error first
+        raise ProtocolError(f"model '{name}' cannot be unloaded: this server's models are fixed at start; serve "
+                            f"a model repository (jitserve serve --model-repository DIR --model-control-mode "
+                            f"explicit) to load and unload models")
 
 
 class _Tallied:
@@ -334,6 +431,12 @@ class _Tallied:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
         if kind is None or issubclass(kind, Exception):
             self.tally.add(self.started, ok=kind is None)
+
+
+def _rows(spec: Spec, tensors: Mapping[str, np.ndarray]) -> int:
+    """A request's rows, as the access log counts them: its first input's first axis (a prompt is one)."""
+    first = next(iter(tensors.values()), None)
+    return 1 if isinstance(spec, GenerationSpec) else 0 if first is None or first.ndim == 0 else int(first.shape[0])
 
 
 def _duration(count: int, ns: float) -> dict[str, int]:

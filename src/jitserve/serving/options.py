@@ -48,6 +48,18 @@ def seconds_option(name: str, value: Any, zero: bool = True, or_none: bool = Fal
     return float(value)
 
 
+def check_labels(labels: Any) -> dict[str, tuple[str, ...]]:
+    """``labels`` (output name -> the label of each class index) as a dict of tuples, else an OptionError."""
+    if labels is None:
+        return {}
+    if not isinstance(labels, Mapping) or not all(
+            isinstance(name, str) and not isinstance(names, (str, bytes)) and isinstance(names, Sequence)
+            and all(isinstance(label, str) for label in names) for name, names in labels.items()):
+        raise OptionError(f"labels must map an output's name to its class labels (a list of strings), "
+                          f"e.g. {{'output': ['cat', 'dog']}}; got {labels!r:.80}")
+    return {name: tuple(names) for name, names in labels.items()}
+
+
 def optional_count(name: str, value: Any) -> int | None:
     """None, or ``value`` checked by :func:`count_option`."""
     return None if value is None else count_option(name, value, or_none=True)
@@ -116,6 +128,7 @@ class ServingOptions:
     adaptive: bool
     streaming: bool
     isolate_failures: bool
+    labels: Mapping[str, Sequence[str]] | None
     compiler_options: Mapping[str, Any]
 
     def arguments(self) -> dict[str, Any]:

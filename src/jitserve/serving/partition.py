@@ -39,6 +39,7 @@ class BatchReport:
     queue_wait_s: float
     execution_s: float
     error: BaseException | None
+    queue_waits_s: tuple[float, ...] = ()  # each request's wait (each part's, of a split one); the longest above
 
 
 @dataclass
@@ -176,9 +177,8 @@ class BatchRunner:
             error = error or run_error
         elapsed = time.perf_counter() - started
         padded = batch.size + batch.padding
-        wait = sum(formed - piece.enqueued for piece in pieces)
-        report = BatchReport(self.name, partition.index, batch.size, padded,
-                             max(formed - piece.enqueued for piece in pieces), elapsed, error)
+        waits = tuple(formed - piece.enqueued for piece in pieces)
+        report = BatchReport(self.name, partition.index, batch.size, padded, max(waits), elapsed, error, waits)
         with self._lock:  # a split request's parts may finish on several partitions at once
             finished = []
             for part, part_outputs, part_error in outcomes:
@@ -191,7 +191,7 @@ class BatchRunner:
             stats.padded_rows += batch.padding
             stats.batch_sizes[padded] = stats.batch_sizes.get(padded, 0) + 1
             stats.batch_execution_s[padded] = stats.batch_execution_s.get(padded, 0.0) + elapsed
-            stats.queue_wait_s += wait
+            stats.queue_wait_s += sum(waits)
             stats.execution_s += elapsed
             stats.errors += error is not None
             self._in_flight -= 1

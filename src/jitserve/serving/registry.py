@@ -66,7 +66,7 @@ def serve(serving: Serving | Generation, name: str | None = None, cluster: str |
         return _cluster(cluster).serve(serving, name, **cluster_options)
     if cluster_options:
         raise OptionError(f"{', '.join(sorted(cluster_options))}: only for a cluster serving (cluster='ray')")
-    server = GenerationServer(serving, name) if isinstance(serving, Generation) else Server(serving, name)
+    server = unstarted_server(serving, name)
     with _lock:
         if name in _servers:
             raise ServerExistsError(f"a server named {name!r} is already running; stop it or pick another name")
@@ -77,6 +77,12 @@ def serve(serving: Serving | Generation, name: str | None = None, cluster: str |
     except BaseException:
         unregister(name, server)
         raise
+
+
+def unstarted_server(serving: Serving | Generation, name: str) -> Server | GenerationServer:
+    """A server of ``serving`` named ``name``, not started and not registered: ``start()`` warms it up. A model
+    repository keeps two of one name while it reloads, which the registry does not allow."""
+    return GenerationServer(serving, name) if isinstance(serving, Generation) else Server(serving, name)
 
 
 def _cluster(kind: str) -> Cluster:

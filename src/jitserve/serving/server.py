@@ -148,6 +148,12 @@ class Server(Corridor, BatchRunner, Lifecycle):
             with self._lock:
                 self._weights = weights
 
+    @property
+    def swaps_weights(self) -> bool:
+        """Whether :meth:`update_params` can swap this server's weights: it runs its own batches and was
+        given ``params``."""
+        return self._swappable
+
     def reload_params(self) -> None:
         """:meth:`update_params` with the weights read again from the file the serving was given
         (``params=PATH``): replace that file (write a new one and rename it over the old, as

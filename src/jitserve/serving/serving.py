@@ -33,6 +33,7 @@ from .options import (
     OVERSIZE_MODES,
     ServingOptions,
     check_batch_sizes,
+    check_labels,
     count_option,
     optional_count,
     queue_policy,
@@ -196,12 +197,13 @@ class Serving:
         adaptive: bool = True,
         streaming: bool = False,
         isolate_failures: bool = True,
+        labels: Mapping[str, Sequence[str]] | None = None,
         **compiler_options: Any,
     ) -> None:
         self.options = ServingOptions(
             fn, params, batch_size, batch_timeout, batch_sizes, oversize, partitions, max_queue, input_template,
             preprocess, postprocess, compiler, isolation, batch_keys, priority_levels, default_priority,
-            priority_aging, priority_queues, adaptive, streaming, isolate_failures,
+            priority_aging, priority_queues, adaptive, streaming, isolate_failures, labels,
             types.MappingProxyType(compiler_options))
         if not callable(fn):
             raise OptionError(f"a Serving needs a function to serve, got {type(fn).__name__} {fn!r:.80}")
@@ -250,6 +252,7 @@ class Serving:
                                 for level, policy in (priority_queues or {}).items()}
         self.adaptive = bool(adaptive)
         self.isolate_failures = bool(isolate_failures)
+        self.labels = check_labels(labels)  # by output name: what Triton's classification adds to each class
         self._inline: tuple[Executor, Any] | None = None
         self._inline_lock = threading.Lock()
 

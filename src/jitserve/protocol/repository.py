@@ -1,0 +1,236 @@
+"""A model repository (Triton's repository extension): models served from ``DIR/NAME/model.py``, loaded,
+reloaded and unloaded by name while the others keep serving.
+
+Each ``DIR/NAME/model.py`` defines ``serving`` (a :class:`jitserve.Serving` or
+:class:`jitserve.Generation`), served as model ``NAME``, version 1. It runs as
+a module of its own each time it is loaded, with ``__file__`` set, so that it
+finds its weights beside it. The control modes are Triton's
+``--model-control-mode``:
+
+- ``none``: every model is loaded at start; load and unload requests are refused.
+- ``explicit``: only the models named at start are loaded; ``load`` and
+  ``unload`` requests decide the rest.
+- ``poll``: every model is loaded at start, and the directory is read again
+  every ``poll_seconds``: a new model loads, a removed one unloads, a changed
+  ``model.py`` reloads. Load and unload requests are refused, as Triton does.
+
+A load of a loaded model reloads it, atomically: the new one is built and
+warmed up beside the old one, then takes every new request while the old one
+finishes what it holds and stops; the load returns once the new one answers.
+When ``model.py`` is unchanged, byte for byte, and the serving has weights of
+unchanged structure, shapes and dtypes, a reload swaps the weights only
+(``Server.update_params``): nothing compiles. A model whose ``model.py`` fails
+keeps its old version serving (if it had one); the index reports the error's
+first line, and the other models are untouched. Unloading drains, then frees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import types
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import OptionError, RepositoryError, UnknownServerError
+from ..serving.generation import Generation
+from ..serving.registry import unstarted_server
+from ..serving.server import Server
+from ..serving.serving import Serving
+from .service import InferenceService
+
+log = logging.getLogger("jitserve.repository")
+
+CONTROL_MODES = ("none", "explicit", "poll")
+MODEL_FILE = "model.py"
+VERSION = "1"  # a repository model is served in one version
+_LOADS = itertools.count(1)  # each load's module gets a fresh name: nothing of an earlier load is reused
+
+
+@dataclasses.dataclass
+class _Model:
+    """What the repository knows of one model: its state and why (Triton's ``READY``, ``UNAVAILABLE``,
+    ``LOADING``, ``UNLOADING``), the ``model.py`` it serves, and the lock its loads and unloads take."""
+
+    state: str = "UNAVAILABLE"
+    reason: str = ""
+    source: bytes | None = None  # the model.py that is serving; None when nothing is
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class ModelRepository:
+    """The models of ``directory`` served by ``service``, under ``mode`` (see the module's docstring).
+    :meth:`start` loads what the mode loads at start; :meth:`stop` ends the polling (the service's owner
+    stops the servers)."""
+
+    def __init__(self, directory: str | Path, service: InferenceService, mode: str = "none",
+                 poll_seconds: float = 15.0) -> None:
+        if mode not in CONTROL_MODES:
+            raise OptionError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got {mode!r}")
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise OptionError(f"--model-repository {str(directory)!r} is not a directory")
+        self.service = service
+        self.mode = mode
+        self.poll_seconds = poll_seconds
+        self._models: dict[str, _Model] = {}
+        self._guard = threading.Lock()  # over _models
+        self._stopped = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    # what the fronts call (InferenceService.control) -------------------------------------------
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        """Every model in the directory, and every one still serving after its directory went, with its state."""
+        names = sorted(set(self.names()) | {name for name, model in self._models.items()
+                                            if model.state != "UNAVAILABLE"})
+        ready = self.service.ready()
+        entries = []
+        for name in names:
+            model = self._model(name)
+            state = model.state if ready or model.state != "READY" else "UNAVAILABLE"
+            entries.append({"name": name, "version": VERSION, "state": state,
+                            "reason": model.reason if ready else "draining"})
+        return entries
+
+    def load(self, name: str, parameters: Mapping[str, Any] | None) -> None:
+        self._check_request("load", name, parameters, ignored=())
+        self._load(name)
+
+    def unload(self, name: str, parameters: Mapping[str, Any] | None) -> None:
+        self._check_request("unload", name, parameters, ignored=("unload_dependents",))  # no dependents here
+        self._unload(name)
+
+    def _check_request(self, action: str, name: str, parameters: Mapping[str, Any] | None,
+                       ignored: Iterable[str]) -> None:
+        if self.mode != "explicit":
+            raise RepositoryError(f"model '{name}': {action} requests are refused under --model-control-mode "
+                                  f"{self.mode}; start with --model-control-mode explicit to {action} models")
+        unknown = sorted(set(parameters or ()) - set(ignored))
+        if unknown:
+            raise RepositoryError(f"model '{name}': {action} parameters ({', '.join(unknown)}) are not supported; "
+                                  f"jitserve {action}s {self.directory / name / MODEL_FILE} as it is")
+
+    # lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, load: Iterable[str] = ()) -> None:
+        """Load every model (modes ``none`` and ``poll``) or those named in ``load`` (``explicit``): one that
+        fails is reported and left unloaded; then, under ``poll``, start polling."""
+        names = list(load) if self.mode == "explicit" else self.names()
+        for name in names:
+            try:
+                self._load(name)
+            except RepositoryError as error:
+                log.error("%s", error)
+        if self.mode == "poll":
+            self._poller = threading.Thread(target=self._poll, name="jitserve-repository-poll", daemon=True)
+            self._poller.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._poller is not None:
+            self._poller.join()
+
+    def names(self) -> list[str]:
+        """The models of the directory: its subdirectories that hold a ``model.py``."""
+        return sorted(path.name for path in self.directory.iterdir() if (path / MODEL_FILE).is_file())
+
+    def _poll(self) -> None:
+        while not self._stopped.wait(self.poll_seconds):
+            present = set(self.names())
+            for name in sorted(present):
+                source = self._source(name)
+                if source is not None and source != self._model(name).source:
+                    self._load_logged(name)
+            for name, model in list(self._models.items()):
+                if name not in present and model.source is not None:
+                    self._unload(name)
+
+    def _load_logged(self, name: str) -> None:
+        try:
+            self._load(name)
+        except RepositoryError as error:
+            log.error("%s", error)
+
+    # loading -----------------------------------------------------------------------------------
+
+    def _model(self, name: str) -> _Model:
+        with self._guard:
+            return self._models.setdefault(name, _Model())
+
+    def _source(self, name: str) -> bytes | None:
+        try:
+            return (self.directory / name / MODEL_FILE).read_bytes()
+        except OSError:
+            return None
+
+    def _load(self, name: str) -> None:
+        model = self._model(name)
+        with model.lock:
+            source = self._source(name) if "/" not in name and name not in ("", ".", "..") else None
+            if source is None:
+                raise RepositoryError(f"model '{name}' is not in the repository: there is no "
+                                      f"{self.directory / name / MODEL_FILE}")
+            serving_now = model.source is not None
+            if not serving_now:
+                model.state, model.reason = "LOADING", ""
+            try:
+                serving = self._run(name, source)
+                current = self.service.versions.get(name, {}).get(VERSION)
+                if current is not None and source == model.source and _weights_only(current.server, serving):
+                    current.server.update_params(serving.params)  # type: ignore[union-attr]
+                    log.info("model '%s' reloaded: new weights, nothing compiled", name)
+                else:
+                    self._replace(name, serving)
+            except Exception as error:
+                first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                model.state = "READY" if serving_now else "UNAVAILABLE"
+                model.reason = f"{'reload' if serving_now else 'load'} failed: {first_line}"
+                message = f"model '{name}' failed to load: {first_line}"
+                raise RepositoryError(message + ("; the version loaded before still serves" if serving_now else "")) \
+                    from error
+            model.state, model.reason, model.source = "READY", "", source
+
+    def _run(self, name: str, source: bytes) -> Serving | Generation:
+        """Run ``model.py`` as a fresh module; its ``serving``."""
+        path = self.directory / name / MODEL_FILE
+        module = types.ModuleType(f"jitserve_repository_{name}_{next(_LOADS)}")
+        module.__file__ = str(path)
+        exec(compile(source, str(path), "exec"), module.__dict__)
+        serving = getattr(module, "serving", None)
+        if not isinstance(serving, (Serving, Generation)):
+            raise RepositoryError(f"{path} must define serving = js.Serving(...) or js.Generation(...); its "
+                                  f"'serving' is {type(serving).__name__}")
+        return serving
+
+    def _replace(self, name: str, serving: Serving | Generation) -> None:
+        """Warm up a server of ``serving``, send the model's new requests to it, then drain and stop the old one."""
+        log.info("loading model '%s': %r", name, serving)
+        server = unstarted_server(serving, name).start()
+        old = self.service.put(f"{name}/{VERSION}", server)
+        if old is not None:
+            old.stop()
+        log.info("model '%s' %s", name, "reloaded" if old is not None else "loaded")
+
+    def _unload(self, name: str) -> None:
+        model = self._model(name)
+        with model.lock:
+            if model.source is None and name not in self.service.models:
+                if name not in self.names():
+                    raise UnknownServerError(f"unknown model '{name}': it is not in the repository and not loaded")
+                return  # not loaded: nothing to do, as Triton answers
+            model.state, model.reason = "UNLOADING", ""
+            for server in self.service.remove(name):
+                server.stop()  # drained: what it holds finishes
+            model.state, model.reason, model.source = "UNAVAILABLE", "unloaded", None
+            log.info("model '%s' unloaded", name)
+
+
+def _weights_only(server: Any, serving: Serving | Generation) -> bool:
+    """Whether a reload to ``serving`` may keep ``server`` and swap its weights: the same model file (the
+    caller checks), a server that swaps weights, and weights shaped as its own."""
+    return isinstance(server, Server) and isinstance(serving, Serving) and server.swaps_weights \
+        and serving.params is not None and serving.params_template == server.serving.params_template

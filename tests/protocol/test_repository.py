@@ -1,0 +1,225 @@
+"""A model repository served by `jitserve serve --model-repository DIR`: load, reload and unload with tritonclient
+over HTTP and gRPC under 8 concurrent callers, failed models reported by name, and the three control modes."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jitserve.params import save_params
+
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from netutil import start_server, stop  # noqa: E402
+
+WEIGHTED = """
+from pathlib import Path
+
+import jitserve as js
+
+def affine(params, x):
+    return x @ params["w"] + params["b"]{extra}
+
+serving = js.Serving(affine, params=str(Path(__file__).parent / "weights.safetensors"), batch_size=4,
+                     batch_timeout=0.001, input_template=js.template((4,), "float32"))
+"""
+DOUBLER = """
+import jitserve as js
+
+serving = js.Serving(lambda x: x * 2, batch_size=2, batch_timeout={timeout},
+                     input_template=js.template((4,), "float32"))
+"""
+BROKEN = """
+raise RuntimeError("this model needs a GPU\\nand a second line nobody reads")
+"""
+
+
+def weights(scale):
+    return {"w": np.eye(4, dtype=np.float32) * scale, "b": np.full(4, scale, np.float32)}
+
+
+def write_model(repository, name, source, params=None):
+    folder = repository / name
+    folder.mkdir(exist_ok=True)
+    if params is not None:
+        save_params(folder / "weights.safetensors", params)
+    (folder / "model.py").write_text(source)
+
+
+@pytest.fixture
+def repository(tmp_path):
+    write_model(tmp_path, "weighted", WEIGHTED.format(extra=""), weights(1))
+    write_model(tmp_path, "doubler", DOUBLER.format(timeout=0.001))
+    write_model(tmp_path, "broken", BROKEN)
+    return tmp_path
+
+
+class Client:
+    """tritonclient over HTTP or gRPC, with the calls the tests make."""
+
+    def __init__(self, protocol, running):
+        self.protocol = protocol
+        self.module = httpclient if protocol == "http" else grpcclient
+        self.url = f"127.0.0.1:{running.port if protocol == 'http' else running.grpc_port}"
+        self.client = self.module.InferenceServerClient(self.url)
+
+    def infer(self, model, x, client=None):
+        tensor = self.module.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        return (client or self.client).infer(model, [tensor]).as_numpy("output")
+
+    def index(self):
+        if self.protocol == "http":
+            return {entry["name"]: entry for entry in self.client.get_model_repository_index()}
+        models = self.client.get_model_repository_index(as_json=True).get("models", [])
+        return {entry["name"]: {"state": "", "reason": "", **entry} for entry in models}
+
+    def compiles(self, running, model):
+        text = running.request("GET", "/metrics")[2].decode()
+        return float(re.search(rf'jitserve_compiles{{model="{model}",version="1"}} (\S+)', text).group(1))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_load_reload_and_unload_under_eight_callers(repository, protocol):
+    running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit",
+                           "--load-model", "doubler")
+    client = Client(protocol, running)
+    x = np.ones((2, 4), np.float32)
+    try:
+        index = client.index()
+        assert index["doubler"]["state"] == "READY" and index["weighted"]["state"] == "UNAVAILABLE"
+        assert set(index) == {"broken", "doubler", "weighted"}
+        with pytest.raises(InferenceServerException, match="unknown model 'weighted'"):
+            client.infer("weighted", x)
+        client.client.load_model("weighted")
+        assert client.infer("weighted", x).tolist() == [[2.0] * 4] * 2
+        compiles = client.compiles(running, "weighted")
+
+        answers, failures, stop_load = [], [], threading.Event()
+
+        def caller(model):
+            own = client.module.InferenceServerClient(client.url)
+            while not stop_load.is_set():
+                try:
+                    answers.append((model, float(client.infer(model, x, own)[0, 0])))
+                except Exception as error:
+                    failures.append(error)
+
+        threads = [threading.Thread(target=caller, args=("weighted" if i < 6 else "doubler",), daemon=True)
+                   for i in range(8)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(0.5)
+            save_params(repository / "weighted" / "weights.safetensors", weights(3))  # model.py unchanged
+            client.client.load_model("weighted")
+            assert client.infer("weighted", x).tolist() == [[6.0] * 4] * 2, "new weights once load returns"
+            assert client.compiles(running, "weighted") == compiles, "a weights-only reload compiles nothing"
+            write_model(repository, "weighted", WEIGHTED.format(extra=" + 100.0"))  # a new function: rebuilt
+            client.client.load_model("weighted")
+            assert client.infer("weighted", x).tolist() == [[106.0] * 4] * 2, "the new model once load returns"
+            with pytest.raises(InferenceServerException, match="model 'broken' failed to load: this model needs "
+                                                               "a GPU$"):
+                client.client.load_model("broken")
+            time.sleep(0.5)
+        finally:
+            stop_load.set()
+            for thread in threads:
+                thread.join(30)
+        assert not failures, failures[:3]
+        weighted = {value for model, value in answers if model == "weighted"}
+        assert weighted <= {2.0, 6.0, 106.0} and {2.0, 6.0, 106.0} <= weighted
+        assert {value for model, value in answers if model == "doubler"} == {2.0}, "the other model kept serving"
+        index = client.index()
+        assert index["weighted"]["state"] == "READY" and index["broken"]["state"] == "UNAVAILABLE"
+        if protocol == "http":  # tritonclient's gRPC index omits the reason
+            assert index["broken"]["reason"] == "load failed: this model needs a GPU"
+
+        client.client.unload_model("weighted")
+        with pytest.raises(InferenceServerException, match="unknown model 'weighted'"):
+            client.infer("weighted", x)
+        assert client.index()["weighted"]["state"] == "UNAVAILABLE"
+        assert client.infer("doubler", x).tolist() == [[2.0] * 4] * 2
+    finally:
+        output = stop(running)
+    assert "model 'weighted' reloaded: new weights, nothing compiled" in output
+
+
+def test_unload_drains_what_the_model_holds(repository):
+    write_model(repository, "doubler", DOUBLER.format(timeout=1.0))  # a request waits 1 s for its batch
+    running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit",
+                           "--load-model", "doubler", "--no-grpc")
+    client = Client("http", running)
+    x = np.ones((1, 4), np.float32)
+    try:
+        answered = []
+        waiting = threading.Thread(target=lambda: answered.append(
+            client.infer("doubler", x, httpclient.InferenceServerClient(client.url))))
+        waiting.start()
+        time.sleep(0.3)  # queued, its batch not yet run
+        client.client.unload_model("doubler")
+        waiting.join(30)
+        assert answered and answered[0].tolist() == [[2.0] * 4], "the queued request ran before the unload"
+        with pytest.raises(InferenceServerException, match="unknown model 'doubler'"):
+            client.infer("doubler", x)
+        client.client.unload_model("doubler")  # unloading what is not loaded succeeds, as Triton's
+    finally:
+        stop(running)
+
+
+def test_control_modes_none_and_poll(repository):
+    shutil.rmtree(repository / "broken")
+    running = start_server(f"--model-repository={repository}", "--no-grpc")  # none: everything, fixed
+    client = Client("http", running)
+    x = np.ones((1, 4), np.float32)
+    try:
+        assert {name: entry["state"] for name, entry in client.index().items()} == \
+            {"doubler": "READY", "weighted": "READY"}
+        for call in (client.client.load_model, client.client.unload_model):
+            with pytest.raises(InferenceServerException) as info:
+                call("doubler")
+            assert "requests are refused under --model-control-mode none; start with --model-control-mode " \
+                   "explicit" in str(info.value)
+    finally:
+        stop(running)
+
+    running = start_server(f"--model-repository={repository}", "--model-control-mode", "poll",
+                           "--repository-poll-secs", "0.2", "--no-grpc")
+    client = Client("http", running)
+
+    def wait_for(condition):
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+    try:
+        write_model(repository, "tripler", DOUBLER.format(timeout=0.001).replace("x * 2", "x * 3"))
+        wait_for(lambda: client.index().get("tripler", {}).get("state") == "READY")
+        assert client.infer("tripler", x).tolist() == [[3.0] * 4]
+        write_model(repository, "tripler", DOUBLER.format(timeout=0.001).replace("x * 2", "x * 4"))
+        wait_for(lambda: client.infer("tripler", x).tolist() == [[4.0] * 4])
+        shutil.rmtree(repository / "tripler")
+        wait_for(lambda: "tripler" not in client.index())
+        with pytest.raises(InferenceServerException, match="explicit"):
+            client.client.load_model("weighted")
+    finally:
+        stop(running)
+
+
+def test_a_bad_repository_is_one_line(tmp_path, capsys):
+    from jitserve.cli import main
+
+    assert main(["serve", f"--model-repository={tmp_path / 'missing'}"]) == 2
+    assert re.fullmatch(r"jitserve serve: --model-repository '.*missing' is not a directory\n",
+                        capsys.readouterr().err)
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err == "jitserve serve: serve takes a TARGET or --model-repository DIR, not both " \
+                                      "nor neither\n"
