@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".jitserve-stamp"
-ALL_EXTRAS = ("dev", "iree", "http", "ray")
+ALL_EXTRAS = ("dev", "iree", "http", "ray", "trace")
 TASK_EXTRAS = {"serve": ("http",), "demo": ("iree",), "bench": (*ALL_EXTRAS, "bench")}  # others: ALL_EXTRAS
 
 

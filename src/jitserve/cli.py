@@ -206,7 +206,8 @@ def _network_options(args: argparse.Namespace) -> dict[str, Any]:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
             "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, "limits": limits,
-            "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls, "access_log": args.access_log}
+            "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls, "access_log": args.access_log,
+            "trace_endpoint": args.trace_endpoint}
 
 
 def _logging(args: argparse.Namespace) -> None:
@@ -342,6 +343,9 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
                         help="log lines as text, or one JSON object per line (default text)")
     parser.add_argument("--access-log", action="store_true", help="log one line per inference request (id, model, "
                         "version, protocol, status, rows, latency) on the jitserve.access logger")
+    parser.add_argument("--trace-endpoint", metavar="URL", help="send OpenTelemetry spans of requests and batches "
+                        "to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318/v1/traces (pip install "
+                        "'jitserve[trace]')")
 
 
 def _add_security(parser: argparse.ArgumentParser) -> None:

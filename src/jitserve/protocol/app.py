@@ -174,13 +174,14 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         grpc_port: int | None = 8001, request_timeout: float | None = None, limits: Limits = Limits(),
         on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None, access: Access = Access(),
         tls: Tls | None = None, repository: Callable[[InferenceService], ModelRepository] | None = None,
-        access_log: bool = False) -> None:
+        access_log: bool = False, trace_endpoint: str | None = None) -> None:
     """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal, holding clients to ``limits``
     and ``access`` (API key, CORS), over TLS when ``tls`` is given.
     ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers), and
     ``repository`` (:func:`start_repository`) loads a model repository's; at exit every server is stopped
     (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs. ``access_log``: one
-    line per inference request (``protocol/access.py``)."""
+    line per inference request (``protocol/access.py``); ``trace_endpoint``: OpenTelemetry spans sent to
+    that OTLP/HTTP collector (``protocol/tracing.py``), flushed at exit."""
     optional_seconds("request_timeout", request_timeout)  # checked before anything starts: a NaN drain
     optional_seconds("drain_timeout", drain_timeout)  # timeout would otherwise fail only at exit
     check_ports_free(host, [port, grpc_port])
@@ -191,9 +192,14 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     grpc_server = None
     service: InferenceService | None = None
     models: ModelRepository | None = None
+    tracing = None
+    if trace_endpoint is not None:
+        from .tracing import Tracing  # OpenTelemetry is imported only when tracing is asked for
+
+        tracing = Tracing.exporting_to(trace_endpoint)
     try:
         start(servers)
-        service = InferenceService(servers, request_timeout, access_log)
+        service = InferenceService(servers, request_timeout, access_log, tracing)
         if repository is not None:
             models = repository(service)
         if grpc_port is not None:
@@ -230,6 +236,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
             log.info("model '%s' drained and stopped: %s", name, server.stats())
         if on_exit is not None:
             on_exit()
+        if tracing is not None:
+            tracing.shutdown()
         # back in the collector's sight, the stopped servers' cycles (a partition thread's target is its server)
         # are freed before the interpreter exits; frozen, IREE's runtime objects in them outlived it and
         # nanobind reported every one as leaked at exit

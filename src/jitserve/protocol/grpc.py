@@ -141,19 +141,31 @@ class GrpcFront:
         if self.service.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         self.calls += 1  # what ``quiet`` waits on at a shutdown
+        tracing = self.service.tracing
+        span = None if tracing is None else tracing.request("grpc", model, context.invocation_metadata() or ())
         try:
             tensors = _decode_inputs(request)
+            if span is not None:
+                span.phase("receive")
             served, outputs = await self.service.infer(model, tensors, _requested(request),
                                                        _priority(request), request.model_version,
                                                        _parameter_values(request))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error, request.model_version)
+            if span is not None:
+                span.end(error, status)
             await context.abort(getattr(grpc.StatusCode, status), message)
         finally:
             self.calls -= 1
             self.last_call = asyncio.get_running_loop().time()
         self.service.count(model, "grpc", "OK", served)
-        return _infer_response(model, served, request.id, outputs)
+        if span is not None:
+            span.phase(None)  # the queue and batch spans come from the batches
+        response = _infer_response(model, served, request.id, outputs)
+        if span is not None:
+            span.phase("send")
+            span.end(status="OK")
+        return response
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         """Triton's bidirectional stream (tritonclient's ``start_stream`` / ``async_stream_infer``): each

@@ -251,18 +251,29 @@ class HttpFront:
 
     async def infer(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str,
                     version: str | None) -> Response:
+        span = None if self.service.tracing is None else self.service.tracing.request("http", model, headers.items())
         try:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, binary_outputs = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
+            if span is not None:
+                span.phase("receive")
             served, outputs = await self.service.infer(model, tensors, _classes(requested),
                                                        _priority(request), version, request.get("parameters"))
+            if span is not None:
+                span.phase(None)  # the queue and batch spans come from the batches
             response = await self._off_loop(sum(array.nbytes for _, array in outputs), lambda: _encode_response(
                 model, served, request.get("id"), outputs, {name: binary for name, binary, _ in requested},
                 binary_outputs))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
-            return self._failed(model, error, version)
+            failed = self._failed(model, error, version)
+            if span is not None:
+                span.end(error, failed[0])
+            return failed
         self.service.count(model, "http", 200, served)
+        if span is not None:
+            span.phase("send")
+            span.end(status=200)
         return response
 
     async def _off_loop(self, size: int, work: Callable[[], _T]) -> _T:

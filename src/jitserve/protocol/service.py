@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .metrics import Metrics
 from .model import GenerationSpec, ModelSpec, select_outputs
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is configured
+    from .tracing import Tracing
 
 log = logging.getLogger("jitserve.serve")
 
@@ -146,9 +149,10 @@ class InferenceService:
     loads and unloads them."""
 
     def __init__(self, servers: Mapping[str, Server | GenerationFront], request_timeout: float | None = None,
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, tracing: Tracing | None = None) -> None:
         self.versions: dict[str, dict[str, Spec]] = {}
         self.access_log = access_log  # one line per inference request (protocol/access.py)
+        self.tracing = tracing  # OpenTelemetry spans of requests and batches (protocol/tracing.py), if configured
         self.models: dict[str, Spec] = {}
         self.request_timeout = request_timeout
         self.metrics = Metrics()
@@ -168,6 +172,8 @@ class InferenceService:
                       else ModelSpec(name, server, version))
         old = self.versions.get(name, {}).get(version)
         self.metrics.add(name, version, server)
+        if self.tracing is not None and isinstance(server, Server):
+            server.add_batch_listener(self.tracing.on_batch)
         self.tallies.setdefault((name, version), Tally(self.metrics.request_seconds.labels(name, version)))
         specs = dict(sorted({**self.versions.get(name, {}), version: spec}.items(),
                             key=lambda item: _version_order(item[0])))

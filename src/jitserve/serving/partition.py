@@ -40,6 +40,8 @@ class BatchReport:
     execution_s: float
     error: BaseException | None
     queue_waits_s: tuple[float, ...] = ()  # each request's wait (each part's, of a split one); the longest above
+    formed_at: float = 0.0  # when the batch was formed (time.monotonic)
+    traces: tuple[Any, ...] = ()  # each request's trace context (request.TRACE), aligned with queue_waits_s
 
 
 @dataclass
@@ -178,7 +180,8 @@ class BatchRunner:
         elapsed = time.perf_counter() - started
         padded = batch.size + batch.padding
         waits = tuple(formed - piece.enqueued for piece in pieces)
-        report = BatchReport(self.name, partition.index, batch.size, padded, max(waits), elapsed, error, waits)
+        report = BatchReport(self.name, partition.index, batch.size, padded, max(waits), elapsed, error, waits, formed,
+                             tuple(piece.request.trace for piece in pieces))
         with self._lock:  # a split request's parts may finish on several partitions at once
             finished = []
             for part, part_outputs, part_error in outcomes:

@@ -13,6 +13,7 @@ withdrawal) is written here once.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue as thread_queue
 import threading
 import time
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     from .serving import Serving
 
 END = object()  # the last item of a stream
+# the caller's trace context (a network front's, when it traces): opaque here, carried from submission to the
+# reports of the batches that run the request's rows (``BatchReport.traces``)
+TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("jitserve_trace", default=None)
 NO_INFO = object()  # what ``prepare`` gives as info when ``preprocess`` returned a bare batch
 _ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
 
@@ -116,7 +120,7 @@ class Request:
     version of a serving's weights its first rows ran with, which all its rows run with (None before)."""
 
     __slots__ = ("rows", "rows_left", "parts", "reports", "error", "started", "done", "loop", "future", "level",
-                 "stream", "weights")
+                 "stream", "weights", "trace")
 
     def __init__(self, rows: int, loop: asyncio.AbstractEventLoop | None, level: int = 1,
                  stream: bool = False) -> None:
@@ -131,6 +135,7 @@ class Request:
         self.stream = Stream(loop) if stream else None
         self.future: asyncio.Future[None] | None = None
         self.weights: Any = None
+        self.trace: Any = TRACE.get()
         if loop is None:
             self.done = threading.Lock()
             self.done.acquire()

@@ -1,0 +1,153 @@
+"""OpenTelemetry traces: spans of requests and batches checked with the SDK's in-memory exporter behind real HTTP
+and gRPC fronts on loopback, and `jitserve serve --trace-endpoint` exporting OTLP/HTTP to a collector stub."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jitserve as js
+
+pytest.importorskip("opentelemetry.sdk")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+import uvicorn  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+from jitserve.protocol import app  # noqa: E402
+from jitserve.protocol.grpc import GrpcServer  # noqa: E402
+from jitserve.protocol.limits import Limits  # noqa: E402
+from jitserve.protocol.service import InferenceService  # noqa: E402
+from jitserve.protocol.tracing import Tracing  # noqa: E402
+from netutil import ROOT, free_port, start_server, stop  # noqa: E402
+
+TRACE_IDS = ("0af7651916cd43dd8448eb211c80319c", "4bf92f3577b34da6a3ce929d0e0e4736", "5bf92f3577b34da6a3ce929d0e0e4737")
+PARENT = "b7ad6b7169203331"
+
+
+def traceparent(trace_id: str) -> str:
+    return f"00-{trace_id}-{PARENT}-01"
+
+
+def body(value: float) -> bytes:
+    return json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [value] * 4}]}).encode()
+
+
+def post(port: int, payload: bytes, headers: dict) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("POST", "/v2/models/traced/infer", payload, headers)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_spans_of_requests_and_their_batch_with_w3c_parents():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    serving = js.Serving(lambda x: x * 2, batch_size=8, batch_timeout=0.3, input_template=js.template((4,), "float32"))
+    port, grpc_port = free_port(), free_port()
+    with js.serve(serving, name="traced") as server:
+        service = InferenceService({"traced": server}, tracing=Tracing(provider))
+        http_server = uvicorn.Server(app.http_config(service, "127.0.0.1", port))
+        http_thread = threading.Thread(target=http_server.run, daemon=True)
+        http_thread.start()
+        grpc_server = GrpcServer(service, "127.0.0.1", grpc_port, Limits())
+        grpc_server.start()
+        try:
+            while not http_server.started:
+                time.sleep(0.05)
+            statuses: list[int] = []
+            callers = [threading.Thread(target=lambda i=i: statuses.append(
+                post(port, body(i), {"traceparent": traceparent(TRACE_IDS[i])}))) for i in range(2)]
+            for caller in callers:  # both arrive within the batch window: one batch runs them
+                caller.start()
+            for caller in callers:
+                caller.join(30)
+            assert statuses == [200, 200]
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+            tensor = grpcclient.InferInput("input", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+            client.infer("traced", [tensor], headers={"traceparent": traceparent(TRACE_IDS[2])})
+            assert post(port, body(1), {}) == 200  # no traceparent: a trace of its own
+            deadline = time.monotonic() + 10
+            while sum(span.name == "batch" for span in exporter.get_finished_spans()) < 3:
+                assert time.monotonic() < deadline, [span.name for span in exporter.get_finished_spans()]
+                time.sleep(0.05)
+        finally:
+            grpc_server.stop(1)
+            http_server.should_exit = True
+            http_thread.join(10)
+    spans = exporter.get_finished_spans()
+    requests = [span for span in spans if span.name in ("http infer", "grpc infer")]
+    assert sorted(span.name for span in requests) == ["grpc infer", "http infer", "http infer", "http infer"]
+    by_trace = {f"{span.context.trace_id:032x}": span for span in requests}
+    for trace_id, protocol in zip(TRACE_IDS, ("http", "http", "grpc")):
+        request = by_trace[trace_id]
+        assert request.name == f"{protocol} infer" and f"{request.parent.span_id:016x}" == PARENT, \
+            "the request's span is the child of its traceparent"
+        children = sorted(span.name for span in spans if span.parent is not None
+                          and span.parent.span_id == request.context.span_id)
+        assert children == ["queue", "receive", "send"], children
+        assert request.attributes["jitserve.model"] == "traced" and request.attributes["jitserve.status"] in ("200", "OK")
+    untraced = [span for trace_id, span in by_trace.items() if trace_id not in TRACE_IDS]
+    assert len(untraced) == 1 and untraced[0].parent is None
+    batches = [span for span in spans if span.name == "batch"]
+    shared = [batch for batch in batches if len(batch.links) == 2]
+    assert len(shared) == 1, "the two concurrent HTTP requests ran in one batch, linked to both"
+    assert {f"{link.context.trace_id:032x}" for link in shared[0].links} == set(TRACE_IDS[:2])
+    assert shared[0].attributes["jitserve.batch.rows"] == 2 and shared[0].parent is None
+    executes = [span for span in spans if span.name == "execute" and span.parent.span_id == shared[0].context.span_id]
+    assert len(executes) == 1 and executes[0].end_time <= shared[0].end_time
+    queue = next(span for span in spans if span.name == "queue"
+                 and span.parent.span_id == by_trace[TRACE_IDS[0]].context.span_id)
+    assert queue.end_time == shared[0].start_time, "a request's queue span ends as its batch forms"
+
+
+class Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP collector stub: keeps the bodies posted to /v1/traces."""
+
+    received: list[bytes] = []
+
+    def do_POST(self):
+        self.received.append(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_serve_exports_spans_over_otlp_when_asked():
+    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+    running = start_server(str(ROOT / "examples/mlp.py") + ":serving", "--trace-endpoint", endpoint, "--no-grpc")
+    try:
+        payload = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],
+                                          "data": [0.5] * 16}]}).encode()
+        status, _, _ = running.request("POST", "/v2/models/mlp/infer", payload,
+                                       {"traceparent": traceparent(TRACE_IDS[0])})
+        assert status == 200
+    finally:
+        stop(running)  # the exit flushes the spans
+        collector.shutdown()
+    names, trace_ids, services = [], set(), set()
+    for data in Collector.received:
+        for resource_spans in ExportTraceServiceRequest.FromString(data).resource_spans:
+            services |= {a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"}
+            for scope in resource_spans.scope_spans:
+                names += [span.name for span in scope.spans]
+                trace_ids |= {span.trace_id.hex() for span in scope.spans if span.name == "http infer"}
+    assert sorted(names) == ["batch", "execute", "http infer", "queue", "receive", "send"]
+    assert trace_ids == {TRACE_IDS[0]} and services == {"jitserve"}
