@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                           args.repository_poll_secs, tuple(args.load_model or ()))
         run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
         _logging(args)
-        app.run(lambda servers: None, repository=repository, **_network_options(args))
+        app.run(lambda servers: None, attach=repository, **_network_options(args))
         return 0
     run_cpu_computations_inline()  # before the user's module runs anything on JAX's CPU client
     _logging(args)
@@ -240,14 +241,16 @@ def serve_command(args: argparse.Namespace) -> int:
     from .cluster import ray as cluster
     from .serving import lookup
 
-    cluster.connect(args.ray)
+    _connect(cluster, args.ray)
     handles: list[Any] = []
 
     def start(servers: dict[str, Any]) -> None:
         for name, serving in servings.items():
             logging.getLogger("jitserve.serve").info("starting %d replicas of model '%s' on the ray cluster at %s",
                                                      args.replicas, name, args.ray)
-            handles.append(cluster.serve(serving, name, replicas=args.replicas))
+            autoscaling = None if args.max_replicas is None else cluster.Autoscaling(
+                args.min_replicas or 1, args.max_replicas)
+            handles.append(cluster.serve(serving, name, replicas=args.replicas, owned=True, autoscaling=autoscaling))
             servers[name] = lookup(("ray", name))
 
     def stop_replicas() -> None:
@@ -261,20 +264,56 @@ def serve_command(args: argparse.Namespace) -> int:
 def front_command(args: argparse.Namespace) -> int:
     from .cluster import ray as cluster
     from .protocol import app
-    from .serving import lookup
 
     _logging(args)
-    cluster.connect(args.ray)
-    names = args.models or cluster.running_servings()
-    if not names:
-        raise OptionError(f"no servings run in the ray cluster at {args.ray}; start some with "
-                         f"'jitserve serve FILE:serving --ray {args.ray}'")
+    _connect(cluster, args.ray)
+    if not (args.models or cluster.running_servings()):
+        logging.getLogger("jitserve.serve").warning(
+            "no servings run in the ray cluster at %s yet; each is served once it is deployed (jitserve serve "
+            "FILE:serving --ray %s)", args.ray, args.ray)
+    app.run(lambda servers: None, attach=lambda service: cluster.FrontSync(service, args.models),
+            **_network_options(args))
+    return 0
 
-    def start(servers: dict[str, Any]) -> None:
-        for name in names:
-            servers[name] = lookup(("ray", name))
 
-    app.run(start, **_network_options(args))
+def _connect(cluster: Any, address: str) -> None:
+    """Connect to the Ray cluster at ``address``. While it tries, Ray's C++ client writes a warning per
+    second to the process's stderr (a refused token: 20 of them); those lines are held back, and shown only
+    if the connection succeeds, so that a refused one is the single line of ``connect``'s error."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            cluster.connect(address)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        sys.stderr.write(held.read().decode(errors="replace"))
+
+
+def cluster_command(args: argparse.Namespace) -> int:
+    """``jitserve cluster list`` and ``jitserve cluster stop``: what runs on a Ray cluster, and stopping it."""
+    from .cluster import ray as cluster
+
+    _connect(cluster, args.ray)
+    if args.action == "list":
+        rows = cluster.describe()
+        columns = ("serving", "replica", "node", "pid", "owner", "state")
+        widths = [max([len(column), *(len(str(row[column])) for row in rows)]) for column in columns]
+        for line in [dict(zip(columns, (c.upper() for c in columns))), *rows]:
+            print("  ".join(str(line[column]).ljust(width) for column, width in zip(columns, widths)).rstrip())
+        stale = sum(row["state"] == "stale" for row in rows)
+        if stale:
+            print(f"{stale} stale replicas (their owner is gone): 'jitserve cluster stop --stale --ray {args.ray}' "
+                  f"stops them, or restarting their 'jitserve serve --ray' adopts them")
+        return 0
+    if not args.names and not args.stale:
+        raise OptionError("cluster stop needs the servings to stop (NAME ...) or --stale")
+    stopped = cluster.stop_servings(args.names, stale=args.stale)
+    print(f"stopped {len(stopped)} replicas{': ' + ', '.join(stopped) if stopped else ''}")
     return 0
 
 
@@ -405,6 +444,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--ray", metavar="ADDRESS", help="start the replicas on the Ray cluster at ADDRESS "
                               "(host:port of its head) and route to them")
     serve_parser.add_argument("--replicas", type=int, default=1, help="replicas per model with --ray (default 1)")
+    serve_parser.add_argument("--min-replicas", type=int, help="with --ray and --max-replicas: the fewest replicas "
+                              "autoscaling keeps (default 1)")
+    serve_parser.add_argument("--max-replicas", type=int, help="with --ray: scale each model between "
+                              "--min-replicas and this many replicas by its queue")
     serve_parser.set_defaults(run=serve_command)
     front_parser = commands.add_parser("front", help="serve HTTP and gRPC for servings already running on a Ray "
                                        "cluster")
@@ -414,6 +457,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_security(front_parser)
     _add_logging(front_parser)
     front_parser.set_defaults(run=front_command)
+    cluster_parser = commands.add_parser("cluster", help="list or stop what runs on a Ray cluster")
+    cluster_parser.add_argument("action", choices=("list", "stop"), help="list every replica (serving, node, "
+                                "owner, state), or stop servings")
+    cluster_parser.add_argument("names", nargs="*", metavar="NAME", help="with stop: the servings to stop")
+    cluster_parser.add_argument("--stale", action="store_true", help="with stop: also every replica whose "
+                                "owner ('jitserve serve --ray') is gone without stopping it")
+    cluster_parser.add_argument("--ray", metavar="ADDRESS", required=True, help="host:port of the cluster's head")
+    cluster_parser.set_defaults(run=cluster_command)
     bench_parser = commands.add_parser("bench", help="drive a Serving in process with closed-loop callers")
     bench_parser.add_argument("target", help="path/to/file.py:attr or package.module:attr (a Serving or a dict)")
     bench_parser.add_argument("--name", help="which model of a dict (default: the first)")

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -240,7 +241,7 @@ def test_serve_with_ray_and_a_front_in_another_process_answer_tritonclient(ray_c
             np.testing.assert_array_equal(result.as_numpy("output"), x * 2 + 1)
         with urllib.request.urlopen(f"http://127.0.0.1:{front_port}/metrics", timeout=5) as response:
             metrics = response.read().decode()
-        assert 'jitserve_replica_rows_total{model="netaffine",version="1",replica="netaffine/0"} 6.0' in metrics
+        assert 'jitserve_replica_rows_total{model="netaffine",replica="netaffine/0",version="1"} 6.0' in metrics
     finally:
         for process in (front, served):
             if process is not None:
@@ -419,3 +420,157 @@ def test_a_generation_on_two_replicas_streams_samples_and_frees_slots(ray_cluste
         assert outputs[0][0] == "output" and outputs[0][1].tolist() == greedy[2][:4]
     finally:
         _stop_and_check_gone(handle)
+
+
+# operations: list, stop, adopt, a front that follows the cluster ---------------------------------------------
+
+def _run_cli(*args):
+    done = subprocess.run([sys.executable, "-m", "jitserve", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _states(name):
+    return {row["replica"]: row for row in cluster.describe() if row["serving"] == name}
+
+
+def _until(condition, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.25)
+
+
+def test_a_restarted_serve_adopts_its_replicas_after_sigkill_and_list_stop_report_them(ray_cluster):
+    import tritonclient.http as httpclient
+
+    serve = ("serve", "tests/cluster/ray_models.py:affine_serving", "--name", "adoptee", "--ray", ray_cluster.address,
+             "--replicas", "2", "--no-grpc", "--port")
+    first_port, second_port = free_port(), free_port()
+    first = _cli(*serve, str(first_port))
+    second = None
+    try:
+        wait_ready(first_port, first, 120)
+        listed = _run_cli("cluster", "list", "--ray", ray_cluster.address)
+        assert listed.splitlines()[0].split() == ["SERVING", "REPLICA", "NODE", "PID", "OWNER", "STATE"]
+        rows = [line.split() for line in listed.splitlines()[1:] if line.startswith("adoptee ")]
+        assert [(row[1], row[4].startswith("owner-"), row[5]) for row in rows] == [
+            ("adoptee/0", True, "ready"), ("adoptee/1", True, "ready")]
+        pids = {row["pid"] for row in _states("adoptee").values()}
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        _until(lambda: {row["state"] for row in _states("adoptee").values()} == {"stale"})
+        assert "2 stale replicas (their owner is gone)" in _run_cli("cluster", "list", "--ray", ray_cluster.address)
+
+        started = time.monotonic()
+        second = _cli(*serve, str(second_port))
+        wait_ready(second_port, second, 120)
+        print(f"a restarted serve --ray was ready in {time.monotonic() - started:.1f} s, adopting 2 replicas")
+        states = _states("adoptee")
+        assert sorted(states) == ["adoptee/0", "adoptee/1"], "adopted, not doubled"
+        assert {row["state"] for row in states.values()} == {"ready"}
+        assert {row["pid"] for row in states.values()} == pids, "the same replica processes, not new ones"
+        x = _rows(3, seed=9)
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{second_port}")
+        request = httpclient.InferInput("input", list(x.shape), "FP32")
+        request.set_data_from_numpy(x)
+        np.testing.assert_array_equal(client.infer("adoptee", [request]).as_numpy("output"), x * 2 + 1)
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(60) == 0
+    assert second is not None and "adopted 2 replicas of 'adoptee' whose owner is gone" in second.stderr.read()
+    assert cluster._actor_names("adoptee") == [], "the adopting process stopped them at exit"
+
+
+def test_cluster_stop_by_name_and_the_stale(ray_cluster):
+    handle = js.serve(ray_models.instant_serving, name="detached", cluster="ray", replicas=1)  # no owner
+    port = free_port()
+    owned = _cli("serve", "tests/cluster/ray_models.py:instant_serving", "--name", "orphan", "--ray",
+                 ray_cluster.address, "--no-grpc", "--port", str(port))
+    try:
+        wait_ready(port, owned, 120)
+        assert _states("detached")["detached/0"]["owner"] == "(detached)"
+        owned.send_signal(signal.SIGKILL)
+        owned.wait(30)
+        _until(lambda: _states("orphan")["orphan/0"]["state"] == "stale")
+        assert _run_cli("cluster", "stop", "--stale", "--ray", ray_cluster.address) == "stopped 1 replicas: orphan/0\n"
+        assert cluster._actor_names("orphan") == [] and cluster._actor_names("detached") == ["detached/0"]
+        assert _run_cli("cluster", "stop", "detached", "--ray", ray_cluster.address) == \
+            "stopped 1 replicas: detached/0\n"
+        assert cluster._actor_names("detached") == []
+    finally:
+        handle.stop()
+
+
+def test_a_front_serves_what_is_deployed_after_it_and_forgets_what_stops(ray_cluster):
+    port = free_port()
+    front = _cli("front", "--ray", ray_cluster.address, "--models", "latecomer", "--port", str(port), "--no-grpc")
+    handle = None
+    try:
+        wait_ready(port, front, 120)
+
+        def status():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/latecomer/ready", timeout=5) as r:
+                    return r.status
+            except urllib.error.HTTPError as error:
+                return error.code
+
+        assert status() == 404
+        handle = js.serve(ray_models.instant_serving, name="latecomer", cluster="ray", replicas=1)
+        _until(lambda: status() == 200, 30)
+        x = _rows(2, seed=3)
+        body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 4],
+                                       "data": x.ravel().tolist()}]}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/latecomer/infer",
+                                                           body), timeout=30) as response:
+            answer = json.loads(response.read())
+        np.testing.assert_allclose(np.array(answer["outputs"][0]["data"]).reshape(2, 4), x * 2 + 1, rtol=1e-6)
+        handle.stop()
+        handle = None
+        _until(lambda: status() == 404, 30)
+    finally:
+        if handle is not None:
+            handle.stop()
+        front.send_signal(signal.SIGTERM)
+        assert front.wait(60) == 0
+
+
+def test_a_wrong_token_is_one_line_naming_what_to_do(ray_cluster, tmp_path):
+    wrong = tmp_path / "auth_token"
+    wrong.write_text(secrets.token_hex(32))
+    done = subprocess.run([sys.executable, "-m", "jitserve", "cluster", "list", "--ray", ray_cluster.address],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "RAY_AUTH_TOKEN_PATH": str(wrong)})
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"jitserve cluster: the Ray cluster at '{ray_cluster.address}' did not accept this "
+                                  f"process")
+    assert f"{wrong} holds another one (a stale token of an earlier cluster?)" in done.stderr
+
+
+def test_autoscaling_goes_from_1_to_3_replicas_under_load_and_back_to_1_when_idle(ray_cluster):
+    policy = cluster.Autoscaling(min_replicas=1, max_replicas=3, target_queue=0.5, upscale_delay_s=0.5,
+                                 downscale_delay_s=2.0)
+    handle = js.serve(ray_models.slow_serving(None), name="elastic", cluster="ray", autoscaling=policy)
+    try:
+        assert handle.replicas == ["elastic/0"]
+        loaded = time.monotonic()
+        answered, wrong, errors = _load("elastic", callers=8, seconds=12, rows=(1, 2))
+        unloaded = time.monotonic()
+        assert not errors and not wrong and answered > 0
+        _until(lambda: len(handle.replicas) == 1, 60)
+        events = handle.autoscaler.events
+        ups = [event for event in events if event[2] > event[1]]
+        downs = [event for event in events if event[2] < event[1]]
+        assert ups and ups[-1][2] == 3 and [(a, b) for _, a, b, _ in downs] == [(3, 2), (2, 1)], events
+        assert events == ups + downs, f"up while loaded, then down once idle, never back and forth: {events}"
+        started = handle.autoscaler._started
+        print(f"autoscaling: decided on 3 replicas {started + ups[-1][0] - loaded:.1f} s after the load began, "
+              f"on 1 {started + downs[-1][0] - unloaded:.1f} s after it ended: {events}")
+    finally:
+        handle.stop()
+    assert cluster._actor_names("elastic") == []

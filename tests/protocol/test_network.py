@@ -720,7 +720,7 @@ def test_metrics(server):
     status, headers, data = server.request("GET", "/metrics")
     text = data.decode()
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    assert 'jitserve_requests_total{model="mlp",version="1",protocol="http",status="200"}' in text
+    assert 'jitserve_requests_total{model="mlp",protocol="http",status="200",version="1"}' in text  # sorted
     assert 'jitserve_batch_size_bucket{le="1.0",model="mlp",version="1"}' in text
     assert 'jitserve_queue_depth{model="mlp",version="1"} 0.0' in text
     assert 'jitserve_compiles{model="mlp",version="1"} 6.0' in text

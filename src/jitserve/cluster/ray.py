@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
+import math
 import os
 import random
 import socket
@@ -45,11 +47,13 @@ import sys
 import sysconfig
 import threading
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 import ray
 from ray import cloudpickle
@@ -63,6 +67,9 @@ from ..serving.generation import GREEDY, Generation, GenerationFront, Generation
 from ..serving.options import finite_number
 from ..serving.server import Server
 from ..serving.serving import Serving
+
+if TYPE_CHECKING:
+    from ..protocol.service import InferenceService
 
 log = logging.getLogger("jitserve.cluster")
 
@@ -97,23 +104,57 @@ class WeightsHolder:
 _HolderActor = ray.remote(WeightsHolder)
 
 
-class Replica:
+class Ownership:
+    """What every replica records of its deployment: the owner actor of the process that stops it at exit
+    (None: a detached deployment, stopped by its handle or ``jitserve cluster stop``), the weights' holder,
+    and the fingerprint of what it serves (a restarted owner adopts only replicas serving the same)."""
+
+    name: str
+    weight: float
+    owner: str | None
+    holder: str | None
+    fingerprint: str
+
+    def _own(self, name: str, weight: float, deployment: Deployment) -> None:
+        self.name, self.weight = name, weight
+        self.owner, self.holder, self.fingerprint = deployment.owner, deployment.holder, deployment.fingerprint
+
+    def adopt(self, owner: str | None) -> None:
+        """Belong to ``owner`` from now on (a restarted ``jitserve serve --ray`` taking over)."""
+        self.owner = owner
+
+    def _info(self, serving: Serving | Generation, partitions: int) -> dict[str, Any]:
+        """What routers need: the serving (its configuration travels to callers), capacity and place; and
+        what ``jitserve cluster list`` shows."""
+        return {"serving": serving.with_params(None), "partitions": partitions, "weight": self.weight,
+                "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "owner": self.owner,
+                "holder": self.holder, "fingerprint": self.fingerprint}
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    """How a replica was deployed (see :class:`Ownership`)."""
+
+    owner: str | None = None
+    holder: str | None = None
+    fingerprint: str = ""
+
+
+class Replica(Ownership):
     """One replica: the in-process server of a serving, inside a Ray actor (asyncio: many calls in flight)."""
 
-    def __init__(self, serving: Serving, name: str, index: int, weight: float, holder: str | None = None) -> None:
+    def __init__(self, serving: Serving, name: str, index: int, weight: float,
+                 deployment: Deployment = Deployment()) -> None:
         run_cpu_computations_inline()  # too late only if unpickling the serving already ran JAX (its arrays)
-        if holder is not None:
-            serving = serving.with_params(_held(holder))
-        self.name = f"{name}/{index}"
+        if deployment.holder is not None:
+            serving = serving.with_params(_held(deployment.holder))
+        self._own(f"{name}/{index}", weight, deployment)
         self.serving = serving
-        self.weight = weight
         # preprocess and postprocess run in the callers (their coalescers), never twice
         self.server = Server(serving.replace(preprocess=None, postprocess=None), self.name).start()
 
     def info(self) -> dict[str, Any]:
-        """What routers need: the serving (its configuration travels to callers), capacity and place."""
-        return {"serving": self.serving.with_params(None), "partitions": self.server.partitions, "weight": self.weight,
-                "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        return self._info(self.serving, self.server.partitions)
 
     async def run(self, rows: Any, batch_key: Any = None) -> tuple[Any, int]:
         """Run one coalesced batch (a pytree of arrays, rows on axis 0, under its batch key); the outputs
@@ -140,24 +181,22 @@ def _held(holder: str) -> Any:
     return ray.get(ref)
 
 
-class GenerationReplica:
+class GenerationReplica(Ownership):
     """One replica of a generation: its own server, slots and decode state, inside a Ray actor. Each
     request is one streaming call (``generate``): its outputs as they come, each with the replica's load."""
 
     def __init__(self, generation: Generation, name: str, index: int, weight: float,
-                 holder: str | None = None) -> None:
+                 deployment: Deployment = Deployment()) -> None:
         run_cpu_computations_inline()
-        if holder is not None:
-            generation = generation.with_params(_held(holder))
-        self.name = f"{name}/{index}"
+        if deployment.holder is not None:
+            generation = generation.with_params(_held(deployment.holder))
+        self._own(f"{name}/{index}", weight, deployment)
         self.generation = generation
-        self.weight = weight
         self.server = GenerationServer(generation, self.name).start()
 
     def info(self) -> dict[str, Any]:
-        """What routers need: the generation (without its weights), its slots as capacity, and its place."""
-        return {"serving": self.generation.with_params(None), "partitions": self.generation.slots,
-                "weight": self.weight, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        """The generation's slots are its capacity."""
+        return self._info(self.generation, self.generation.slots)
 
     async def generate(self, prompt: Any, max_steps: int, sampling: Sampling, timeout: float | None
                        ) -> AsyncIterator[tuple[Any, int]]:
@@ -212,6 +251,157 @@ def running_servings() -> list[str]:
     return sorted(names)
 
 
+def fingerprint(serving: Serving | Generation) -> str:
+    """What a serving computes, as a digest that another process computes alike: its functions' bytecode and
+    constants (closures included), its other options, and its weights' bytes. (A pickle is no such digest:
+    cloudpickle orders a function's globals by hash, which differs between processes.)"""
+    digest = hashlib.sha256()
+    _digest(digest, {key: value for key, value in vars(serving).items() if key not in _NOT_COMPUTED})
+    for leaf in jax.tree_util.tree_leaves(serving.params if serving.has_params else None):
+        array = np.ascontiguousarray(leaf)
+        digest.update(f"{array.dtype}{array.shape}".encode())
+        digest.update(array.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()[:16]
+
+
+_NOT_COMPUTED = {"params", "options", "policy", "_inline", "_inline_lock"}  # weights apart; the rest derived
+
+
+def _digest(digest: Any, value: Any, depth: int = 0) -> None:
+    """Feed ``value`` to ``digest`` by content: code by its bytecode, containers by their items."""
+    code = getattr(value, "__code__", None)
+    if isinstance(value, types.CodeType) or code is not None:
+        code = code or value
+        digest.update(code.co_code + repr(code.co_names).encode())
+        for item in (*code.co_consts, *(cell.cell_contents for cell in getattr(value, "__closure__", None) or ())):
+            _digest(digest, item, depth + 1)
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode())
+            _digest(digest, value[key], depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _digest(digest, item, depth + 1)
+    elif isinstance(value, np.ndarray | jax.Array):
+        array = np.ascontiguousarray(value)
+        digest.update(f"{array.dtype}{array.shape}".encode() + array.tobytes())
+    elif hasattr(value, "__dict__") and depth < 8 and not isinstance(value, type):
+        digest.update(type(value).__qualname__.encode())
+        _digest(digest, dict(vars(value)), depth + 1)
+    else:
+        digest.update(repr(value).encode() if isinstance(value, (str, int, float, bool, type(None))) or
+                      type(value).__repr__ is not object.__repr__ else type(value).__qualname__.encode())
+
+
+class Owner:
+    """A process that owns replicas and stops them at exit (``jitserve serve --ray``), as Ray sees it: a
+    named actor of its job, which Ray ends with the process, however it ends. A replica whose owner actor
+    is gone is stale: ``jitserve cluster list`` says so, a restarted owner adopts it."""
+
+    def alive(self) -> bool:
+        return True
+
+
+_OwnerActor = ray.remote(Owner)
+_owner: list[Any] = []  # this process's owner actor's name and handle (kept: the handle holds the actor)
+
+
+def process_owner() -> str:
+    """This process's owner actor's name, started on first use."""
+    if not _owner:
+        name = f"owner-{uuid.uuid4().hex[:12]}"
+        actor = _OwnerActor.options(name=name, namespace=NAMESPACE, num_cpus=0).remote()
+        ray.get(actor.alive.remote())
+        _owner[:] = [name, actor]
+    return str(_owner[0])
+
+
+def _owner_alive(owner: str) -> bool:
+    try:
+        return bool(ray.get(ray.get_actor(owner, namespace=NAMESPACE).alive.remote(), timeout=10))
+    except (ValueError, *_LOST):
+        return False
+
+
+def _replicas(name: str | None = None) -> list[tuple[str, Any, dict[str, Any] | None]]:
+    """Every replica of ``name`` (None: of every serving) with its actor and ``info()`` (None when it does
+    not answer within 10 s: restarting, or lost)."""
+    names = _actor_names(name) if name is not None else [
+        actor for serving in running_servings() for actor in _actor_names(serving)]
+    found = []
+    for actor_name in names:
+        try:
+            found.append((actor_name, ray.get_actor(actor_name, namespace=NAMESPACE)))
+        except ValueError:
+            continue  # gone since the listing
+    refs = [actor.info.remote() for _, actor in found]
+    ray.wait(refs, num_returns=len(refs), timeout=10)
+    answers = []
+    for (actor_name, actor), ref in zip(found, refs):
+        try:
+            answers.append((actor_name, actor, ray.get(ref, timeout=0)))
+        except (*_LOST, RayTaskError):
+            answers.append((actor_name, actor, None))
+    return answers
+
+
+def _stop_actor(actor: Any) -> None:
+    """Stop a replica gracefully (what has not started goes elsewhere), then end its actor."""
+    try:
+        ray.get(actor.stop.remote())
+    except _LOST:
+        pass  # already gone: nothing left to drain
+    ray.kill(actor, no_restart=True)
+
+
+def _kill_named(name: str) -> None:
+    try:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    except ValueError:  # already gone
+        pass
+
+
+def describe() -> list[dict[str, Any]]:
+    """Every replica in the cluster (``jitserve cluster list``): its serving, node, process, owner and
+    state (``ready``; ``stale`` when its owner is gone; ``unreachable`` when it does not answer)."""
+    owners: dict[str, bool] = {}
+    rows = []
+    for actor_name, _, info in _replicas():
+        row = {"replica": actor_name, "serving": actor_name.rpartition("/")[0], "node": "", "pid": "",
+               "owner": "", "state": "unreachable"}
+        if info is not None:
+            owner = info.get("owner")
+            if owner is not None and owner not in owners:
+                owners[owner] = _owner_alive(owner)
+            row.update(node=info["node"][:12], pid=info["pid"], owner=owner or "(detached)",
+                       state="stale" if owner is not None and not owners[owner] else "ready")
+        rows.append(row)
+    return rows
+
+
+def stop_servings(names: Sequence[str] = (), stale: bool = False) -> list[str]:
+    """Stop every replica of each serving of ``names`` and free its weights; with ``stale``, also every
+    replica whose owner is gone. Returns the replicas stopped."""
+    stopped, holders, kept_holders = [], set(), set()
+    for actor_name, actor, info in _replicas():
+        serving = actor_name.rpartition("/")[0]
+        owner = None if info is None else info.get("owner")
+        if serving in names or (stale and owner is not None and not _owner_alive(owner)):
+            _stop_actor(actor)
+            stopped.append(actor_name)
+            if info is not None and info.get("holder"):
+                holders.add(info["holder"])
+        elif info is not None and info.get("holder"):
+            kept_holders.add(info["holder"])
+    for entry in ray.util.list_named_actors(all_namespaces=True):  # weights of stopped servings
+        holder = entry["name"]
+        if entry["namespace"] == NAMESPACE and "/weights-" in holder and holder.rpartition("/")[0] in names:
+            holders.add(holder)
+    for holder in holders - kept_holders:
+        _kill_named(holder)
+    return stopped
+
+
 def connect(address: str | None) -> None:
     """Connect this process to the Ray cluster at ``address`` ("host:port"; None: Ray's own default) unless
     it is connected already. An address that does not answer is a clear error, not a long hang."""
@@ -224,27 +414,68 @@ def connect(address: str | None) -> None:
         except (OSError, ValueError) as error:
             raise OptionError(f"cannot reach a Ray cluster at {address!r} ({error}); expected the head node's "
                               f"host:port, as printed by 'ray start --head'") from None
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    except ConnectionError as error:  # the port answers, but the cluster did not take this process
+        token = os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token"
+        raise OptionError(f"the Ray cluster at {address!r} did not accept this process ({error}); with token "
+                          f"authentication, this process must present the cluster's token: {token} holds another "
+                          f"one (a stale token of an earlier cluster?); copy the one its head was started with, or "
+                          f"set RAY_AUTH_TOKEN_PATH to it") from None
 
 
 class RayServing:
-    """The handle of a serving running on a Ray cluster: ``stats()``, ``scale(n)``, ``stop()``."""
+    """The handle of a serving running on a Ray cluster: ``stats()``, ``scale(n)``, ``stop()``. With an
+    ``owner`` (the actor of the process that stops it at exit), its replicas are that process's."""
 
     def __init__(self, serving: Serving | Generation, name: str, weight: float, actor_options: dict[str, Any],
-                 spread: bool) -> None:
-        self.serving = serving
+                 spread: bool, owner: str | None = None) -> None:
+        self.serving = serving.with_params(None) if serving.has_params else serving
         self.name = name
         self.weight = weight
+        self._params = serving.params if serving.has_params else None  # until a holder actor owns them
+        self._fingerprint = fingerprint(serving)
+        self._owner = owner
         self._actor_options = actor_options
         self._spread = spread
         self._actors: dict[str, Any] = {}
         self._actor_class = _GenerationActor if isinstance(serving, Generation) else _ReplicaActor
-        self._holder: str | None = None  # the actor that owns the weights, for a serving with params
-        if serving.has_params:
-            self._holder = f"{name}/weights-{uuid.uuid4().hex[:8]}"
+        self._holder: str | None = None  # the actor that owns the weights new replicas read
+        self._holders: set[str] = set()  # those of every replica of this handle, freed at its stop
+        self.autoscaler: Autoscaler | None = None
+
+    def _weights_holder(self) -> str | None:
+        """The holder actor of the weights, made (and the weights put) before the first replica needs it."""
+        if self._holder is None and self._params is not None:
+            self._holder = f"{self.name}/weights-{uuid.uuid4().hex[:8]}"
             holder = _HolderActor.options(name=self._holder, namespace=NAMESPACE, lifetime="detached", num_cpus=0)
-            ray.get(holder.remote(serving.params).ref.remote())  # created, and the weights put, before replicas
-            self.serving = serving.with_params(None)
+            ray.get(holder.remote(self._params).ref.remote())
+            self._holders.add(self._holder)
+            self._params = None
+        return self._holder
+
+    def adopt_stale(self) -> list[str]:
+        """Take over this name's replicas whose owner is gone and that serve the same (their fingerprint): a
+        restarted owner keeps them instead of starting more. Stale ones that serve something else are
+        stopped, since one name's replicas must run one function. Returns the adopted replicas."""
+        adopted = []
+        for actor_name, actor, info in _replicas(self.name):
+            if info is None or info["owner"] is None or _owner_alive(info["owner"]):
+                continue
+            if info["fingerprint"] != self._fingerprint:
+                log.warning("stopping replica %s: its owner is gone and it serves another version of '%s'",
+                            actor_name, self.name)
+                _stop_actor(actor)
+                continue
+            ray.get(actor.adopt.remote(self._owner))
+            self._actors[actor_name] = actor
+            if info["holder"] is not None:
+                self._holder = self._holder or info["holder"]
+                self._holders.add(info["holder"])
+            adopted.append(actor_name)
+        if self._holder is not None:
+            self._params = None  # the adopted replicas' holder has the same weights (same fingerprint)
+        return adopted
 
     @property
     def replicas(self) -> list[str]:
@@ -271,8 +502,9 @@ class RayServing:
                 node = min(placement, key=placement.__getitem__)  # the node with the fewest replicas of this name
                 placement[node] += 1
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+            deployment = Deployment(self._owner, self._weights_holder(), self._fingerprint)
             started[actor_name] = self._actor_class.options(name=actor_name, **options).remote(
-                self.serving, self.name, index, self.weight, self._holder)
+                self.serving, self.name, index, self.weight, deployment)
         try:
             ray.get([actor.info.remote() for actor in started.values()])  # warm-up done: ready
         except BaseException:
@@ -295,12 +527,7 @@ class RayServing:
         return counts
 
     def _stop_replica(self, actor_name: str) -> None:
-        actor = self._actors.pop(actor_name)
-        try:
-            ray.get(actor.stop.remote())
-        except _LOST:
-            pass  # already gone: nothing left to drain
-        ray.kill(actor, no_restart=True)
+        _stop_actor(self._actors.pop(actor_name))
 
     def stats(self) -> dict[str, Any]:
         """Stats per replica (``replicas``) and summed over them (``total``)."""
@@ -310,13 +537,12 @@ class RayServing:
     def stop(self) -> None:
         """Stop every replica gracefully (what has not started is re-sent elsewhere by its router), then
         free the weights."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         for actor_name in list(self._actors):
             self._stop_replica(actor_name)
-        if self._holder is not None:
-            try:
-                ray.kill(ray.get_actor(self._holder, namespace=NAMESPACE), no_restart=True)
-            except ValueError:  # already gone
-                pass
+        for holder in self._holders:
+            _kill_named(holder)
 
     def __enter__(self) -> RayServing:
         return self
@@ -357,7 +583,8 @@ def _check_replicas(replicas: Any) -> None:
 def serve(serving: Serving | Generation, name: str, *, replicas: int = 1, weight: float = 1,
           num_cpus: float | None = None,
           num_gpus: float | None = None, resources: dict[str, float] | None = None, address: str | None = None,
-          max_restarts: int = DEFAULT_MAX_RESTARTS, spread: bool = True) -> RayServing:
+          max_restarts: int = DEFAULT_MAX_RESTARTS, spread: bool = True, owned: bool = False,
+          autoscaling: Autoscaling | None = None) -> RayServing:
     """Start ``replicas`` replicas of ``serving`` named ``name`` on the Ray cluster at ``address`` (or the
     one this process is connected to); returns once every replica has compiled its batch sizes.
 
@@ -368,8 +595,18 @@ def serve(serving: Serving | Generation, name: str, *, replicas: int = 1, weight
     ``spread`` (without ``resources``) places each new replica on the alive node with the fewest replicas
     of this name (a soft affinity: Ray falls back elsewhere if that node cannot take it);
     ``resources`` pins replicas with Ray custom resources instead. ``num_gpus=1`` with ``partitions=1``
-    gives one replica per GPU; ``num_gpus=k`` with ``partitions=k`` one replica per node of k GPUs."""
+    gives one replica per GPU; ``num_gpus=k`` with ``partitions=k`` one replica per node of k GPUs.
+
+    ``owned=True`` (``jitserve serve --ray``) makes the replicas this process's: they are stale once it is
+    gone without stopping them, and this call first adopts the stale replicas of ``name`` that serve the
+    same (:meth:`RayServing.adopt_stale`), starting only the rest.
+
+    ``autoscaling`` (:class:`Autoscaling`) starts ``min_replicas`` and then adds and removes replicas by
+    load from a thread of this process (``handle.autoscaler.events`` records the changes); ``replicas``
+    is then ignored."""
     _check_replicas(replicas)
+    if autoscaling is not None and isinstance(serving, Generation):
+        raise OptionError("autoscaling follows a serving's queue; scale a generation's replicas with scale(n)")
     if not finite_number(weight) or weight <= 0:
         raise OptionError(f"weight must be a finite number > 0, got {weight!r}")
     if isinstance(serving, Serving) and serving.streaming:
@@ -381,9 +618,109 @@ def serve(serving: Serving | Generation, name: str, *, replicas: int = 1, weight
                                      "max_concurrency": 1000}
     actor_options.update({k: v for k, v in [("num_cpus", num_cpus), ("num_gpus", num_gpus),
                                             ("resources", resources)] if v is not None})
-    handle = RayServing(serving, name, weight, actor_options, spread and resources is None)
-    handle.scale(replicas)
+    handle = RayServing(serving, name, weight, actor_options, spread and resources is None,
+                        process_owner() if owned else None)
+    if owned:
+        adopted = handle.adopt_stale()
+        if adopted:
+            log.info("adopted %d replicas of '%s' whose owner is gone: %s", len(adopted), name, ", ".join(adopted))
+    handle.scale(replicas if autoscaling is None else autoscaling.min_replicas)
+    if isinstance(serving, Serving) and autoscaling is not None:
+        handle.autoscaler = Autoscaler(handle, autoscaling, serving.batch_size)
     return handle
+
+
+@dataclasses.dataclass(frozen=True)
+class Autoscaling:
+    """When a serving on Ray adds and removes replicas, between ``min_replicas`` and ``max_replicas``.
+
+    Up: once the rows waiting per replica stay above ``target_queue`` (default: the serving's
+    ``batch_size``: a full batch waiting) or, with ``target_wait_s``, the rows run lately waited longer than
+    that on average, for ``upscale_delay_s``: to as many replicas as would bring the queue to the target (at
+    least one more). Down, by one: once the queue stays at most half the target and the replicas that would
+    remain would have been less than ``busy_after_down`` busy (the hysteresis that keeps it from flapping),
+    for ``downscale_delay_s``. Read every ``period_s`` from the replicas' own counters."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_queue: float | None = None
+    target_wait_s: float | None = None
+    upscale_delay_s: float = 1.0
+    downscale_delay_s: float = 10.0
+    busy_after_down: float = 0.7
+    period_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        _check_replicas(self.min_replicas)
+        _check_replicas(self.max_replicas)
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise OptionError(f"autoscaling needs 1 <= min_replicas <= max_replicas, got {self.min_replicas} and "
+                              f"{self.max_replicas}")
+        for name in ("target_queue", "target_wait_s"):
+            value = getattr(self, name)
+            if value is not None and (not finite_number(value) or value <= 0):
+                raise OptionError(f"{name} must be a finite number > 0 or None, got {value!r}")
+        for name in ("upscale_delay_s", "downscale_delay_s", "period_s"):
+            if not finite_number(getattr(self, name)) or getattr(self, name) < 0:
+                raise OptionError(f"{name} must be a finite number of seconds >= 0, got {getattr(self, name)!r}")
+
+
+class Autoscaler:
+    """Scales a :class:`RayServing` by its :class:`Autoscaling` on a thread of the deploying process;
+    ``events`` records each decision: (seconds since start, replicas before, after, why)."""
+
+    def __init__(self, handle: RayServing, policy: Autoscaling, batch_size: int) -> None:
+        self.handle = handle
+        self.policy = policy
+        self.target = policy.target_queue if policy.target_queue is not None else float(batch_size)
+        self.events: list[tuple[float, int, int, str]] = []
+        self._started = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"jitserve-autoscale-{handle.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        policy = self.policy
+        last = None
+        high_since = low_since = None
+        while not self._stopped.wait(policy.period_s):
+            try:
+                now, totals = time.monotonic(), _total(self.handle.stats()["replicas"].values())
+            except Exception:  # noqa: BLE001 - a replica restarting: look again next period
+                continue
+            replicas = len(self.handle.replicas)
+            if last is None or replicas == 0:
+                last = (now, totals)
+                continue
+            (then, before), last = last, (now, totals)
+            rows = totals["rows"] - before["rows"]
+            wait = (totals["queue_wait_s"] - before["queue_wait_s"]) / rows if rows > 0 else 0.0
+            busy = max(totals["execution_s"] - before["execution_s"], 0.0) / max(now - then, 1e-9) / replicas
+            depth = totals["queue_depth"] / replicas
+            high = depth > self.target or (policy.target_wait_s is not None and wait > policy.target_wait_s)
+            low = depth <= self.target / 2 and busy * replicas / max(replicas - 1, 1) < policy.busy_after_down \
+                and (policy.target_wait_s is None or wait <= policy.target_wait_s / 2)
+            high_since = (high_since or now) if high else None
+            low_since = (low_since or now) if low else None
+            if high_since is not None and now - high_since >= policy.upscale_delay_s \
+                    and replicas < policy.max_replicas:
+                wanted = min(policy.max_replicas, max(replicas + 1, math.ceil(replicas * depth / self.target)))
+                self._scale(replicas, wanted, f"{depth:.1f} rows waiting per replica, {wait * 1000:.0f} ms waits")
+                high_since = last = None
+            elif low_since is not None and now - low_since >= policy.downscale_delay_s \
+                    and replicas > policy.min_replicas:
+                self._scale(replicas, replicas - 1, f"idle: {depth:.1f} rows waiting, {busy:.0%} busy")
+                low_since = last = None
+
+    def _scale(self, replicas: int, wanted: int, why: str) -> None:
+        """Decide (the event's time), then scale: returns once new replicas are warm."""
+        log.info("autoscaling '%s': %d -> %d replicas (%s)", self.handle.name, replicas, wanted, why)
+        self.events.append((time.monotonic() - self._started, replicas, wanted, why))
+        self.handle.scale(wanted)
 
 
 # callers ---------------------------------------------------------------------------------------
@@ -667,3 +1004,51 @@ def lookup(name: str, call_timeout: float = DEFAULT_CALL_TIMEOUT_S, in_flight: i
             if isinstance(router.serving, Generation) else Coalescer(router, router.serving, in_flight).start()
         _coalescers[name] = front
         return front
+
+
+def forget(name: str) -> None:
+    """Stop and drop this process's front of ``name`` (its replicas are gone); a later lookup makes a new one."""
+    with _coalescers_lock:
+        front = _coalescers.pop(name, None)
+    if front is not None:
+        front.stop(drain=False)
+
+
+class FrontSync:
+    """Keeps a network front's models in step with the cluster (``jitserve front``): every ``period``
+    seconds, a serving deployed since (one of ``names``, when given) is served, and one whose replicas are
+    all gone is dropped, so that its requests get 404 rather than wait."""
+
+    def __init__(self, service: InferenceService, names: Sequence[str] | None = None,
+                 period: float = REFRESH_S) -> None:
+        self.service = service
+        self.names = None if names is None else set(names)
+        self.period = period
+        self._stopped = threading.Event()
+        self.sync()
+        self._thread = threading.Thread(target=self._follow, name="jitserve-front-sync", daemon=True)
+        self._thread.start()
+
+    def sync(self) -> None:
+        running = set(running_servings())
+        wanted = running if self.names is None else running & self.names
+        for name in sorted(wanted - set(self.service.models)):
+            front = lookup(name)
+            if front is not None:
+                self.service.put(name, front)
+                log.info("serving '%s' from the cluster", name)
+        for name in sorted(set(self.service.models) - wanted):
+            self.service.remove(name)
+            forget(name)
+            log.info("'%s' has no replicas left in the cluster: no longer served", name)
+
+    def _follow(self) -> None:
+        while not self._stopped.wait(self.period):
+            try:
+                self.sync()
+            except Exception:
+                log.exception("could not read the cluster's servings; trying again in %.0f s", self.period)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()

@@ -17,7 +17,7 @@ import resource
 import signal
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 
@@ -39,6 +39,12 @@ log = logging.getLogger("jitserve.serve")
 # open files kept beside the HTTP and gRPC connections: compilers, model files, logs, and refused connections
 # lingering (LINGERING_REFUSALS)
 FILES_KEPT_FREE = 256
+
+
+class Attached(Protocol):
+    """What :func:`run`'s ``attach`` starts beside the fronts: stopped at exit."""
+
+    def stop(self) -> None: ...
 
 
 class _Shutdown:
@@ -173,12 +179,13 @@ def http_config(service: InferenceService, host: str, port: int, limits: Limits 
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
         grpc_port: int | None = 8001, request_timeout: float | None = None, limits: Limits = Limits(),
         on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None, access: Access = Access(),
-        tls: Tls | None = None, repository: Callable[[InferenceService], ModelRepository] | None = None,
+        tls: Tls | None = None, attach: Callable[[InferenceService], Attached] | None = None,
         access_log: bool = False, trace_endpoint: str | None = None) -> None:
     """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal, holding clients to ``limits``
     and ``access`` (API key, CORS), over TLS when ``tls`` is given.
     ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers), and
-    ``repository`` (:func:`start_repository`) loads a model repository's; at exit every server is stopped
+    ``attach(service)`` starts what changes the models while they serve (:func:`start_repository`, a
+    cluster front's ``FrontSync``), stopped at exit before the servers; at exit every server is stopped
     (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs. ``access_log``: one
     line per inference request (``protocol/access.py``); ``trace_endpoint``: OpenTelemetry spans sent to
     that OTLP/HTTP collector (``protocol/tracing.py``), flushed at exit."""
@@ -191,7 +198,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     servers: dict[str, Server] = {}
     grpc_server = None
     service: InferenceService | None = None
-    models: ModelRepository | None = None
+    attached: Attached | None = None
     tracing = None
     if trace_endpoint is not None:
         from .tracing import Tracing  # OpenTelemetry is imported only when tracing is asked for
@@ -200,8 +207,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     try:
         start(servers)
         service = InferenceService(servers, request_timeout, access_log, tracing)
-        if repository is not None:
-            models = repository(service)
+        if attach is not None:
+            attached = attach(service)
         if grpc_port is not None:
             grpc_server = GrpcServer(service, host, grpc_port, limits, access, tls)
             grpc_server.start()
@@ -229,8 +236,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace)
-        if models is not None:
-            models.stop()
+        if attached is not None:
+            attached.stop()
         for name, server in (servers if service is None else service.servers()).items():
             server.stop(timeout=drain_timeout)
             log.info("model '%s' drained and stopped: %s", name, server.stats())

@@ -190,9 +190,10 @@ class InferenceService:
         return [spec.server for spec in specs.values()]
 
     def servers(self) -> dict[str, Server | GenerationFront]:
-        """The servers serving now, by ``name/version``."""
-        return {f"{name}/{version}": spec.server for name, specs in self.versions.items()
-                for version, spec in specs.items()}
+        """The servers serving now, by the keys they would be given with: ``name/version``, or ``name`` alone
+        for a model served only as version 1."""
+        return {name if list(specs) == ["1"] else f"{name}/{version}": spec.server
+                for name, specs in self.versions.items() for version, spec in specs.items()}
 
     def model(self, name: str, version: str | None = None) -> Spec:
         """The model ``name`` at ``version`` (None or empty: the highest); unknown ones are 404 / NOT_FOUND
