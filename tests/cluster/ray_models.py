@@ -89,3 +89,13 @@ def generation(slots: int = 2) -> js.Generation:
     token the sum modulo 97."""
     return js.Generation(_prefill, _decode, params={"scale": np.int32(1)}, slots=slots, max_length=64,
                          prefill_lengths=[8], logits=True)
+
+
+def _steps(x: np.ndarray):
+    """A streaming serving's function: three steps, x + 1, x + 2, x + 3, 150 ms apart."""
+    for step in range(1, 4):
+        time.sleep(0.15)
+        yield x + step
+
+
+stepping_serving = js.Serving(_steps, batch_size=8, batch_timeout=0.02, streaming=True)

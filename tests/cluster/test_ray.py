@@ -574,3 +574,35 @@ def test_autoscaling_goes_from_1_to_3_replicas_under_load_and_back_to_1_when_idl
     finally:
         handle.stop()
     assert cluster._actor_names("elastic") == []
+
+
+def test_a_streaming_serving_on_two_replicas_streams_each_caller_its_steps(ray_cluster):
+    handle = js.serve(ray_models.stepping_serving, name="stepper", cluster="ray", replicas=2)
+    try:
+        results, errors = {}, []
+
+        def caller(seed):
+            x = _rows(1 + seed % 3, seed=seed)
+            try:
+                results[seed] = (x, list(js.batched_stream(("ray", "stepper"), js.Batch.concatenate([x]), timeout=30)))
+            except Exception as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors and len(results) == 12
+        for x, steps in results.values():
+            assert len(steps) == 3
+            for step, outputs in enumerate(steps, 1):
+                np.testing.assert_array_equal(outputs, x + step)
+        rows_per_replica = {name: stats["rows"] for name, stats in handle.stats()["replicas"].items()}
+        assert sum(rows_per_replica.values()) == sum(len(x) for x, _ in results.values())
+        early = js.batched_stream(("ray", "stepper"), js.Batch.concatenate([_rows(1)]), timeout=30)
+        assert next(early).shape == (1, 4)
+        early.close()  # cancels the replica's run at its next step
+        _until(lambda: handle.stats()["total"]["cancelled"] >= 1, 30)
+    finally:
+        handle.stop()

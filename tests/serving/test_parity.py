@@ -283,6 +283,35 @@ def test_a_serving_that_yields_steps_streams_each_step_to_each_caller():
         js.Serving(generate, streaming=True, compiler="xla")
 
 
+def test_a_request_of_a_serving_that_yields_steps_is_never_split_across_batches():
+    """With more rows queued than a batch holds, a request that does not fit waits whole for the next batch:
+    split, its caller would get every step twice, once per batch."""
+    gate = threading.Event()
+
+    def generate(x):
+        gate.wait(10)
+        for step in range(3):
+            yield x + step
+
+    serving = js.Serving(generate, batch_size=4, batch_timeout=0.05, streaming=True,
+                         input_template=js.template((1,), "float32"))
+    with js.serve(serving, name="whole") as server:
+        results = {}
+
+        def read(value, count):
+            results[value] = [step.tolist() for step in js.batched_stream("whole", rows(*[value] * count))]
+
+        threads = [threading.Thread(target=read, args=(float(v), 1 + v % 3)) for v in range(6)]  # 12 rows
+        for thread in threads:
+            thread.start()
+        time.sleep(0.2)
+        gate.set()
+        for thread in threads:
+            thread.join(10)
+        assert results == {float(v): [[[float(v + step)]] * (1 + v % 3) for step in range(3)] for v in range(6)}
+        assert server.stats()["rows"] == 12
+
+
 def test_a_streaming_batch_stops_at_its_next_step_once_nobody_reads_it():
     steps_run = []
     closed = threading.Event()

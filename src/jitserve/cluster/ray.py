@@ -162,6 +162,12 @@ class Replica(Ownership):
         outputs = await self.server.call_async(Batch.concatenate([rows]).key(batch_key))
         return outputs, self.server.queue_depth
 
+    async def run_stream(self, rows: Any, batch_key: Any = None) -> AsyncIterator[Any]:
+        """Run one coalesced batch of a streaming serving: its steps as the serving yields them (one Ray
+        streaming call; a caller that cancels it stops the batch at its next step)."""
+        async for outputs in self.server.open_stream_async(Batch.concatenate([rows]).key(batch_key)):
+            yield outputs
+
     async def stats(self) -> dict[str, Any]:
         return self.server.stats()
 
@@ -609,9 +615,6 @@ def serve(serving: Serving | Generation, name: str, *, replicas: int = 1, weight
         raise OptionError("autoscaling follows a serving's queue; scale a generation's replicas with scale(n)")
     if not finite_number(weight) or weight <= 0:
         raise OptionError(f"weight must be a finite number > 0, got {weight!r}")
-    if isinstance(serving, Serving) and serving.streaming:
-        raise OptionError("a streaming serving runs in the process that reads its steps; serve it locally "
-                          "(js.serve(serving, name)) or behind jitserve serve")
     connect(address)
     _travel_by_value(serving)
     actor_options: dict[str, Any] = {"namespace": NAMESPACE, "lifetime": "detached", "max_restarts": max_restarts,
@@ -845,6 +848,40 @@ class Router:
                                      f"{len(lost)} tries ({'; '.join(lost)})")
         raise UnknownServerError(f"no replica of {self.name!r} is running in the ray cluster")
 
+    def stream(self, rows: Any, size: int, batch_key: Any = None) -> Iterator[Any]:
+        """:meth:`send` for a streaming serving: one replica's steps of the batch, as they come. A lost or
+        stopping replica's batch is re-sent elsewhere only before its first step arrived (later, the steps
+        already delivered would come twice); closing the iterator cancels the replica's run."""
+        tried: set[str] = set()
+        while True:
+            member = self.choose(tried)
+            if member is None:
+                raise UnknownServerError(f"no replica of {self.name!r} is running in the ray cluster") if not \
+                    tried else ServerStoppedError(f"a streaming batch for {self.name!r} was not answered by "
+                                                  f"{', '.join(sorted(tried))}")
+            tried.add(member.name)
+            self.add_outstanding(member, size)
+            steps = member.actor.run_stream.options(num_returns="streaming").remote(rows, batch_key)
+            produced, finished = 0, False
+            try:
+                for ref in steps:
+                    yield ray.get(ref, timeout=self.call_timeout)
+                    produced += 1
+                finished = True
+                return
+            except Exception as error:  # noqa: BLE001 - a lost replica before any step: next one; else the caller's
+                cause = _cause(error)
+                retry = isinstance(error, _LOST) or isinstance(cause, (ServerStoppedError, QueueFullError))
+                if produced or not retry or len(tried) >= MAX_TRIES:
+                    raise cause from None
+                log.warning("replica %s lost a streaming batch of %d rows (%s) before its first step; sending it "
+                            "elsewhere", member.name, size, type(cause).__name__)
+                self.forget(member)
+            finally:
+                self.add_outstanding(member, -size)
+                if not finished:
+                    ray.cancel(steps)
+
     def members(self) -> dict[str, Any]:
         with self._lock:
             return {name: member.actor for name, member in self._members.items()}
@@ -853,8 +890,9 @@ class Router:
 class _Dispatch:
     """A coalescer partition's executor: one coalesced batch, one Ray call."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, streaming: bool) -> None:
         self.router = router
+        self.streaming = streaming
 
     def compiled(self, rows: int, tree: Any, row_signature: Any, batch_key: Any = None) -> None:
         """Nothing to compile here: the replicas compiled at their warm-up."""
@@ -867,8 +905,10 @@ class _Dispatch:
         """Nothing to release: the router outlives the coalescer's partitions."""
 
     def execute(self, batch: Batch, params: Any) -> Any:
-        """``params`` is ``()``: the replicas hold the weights."""
-        return self.router.send(batch.materialize(), batch.size, batch.user_key)
+        """``params`` is ``()``: the replicas hold the weights. A streaming serving's steps come as a
+        generator, as a local streaming serving's do."""
+        run = self.router.stream if self.streaming else self.router.send
+        return run(batch.materialize(), batch.size, batch.user_key)
 
 
 class Coalescer(Server):
@@ -877,7 +917,8 @@ class Coalescer(Server):
     def __init__(self, router: Router, serving: Serving, in_flight: int) -> None:
         # unpadded (the replica pads) and unbounded (the replicas' queues are the bound)
         policy = dataclasses.replace(serving.policy, max_queue=None, pad=False)
-        super().__init__(serving, router.name, [_Dispatch(router) for _ in range(in_flight)], policy)
+        super().__init__(serving, router.name, [_Dispatch(router, serving.streaming) for _ in range(in_flight)],
+                         policy)
         self.router = router
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:

@@ -64,6 +64,7 @@ class BatchPolicy:
     priority_aging: float = 1.0
     level_max_queue: tuple[tuple[int, int], ...] = ()
     adaptive: bool = True
+    whole_requests: bool = False  # never split a request across batches (a serving that yields steps)
 
     def padded_size(self, rows: int) -> int:
         """The compiled batch size a batch of ``rows`` rows is padded to (``rows`` itself without padding)."""
@@ -222,8 +223,9 @@ class Queues:
         return best, wait
 
     def take(self, signature: Signature, now: float) -> tuple[list[Piece], Batch]:
-        """Rows from one queue, most urgent first (``rows_to_take``, splitting the last piece if needed),
-        their requests marked started, joined into one batch padded to its compiled size."""
+        """Rows from one queue, most urgent first (``rows_to_take``, splitting the last piece if needed, or
+        leaving it whole for the next batch with ``whole_requests``), their requests marked started, joined
+        into one batch padded to its compiled size."""
         queue = self._queues[signature]
         policy = self.policy
         levels = queue.levels
@@ -234,7 +236,10 @@ class Queues:
             level_queue = next(iter(levels.values())) if one_level else queue.best(policy, now)[1]
             while True:
                 piece = level_queue[0]
-                if piece.batch.size > space:
+                if piece.batch.size > space and policy.whole_requests and taken:
+                    space = 0  # its steps must come from one batch: it waits for the next
+                    break
+                if piece.batch.size > space and not policy.whole_requests:
                     head, tail = piece.batch.split(space)
                     level_queue[0] = Piece(piece.request, piece.offset + space, tail, piece.enqueued)
                     piece = Piece(piece.request, piece.offset, head, piece.enqueued)
@@ -242,7 +247,7 @@ class Queues:
                     level_queue.popleft()
                 piece.request.started = True
                 taken.append(piece)
-                space -= piece.batch.size
+                space = max(space - piece.batch.size, 0)
                 if not (one_level and space and level_queue):
                     break
             if not level_queue:

@@ -298,7 +298,7 @@ class Serving:
                        if policy.get("max_queue") is not None)
         return BatchPolicy(self.batch_size, tuple(self.batch_sizes), self.batch_timeout, self.max_queue,
                            priority_levels=self.priority_levels, priority_aging=self.priority_aging,
-                           level_max_queue=limits, adaptive=self.adaptive)
+                           level_max_queue=limits, adaptive=self.adaptive, whole_requests=self.streaming)
 
     def priority_level(self, priority: int | None) -> int:
         """The level a request of ``priority`` queues at: 1..priority_levels (1 the most urgent), None or 0
