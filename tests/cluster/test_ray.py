@@ -566,7 +566,7 @@ def test_autoscaling_goes_from_1_to_3_replicas_under_load_and_back_to_1_when_idl
         events = handle.autoscaler.events
         ups = [event for event in events if event[2] > event[1]]
         downs = [event for event in events if event[2] < event[1]]
-        assert ups and ups[-1][2] == 3 and [(a, b) for _, a, b, _ in downs] == [(3, 2), (2, 1)], events
+        assert ups and ups[-1][2] == 3 and downs and downs[0][1] == 3 and downs[-1][2] == 1, events
         assert events == ups + downs, f"up while loaded, then down once idle, never back and forth: {events}"
         started = handle.autoscaler._started
         print(f"autoscaling: decided on 3 replicas {started + ups[-1][0] - loaded:.1f} s after the load began, "

@@ -637,12 +637,13 @@ def serve(serving: Serving | Generation, name: str, *, replicas: int = 1, weight
 class Autoscaling:
     """When a serving on Ray adds and removes replicas, between ``min_replicas`` and ``max_replicas``.
 
-    Up: once the rows waiting per replica stay above ``target_queue`` (default: the serving's
-    ``batch_size``: a full batch waiting) or, with ``target_wait_s``, the rows run lately waited longer than
-    that on average, for ``upscale_delay_s``: to as many replicas as would bring the queue to the target (at
-    least one more). Down, by one: once the queue stays at most half the target and the replicas that would
-    remain would have been less than ``busy_after_down`` busy (the hysteresis that keeps it from flapping),
-    for ``downscale_delay_s``. Read every ``period_s`` from the replicas' own counters."""
+    Up: once the rows waiting per replica stay at ``target_queue`` or above (default: the serving's
+    ``batch_size``: a full batch waiting behind the one running) or, with ``target_wait_s``, the rows run
+    lately waited longer than that on average, for ``upscale_delay_s``: to as many replicas as would bring
+    the queue to the target (at least one more). Down: once the queue stays at most half the target and
+    one replica fewer would have been less than ``busy_after_down`` busy (the hysteresis that keeps it from
+    flapping), for ``downscale_delay_s``: to as few replicas as stay under that (at least one fewer). Read
+    every ``period_s`` from the replicas' own counters."""
 
     min_replicas: int = 1
     max_replicas: int = 1
@@ -704,7 +705,7 @@ class Autoscaler:
             wait = (totals["queue_wait_s"] - before["queue_wait_s"]) / rows if rows > 0 else 0.0
             busy = max(totals["execution_s"] - before["execution_s"], 0.0) / max(now - then, 1e-9) / replicas
             depth = totals["queue_depth"] / replicas
-            high = depth > self.target or (policy.target_wait_s is not None and wait > policy.target_wait_s)
+            high = depth >= self.target or (policy.target_wait_s is not None and wait > policy.target_wait_s)
             low = depth <= self.target / 2 and busy * replicas / max(replicas - 1, 1) < policy.busy_after_down \
                 and (policy.target_wait_s is None or wait <= policy.target_wait_s / 2)
             high_since = (high_since or now) if high else None
@@ -716,7 +717,8 @@ class Autoscaler:
                 high_since = last = None
             elif low_since is not None and now - low_since >= policy.downscale_delay_s \
                     and replicas > policy.min_replicas:
-                self._scale(replicas, replicas - 1, f"idle: {depth:.1f} rows waiting, {busy:.0%} busy")
+                wanted = max(policy.min_replicas, math.ceil(busy * replicas / policy.busy_after_down))
+                self._scale(replicas, min(wanted, replicas - 1), f"idle: {depth:.1f} rows waiting, {busy:.0%} busy")
                 low_since = last = None
 
     def _scale(self, replicas: int, wanted: int, why: str) -> None:
