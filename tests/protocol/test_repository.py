@@ -223,3 +223,37 @@ def test_a_bad_repository_is_one_line(tmp_path, capsys):
     assert main(["serve"]) == 2
     assert capsys.readouterr().err == "jitserve serve: serve takes a TARGET or --model-repository DIR, not both " \
                                       "nor neither\n"
+
+
+COUNTER = """
+import jax.numpy as jnp
+import numpy as np
+
+import jitserve as js
+
+def prefill(params, tokens, length):
+    total = jnp.sum(jnp.where(jnp.arange(tokens.shape[0]) < length, tokens, 0))
+    return {"last": total}, total
+
+def decode(params, state, last):
+    following = last + params["step"]
+    return {"last": following}, following
+
+serving = js.Generation(prefill, decode, params={"step": np.int32(1)}, slots=2, max_length=32, prefill_lengths=[8])
+"""
+
+
+def test_a_generation_loads_from_the_repository_too(repository):
+    write_model(repository, "counter", COUNTER)
+    running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit", "--no-grpc")
+    try:
+        status, _, _ = running.request("POST", "/v2/repository/models/counter/load", b"{}")
+        assert status == 200
+        payload = {"inputs": [{"name": "prompt", "datatype": "INT32", "shape": [3], "data": [1, 2, 3]}],
+                   "parameters": {"max_steps": 4}}
+        status, body = running.infer_json("counter", payload)
+        assert status == 200 and body["outputs"][0]["data"] == [6, 7, 8, 9]
+        status, _, _ = running.request("POST", "/v2/repository/models/counter/unload", b"{}")
+        assert status == 200 and running.infer_json("counter", payload)[0] == 404
+    finally:
+        stop(running)
