@@ -933,7 +933,9 @@ def test_sigterm_under_mixed_http_and_grpc_load_answers_every_accepted_request()
             value = float(seed)
             try:
                 status, body = running.infer_json("chunked", column([value]), timeout=30)
-            except ConnectionRefusedError:
+            except (ConnectionRefusedError, ConnectionResetError):
+                # refused once the listener closed; reset when the kernel had queued the connection in the
+                # listener's backlog as it closed: never accepted, so never a request the server dropped
                 outcomes.append("refused")
                 return
             if status == 200:

@@ -1,7 +1,7 @@
 """The in-process server: a pool of partitions that run batches taken from the queues.
 
 Callers :meth:`Server.submit` rows (split into pieces of at most
-``batch_size``) and wait on the :class:`~jitserve.serving.queue.Request` they
+``batch_size``) and wait on the :class:`~jitserve.serving.request.Request` they
 get back. Each partition is a worker thread with its own executor; a free
 partition waits until :class:`~jitserve.serving.queue.Queues` says a queue is
 ready, takes a batch from it, runs it and hands every caller its rows. The
