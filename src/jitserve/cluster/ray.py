@@ -440,7 +440,7 @@ class RayServing:
         self.name = name
         self.weight = weight
         self._params = serving.params if serving.has_params else None  # until a holder actor owns them
-        self._fingerprint = fingerprint(serving)
+        self._fingerprint = fingerprint(serving) if owner is not None else ""  # only owned replicas are adopted
         self._owner = owner
         self._actor_options = actor_options
         self._spread = spread
