@@ -49,7 +49,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -241,20 +241,20 @@ def _travel_by_value(serving: Serving | Generation) -> None:
             cloudpickle.register_pickle_by_value(module)
 
 
-def _actor_names(name: str) -> list[str]:
-    """The replicas of ``name`` now registered in the cluster, by index."""
-    prefix = f"{name}/"
-    found = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
-             if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix)
-             and entry["name"][len(prefix):].isdigit()]
-    return sorted(found, key=lambda actor: int(actor.rpartition("/")[2]))
+def _actor_names(name: str | None = None) -> list[str]:
+    """The replicas of ``name`` (None: of every serving) now registered in the cluster, by serving and
+    index: one listing of Ray's named actors."""
+    found = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        serving, _, index = entry["name"].rpartition("/")
+        if entry["namespace"] == NAMESPACE and index.isdigit() and name in (None, serving):
+            found.append((serving, int(index), entry["name"]))
+    return [actor for _, _, actor in sorted(found)]
 
 
 def running_servings() -> list[str]:
     """The names of every serving with replicas in the cluster."""
-    names = {entry["name"].rpartition("/")[0] for entry in ray.util.list_named_actors(all_namespaces=True)
-             if entry["namespace"] == NAMESPACE and entry["name"].rpartition("/")[2].isdigit()}
-    return sorted(names)
+    return sorted({actor.rpartition("/")[0] for actor in _actor_names()})
 
 
 def fingerprint(serving: Serving | Generation) -> str:
@@ -329,11 +329,26 @@ def _owner_alive(owner: str) -> bool:
         return False
 
 
+def _stale_check() -> Callable[[dict[str, Any] | None], bool]:
+    """Whether a replica (its ``info()``; None: it did not answer) is stale: it has an owner, and the owner
+    is gone. Each owner is asked once per check."""
+    alive: dict[str, bool] = {}
+
+    def stale(info: dict[str, Any] | None) -> bool:
+        owner = None if info is None else info.get("owner")
+        if owner is None:
+            return False
+        if owner not in alive:
+            alive[owner] = _owner_alive(owner)
+        return not alive[owner]
+
+    return stale
+
+
 def _replicas(name: str | None = None) -> list[tuple[str, Any, dict[str, Any] | None]]:
     """Every replica of ``name`` (None: of every serving) with its actor and ``info()`` (None when it does
     not answer within 10 s: restarting, or lost)."""
-    names = _actor_names(name) if name is not None else [
-        actor for serving in running_servings() for actor in _actor_names(serving)]
+    names = _actor_names(name)
     found = []
     for actor_name in names:
         try:
@@ -370,17 +385,14 @@ def _kill_named(name: str) -> None:
 def describe() -> list[dict[str, Any]]:
     """Every replica in the cluster (``jitserve cluster list``): its serving, node, process, owner and
     state (``ready``; ``stale`` when its owner is gone; ``unreachable`` when it does not answer)."""
-    owners: dict[str, bool] = {}
+    stale = _stale_check()
     rows = []
     for actor_name, _, info in _replicas():
         row = {"replica": actor_name, "serving": actor_name.rpartition("/")[0], "node": "", "pid": "",
                "owner": "", "state": "unreachable"}
         if info is not None:
-            owner = info.get("owner")
-            if owner is not None and owner not in owners:
-                owners[owner] = _owner_alive(owner)
-            row.update(node=info["node"][:12], pid=info["pid"], owner=owner or "(detached)",
-                       state="stale" if owner is not None and not owners[owner] else "ready")
+            row.update(node=info["node"][:12], pid=info["pid"], owner=info.get("owner") or "(detached)",
+                       state="stale" if stale(info) else "ready")
         rows.append(row)
     return rows
 
@@ -388,11 +400,10 @@ def describe() -> list[dict[str, Any]]:
 def stop_servings(names: Sequence[str] = (), stale: bool = False) -> list[str]:
     """Stop every replica of each serving of ``names`` and free its weights; with ``stale``, also every
     replica whose owner is gone. Returns the replicas stopped."""
+    is_stale = _stale_check()
     stopped, holders, kept_holders = [], set(), set()
     for actor_name, actor, info in _replicas():
-        serving = actor_name.rpartition("/")[0]
-        owner = None if info is None else info.get("owner")
-        if serving in names or (stale and owner is not None and not _owner_alive(owner)):
+        if actor_name.rpartition("/")[0] in names or (stale and is_stale(info)):
             _stop_actor(actor)
             stopped.append(actor_name)
             if info is not None and info.get("holder"):
@@ -465,8 +476,9 @@ class RayServing:
         restarted owner keeps them instead of starting more. Stale ones that serve something else are
         stopped, since one name's replicas must run one function. Returns the adopted replicas."""
         adopted = []
+        stale = _stale_check()
         for actor_name, actor, info in _replicas(self.name):
-            if info is None or info["owner"] is None or _owner_alive(info["owner"]):
+            if info is None or not stale(info):
                 continue
             if info["fingerprint"] != self._fingerprint:
                 log.warning("stopping replica %s: its owner is gone and it serves another version of '%s'",
