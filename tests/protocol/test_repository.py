@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import jitserve as js
 from jitserve.params import save_params
 
 httpclient = pytest.importorskip("tritonclient.http")
@@ -257,3 +258,17 @@ def test_a_generation_loads_from_the_repository_too(repository):
         assert status == 200 and running.infer_json("counter", payload)[0] == 404
     finally:
         stop(running)
+
+
+def test_names_clients_make_up_leave_no_trace(repository):
+    from jitserve.protocol.repository import ModelRepository
+    from jitserve.protocol.service import InferenceService
+
+    models = ModelRepository(repository, InferenceService({}), "explicit")
+    for name in ("nope", "..", "a/b"):
+        with pytest.raises(js.RepositoryError, match=f"model '{re.escape(name)}' is not in the repository"):
+            models.load(name, None)
+        with pytest.raises(js.UnknownServerError, match="it is not in the repository and not loaded"):
+            models.unload(name, None)
+    models.unload("doubler", None)  # in the directory, never loaded: nothing to do
+    assert models._models == {}, "no entry for a name that was never loaded"

@@ -168,12 +168,14 @@ class ModelRepository:
             return None
 
     def _load(self, name: str) -> None:
+        # a name that is no model of the directory gets no entry: names clients make up must not pile up
+        source = self._source(name) if "/" not in name and name not in ("", ".", "..") else None
+        if source is None:
+            raise RepositoryError(f"model '{name}' is not in the repository: there is no "
+                                  f"{self.directory / name / MODEL_FILE}")
         model = self._model(name)
         with model.lock:
-            source = self._source(name) if "/" not in name and name not in ("", ".", "..") else None
-            if source is None:
-                raise RepositoryError(f"model '{name}' is not in the repository: there is no "
-                                      f"{self.directory / name / MODEL_FILE}")
+            source = self._source(name) or source  # as it is now that no other load of it runs
             serving_now = model.source is not None
             if not serving_now:
                 model.state, model.reason = "LOADING", ""
@@ -216,11 +218,13 @@ class ModelRepository:
         log.info("model '%s' %s", name, "reloaded" if old is not None else "loaded")
 
     def _unload(self, name: str) -> None:
+        if name not in self._models and name not in self.service.models:  # no entry for made-up names
+            if name not in self.names():
+                raise UnknownServerError(f"unknown model '{name}': it is not in the repository and not loaded")
+            return  # never loaded: nothing to do, as Triton answers
         model = self._model(name)
         with model.lock:
             if model.source is None and name not in self.service.models:
-                if name not in self.names():
-                    raise UnknownServerError(f"unknown model '{name}': it is not in the repository and not loaded")
                 return  # not loaded: nothing to do, as Triton answers
             model.state, model.reason = "UNLOADING", ""
             for server in self.service.remove(name):
