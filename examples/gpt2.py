@@ -164,15 +164,14 @@ def _decode_one(params, state, token, n_head):
     position = state["position"]
     x = embed(params, token[None], position[None])
     visible = (jnp.arange(state["k"].shape[-2]) <= position)[None, :]
-    keys, values = [], []
+    cache_k, cache_v = state["k"], state["v"]
     for layer, p in enumerate(params["transformer"]["h"]):
         q, k, v = qkv(p, x, n_head)
-        cache_k = jax.lax.dynamic_update_slice_in_dim(state["k"][layer], k, position, axis=1)
-        cache_v = jax.lax.dynamic_update_slice_in_dim(state["v"][layer], v, position, axis=1)
-        keys.append(cache_k)
-        values.append(cache_v)
-        x = finish_block(p, x, attend(q, cache_k, cache_v, visible))
-    return {"k": jnp.stack(keys), "v": jnp.stack(values), "position": position + 1}, logits_of(params, x[0])
+        # one position of one layer written into the whole cache: updated in place, never copied
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None], (layer, 0, position, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None], (layer, 0, position, 0))
+        x = finish_block(p, x, attend(q, cache_k[layer], cache_v[layer], visible))
+    return {"k": cache_k, "v": cache_v, "position": position + 1}, logits_of(params, x[0])
 
 
 def decode(params, state, last, n_head=CONFIG["n_head"]):
