@@ -73,28 +73,78 @@ def test_eos_max_steps_and_max_length_stop_exactly():
         assert len(js.generate("gen-max", [1], max_steps=3)) == 3
 
 
+def random_requests(seed: int, count: int, most_steps: int) -> tuple[list[np.ndarray], list[int]]:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 50, int(rng.integers(1, 16))).astype(np.int32) for _ in range(count)]
+    return prompts, [int(rng.integers(1, most_steps)) for _ in prompts]
+
+
+def generate_concurrently(name: str, prompts: list[np.ndarray], steps: list[int]) -> dict[int, list[int]]:
+    """Every prompt's outputs, each request on its own thread, all at once."""
+    results: dict[int, list[int]] = {}
+
+    def call(i):
+        results[i] = js.generate(name, prompts[i], max_steps=steps[i]).tolist()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
 def test_outputs_do_not_depend_on_the_requests_sharing_the_steps():
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 50, int(rng.integers(1, 16))).astype(np.int32) for _ in range(31)]
-    steps = [int(rng.integers(1, 40)) for _ in prompts]
+    prompts, steps = random_requests(0, 31, 40)
     with js.serve(generation(slots=8), name="gen-mix") as server:
         alone = [js.generate("gen-mix", prompts[0], max_steps=steps[0]).tolist()]
-        results: dict[int, list[int]] = {}
-
-        def call(i):
-            results[i] = js.generate("gen-mix", prompts[i], max_steps=steps[i]).tolist()
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        results = generate_concurrently("gen-mix", prompts, steps)
         stats = server.stats()
     assert results[0] == alone[0]
     for i, prompt in enumerate(prompts):
         assert results[i] == expected(prompt, steps[i]), i
     assert stats["max_slots_busy"] <= 8
     assert stats["max_slots_busy"] > 1, "requests shared steps"
+
+
+def test_slots_freed_by_eos_and_max_steps_take_new_requests_with_no_mix_up():
+    """The loop queues a step before it delivers the previous one: a slot whose last step is queued takes
+    the next prompt at once, one whose request ended at eos is seen a step late (that output dropped)."""
+    prompts, steps = random_requests(1, 24, 30)
+    eos = 33  # ends 6 of them early
+    with js.serve(generation(slots=3, eos=eos), name="gen-reuse") as server:
+        results = generate_concurrently("gen-reuse", prompts, steps)
+        stats = server.stats()
+    assert sum(result[-1] == eos and len(result) < steps[i] for i, result in results.items()) == 6
+    for i, prompt in enumerate(prompts):
+        assert results[i] == expected(prompt, steps[i], eos=eos), i
+    assert stats["outputs"] == sum(len(result) for result in results.values()), "dropped outputs are not counted"
+    assert stats["slots_busy"] == 0 and stats["max_slots_busy"] <= 3
+
+
+def test_a_failing_step_fails_the_requests_it_ran_and_the_server_goes_on():
+    failing = threading.Event()
+
+    def fragile_decode(params, state, last):
+        if failing.is_set():
+            raise ValueError("decode failed on purpose")
+        return {"position": state["position"] + 1, "total": state["total"] + 1}, np.asarray(last) + 1
+
+    fragile = js.Generation(prefill, fragile_decode, params=PARAMS, slots=2, max_length=512, prefill_lengths=[8],
+                            compiler="eager")
+    with js.serve(fragile, name="gen-fragile") as server:
+        streams = [js.generate_stream("gen-fragile", [1, 2], max_steps=400) for _ in range(2)]
+        for stream in streams:
+            next(stream)
+        failing.set()
+        for stream in streams:
+            with pytest.raises(ValueError, match="decode failed on purpose"):
+                for _ in stream:
+                    pass
+        failing.clear()
+        assert js.generate("gen-fragile", [5], max_steps=3).tolist() == [5, 6, 7]
+        stats = server.stats()
+    assert stats["errors"] == 1 and stats["slots_busy"] == 0
 
 
 def slow_decode(params, state, last):

@@ -12,7 +12,9 @@ compiled update that leaves the other rows in place), and it frees a slot the
 moment its request ends: after ``max_steps`` outputs, right after an output
 equal to ``eos``, at ``max_length``, or when its caller stops reading. A
 request never waits for another to finish (Orca's iteration-level
-scheduling); when no slot is busy, no step runs.
+scheduling); when no slot is busy, no step runs. The loop queues each step
+before it delivers the outputs of the step before (JetStream's pipeline), so
+the device does not wait for the host between steps.
 
 Everything compiles at warm-up: the prefill per (prompt length, number of
 prompts) bucket, the slot update per number of prompts, and one decode step,
@@ -33,7 +35,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
@@ -213,16 +215,20 @@ class Generation:
 class GenerationRequest:
     """One prompt in flight: its outputs go to ``stream`` as they come, then END (or an exception)."""
 
-    __slots__ = ("prompt", "max_steps", "sampling", "stream", "produced", "cancelled", "slot", "submitted",
-                 "admitted")
+    __slots__ = ("prompt", "max_steps", "sampling", "stream", "needed", "dispatched", "produced", "ended",
+                 "cancelled", "slot", "submitted", "admitted")
 
-    def __init__(self, prompt: np.ndarray, max_steps: int, sampling: Sampling,
+    def __init__(self, prompt: np.ndarray, max_steps: int, sampling: Sampling, max_length: int,
                  loop: asyncio.AbstractEventLoop | None) -> None:
         self.prompt = prompt
         self.max_steps = max_steps
         self.sampling = sampling
         self.stream = Stream(loop)
-        self.produced = 0
+        # outputs it gets unless eos ends it first: max_steps, or as many as fit max_length (the first, always)
+        self.needed = max(1, min(max_steps, max_length - prompt.size))
+        self.dispatched = 0  # its outputs being computed or computed (ahead of ``produced`` by a step at most)
+        self.produced = 0  # its outputs delivered
+        self.ended = False  # it got END or an error: later outputs computed for it are dropped
         self.cancelled = False
         self.admitted = threading.Event()
         self.slot = -1  # its slot once admitted
@@ -259,12 +265,12 @@ class _Programs:
         return [Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.uint32, np.int32)]
 
     def option_arrays(self, requests: Sequence[GenerationRequest | None]) -> list[np.ndarray]:
-        """Each request's temperature, top_k, top_p, seed and next step (its outputs so far), one row per
-        request (None: an idle slot, greedy); none unless the generation gives logits."""
+        """Each request's temperature, top_k, top_p, seed and next step (its outputs computed so far), one
+        row per request (None: an idle slot, greedy); none unless the generation gives logits."""
         if not self.generation.logits:
             return []
         chosen = [GREEDY if request is None else request.sampling for request in requests]
-        steps = [0 if request is None else request.produced for request in requests]
+        steps = [0 if request is None else request.dispatched for request in requests]
         return [np.array([c.temperature for c in chosen], np.float32), np.array([c.top_k for c in chosen], np.int32),
                 np.array([c.top_p for c in chosen], np.float32), np.array([c.seed for c in chosen], np.uint32),
                 np.array(steps, np.int32)]
@@ -282,9 +288,12 @@ class _Programs:
         return executable.run
 
     def _step(self, params: Any, carry: Any, *options: Any) -> Any:
+        """One decode step: the next carry, and the outputs again in a buffer of their own, which the host
+        reads while the next step (given the carry, donated) runs."""
         state, last = carry
         state, outputs = self.generation.decode(params, state, last)
-        return state, self._chosen(outputs, options)
+        chosen = self._chosen(outputs, options)
+        return (state, chosen), chosen
 
     def prefill(self, length: int, count: int) -> Callable[..., Any]:
         key = (length, count)
@@ -370,6 +379,7 @@ class GenerationServer(GenerationFront):
         self._programs = _Programs(generation, options, self._count_compile)
         self._params = self._programs.compiler.place(generation.params, options)
         self._carry: Any = None
+        self._ready = 0.0  # when the outputs delivered last were on the host
         self._thread = threading.Thread(target=self._loop, name=f"jitserve-{name}-generation", daemon=True)
         self._on_stop: list[Callable[[Any], None]] = []
         self._listeners: list[Callable[[str, float], None]] = []
@@ -426,10 +436,18 @@ class GenerationServer(GenerationFront):
 
     def _end_all(self, reason: str) -> None:
         """Under the lock: every waiting and running request ends with ServerStoppedError."""
-        for request in [*self._waiting, *self._busy.values()]:
-            request.stream.put(ServerStoppedError(f"generation server {self.name!r} {reason}"))
+        self._end([*self._waiting, *self._busy.values()],
+                  ServerStoppedError(f"generation server {self.name!r} {reason}"))
         self._waiting.clear()
         self._busy.clear()
+
+    @staticmethod
+    def _end(requests: list[GenerationRequest], error: BaseException) -> None:
+        """Each of ``requests`` not ended yet ends with ``error``; outputs computed for it later are dropped."""
+        for request in requests:
+            if not request.ended:
+                request.ended = True
+                request.stream.put(error)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -447,7 +465,7 @@ class GenerationServer(GenerationFront):
         ``logits=True`` generation; None: greedy); its outputs arrive on the request's stream."""
         g = self.generation
         request = GenerationRequest(g.check_request(self.name, prompt, max_steps, sampling), int(max_steps),
-                                    sampling or GREEDY, loop)
+                                    sampling or GREEDY, g.max_length, loop)
         with self._lock:
             if self._stopping:
                 raise ServerStoppedError(f"generation server {self.name!r} is stopped and takes no new requests")
@@ -464,7 +482,7 @@ class GenerationServer(GenerationFront):
         """The caller stopped reading: a waiting request leaves the queue, a running one frees its slot
         before the next step."""
         with self._lock:
-            if request.cancelled:
+            if request.ended or request.cancelled:
                 return
             request.cancelled = True
             if request in self._waiting:
@@ -521,11 +539,16 @@ class GenerationServer(GenerationFront):
     # the loop --------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        """Admit, step, deliver, in a pipeline: what an iteration computes is delivered by the next one,
+        after it has queued its own work, so that the device never waits for the host (JetStream's
+        design). A slot is free once its request's last step is queued; a request that ends at ``eos``
+        is seen a step late, and the output computed for it meanwhile is dropped."""
+        in_flight: list[_Dispatched] = []  # queued on the device, not delivered yet
         while True:
             with self._lock:
-                while not self._busy and not self._waiting and not self._stopping:
+                while not (self._busy or self._waiting or in_flight or self._stopping):
                     self._wake.wait()
-                if self._stopping and not self._busy and not self._waiting:
+                if self._stopping and not (self._busy or self._waiting or in_flight):
                     return
                 self._free_cancelled()
                 free = [slot for slot in range(self.generation.slots) if slot not in self._busy]
@@ -535,30 +558,43 @@ class GenerationServer(GenerationFront):
                     self._busy[slot] = request
                     request.admitted.set()
                 self._stats["max_slots_busy"] = max(self._stats["max_slots_busy"], len(self._busy))
+            dispatched: list[_Dispatched] = []
             try:
                 if admitted:
-                    self._admit(admitted)
-                if self._busy:
-                    self._step()
+                    self._admit(admitted, dispatched)
+                self._step(dispatched)
+                for item in in_flight:
+                    self._deliver(item)
+                in_flight = dispatched
             except Exception as error:  # every running request gets it; the loop goes on
                 raised_by_model(error)  # prefill or decode, or their compiled code: a 500 over the network
                 log.exception("generation server %s: a step failed", self.name)
                 with self._lock:
                     self._stats["errors"] += 1
-                    for request in self._busy.values():
-                        request.stream.put(error)
+                    hit = [*self._busy.values(), *(r for item in [*in_flight, *dispatched] for r in item.requests)]
+                    self._end(hit, error)
                     self._busy.clear()
                     self._carry = self._programs.zeros()
+                in_flight = []
 
     def _free_cancelled(self) -> None:
         """Under the lock: slots whose callers stopped reading are free again."""
         for slot, request in list(self._busy.items()):
-            if request.cancelled:
+            if request.ended or request.cancelled:
                 del self._busy[slot]
                 self._stats["cancelled"] += 1
 
-    def _admit(self, requests: list[GenerationRequest]) -> None:
-        """Prefill the admitted prompts, grouped by compiled length, and write them into their slots."""
+    def _queued(self, requests: list[GenerationRequest]) -> None:
+        """Under the lock: one more output of each of ``requests`` is queued; a request whose last one it is
+        gives up its slot (its outputs are on their way)."""
+        for request in requests:
+            request.dispatched += 1
+            if request.dispatched >= request.needed and self._busy.get(request.slot) is request:
+                del self._busy[request.slot]
+
+    def _admit(self, requests: list[GenerationRequest], dispatched: list[_Dispatched]) -> None:
+        """Queue the prefills of the admitted prompts, grouped by compiled length, and their writes into
+        their slots."""
         g, programs = self.generation, self._programs
         groups: dict[int, list[GenerationRequest]] = {}
         for request in requests:
@@ -573,54 +609,82 @@ class GenerationServer(GenerationFront):
                 tokens[row, :request.prompt.size] = request.prompt
             lengths = np.array([request.prompt.size for request in padded], np.int32)
             slots = np.array([request.slot for request in padded], np.int32)
+            started = time.perf_counter()
             rows, first = programs.prefill(length, count)(self._params, tokens, lengths)
             self._carry, outputs = programs.update(count)(self._carry, rows, first, slots,
                                                           *programs.option_arrays(padded))
-            self._stats["prefills"] += 1
-            self._deliver(group, owned_host_array(outputs)[:len(group)], prompt_positions=True)
+            with self._lock:
+                self._stats["prefills"] += 1
+                self._queued(group)
+            dispatched.append(_Dispatched(group, list(range(len(group))), _to_host(outputs), started, False))
 
-    def _step(self) -> None:
-        started = time.perf_counter()
+    def _step(self, dispatched: list[_Dispatched]) -> None:
+        """Queue one decode step of every slot, if any is busy."""
         programs = self._programs
         with self._lock:
-            busy = dict(self._busy)
-        options = programs.option_arrays([busy.get(slot) for slot in range(self.generation.slots)])
-        self._carry = programs.step(self._params, self._carry, *options)
-        outputs = owned_host_array(self._carry[1])  # a copy: the next step reuses the buffer
-        elapsed = time.perf_counter() - started
-        with self._lock:
-            self._stats["steps"] += 1
-            self._stats["step_s"] += elapsed
             running = sorted(self._busy.items())
-        self._tell("step", elapsed)
-        self._deliver([request for _, request in running], outputs[[slot for slot, _ in running]])
+            if not running:
+                return
+            options = programs.option_arrays([self._busy.get(slot) for slot in range(self.generation.slots)])
+            self._queued([request for _, request in running])
+        started = time.perf_counter()
+        self._carry, outputs = programs.step(self._params, self._carry, *options)
+        dispatched.append(_Dispatched([request for _, request in running], [slot for slot, _ in running],
+                                      _to_host(outputs), started, True))
 
-    def _deliver(self, requests: list[GenerationRequest], outputs: np.ndarray, prompt_positions: bool = False) -> None:
-        """Each request's next output; a request that is done (max_steps, eos, max_length) ends and frees
-        its slot."""
+    def _deliver(self, item: _Dispatched) -> None:
+        """Once ``item`` is computed, each of its requests' next output; a request that is done (its outputs
+        needed, or eos) ends and frees its slot."""
         g = self.generation
+        outputs = owned_host_array(item.outputs)
         now = time.perf_counter()
         finished = []
         delivered = 0
-        for request, output in zip(requests, outputs):
-            if request.cancelled:
+        for request, row in zip(item.requests, item.rows):
+            if request.ended or request.cancelled:
                 continue
+            output = outputs[row]
             request.produced += 1
             delivered += 1
             request.stream.put(output)
-            done = (request.produced >= request.max_steps
-                    or request.prompt.size + request.produced >= g.max_length
-                    or (g.eos is not None and np.array_equal(output, g.eos)))
-            if done:
+            if request.produced >= request.needed or (g.eos is not None and np.array_equal(output, g.eos)):
                 request.stream.put(END)
+                request.ended = True
                 finished.append(request)
+        elapsed = now - max(item.started, self._ready)  # from when the device could start it
+        self._ready = now
         with self._lock:
             self._stats["outputs"] += delivered
-            if prompt_positions:
-                self._stats["first_output_s"] += sum(now - r.submitted for r in requests)
+            if item.step:
+                self._stats["steps"] += 1
+                self._stats["step_s"] += elapsed
+            else:
+                self._stats["first_output_s"] += sum(now - r.submitted for r in item.requests)
             for request in finished:
                 if self._busy.get(request.slot) is request:
                     del self._busy[request.slot]
-        if prompt_positions:
-            for request in requests:
+        if item.step:
+            self._tell("step", elapsed)
+        else:
+            for request in item.requests:
                 self._tell("first_output", now - request.submitted)
+
+
+class _Dispatched(NamedTuple):
+    """Outputs queued on the device: row ``rows[i]`` of ``outputs`` is the next output of ``requests[i]``;
+    ``step``: a decode step (else the first outputs of admitted prompts), queued at ``started``."""
+
+    requests: list[GenerationRequest]
+    rows: list[int]
+    outputs: Any
+    started: float
+    step: bool
+
+
+def _to_host(outputs: Any) -> Any:
+    """``outputs`` on their way to the host: a jax array's copy starts when its computation ends, without
+    waiting for it here; anything else (IREE's buffers, numpy) is copied now."""
+    if isinstance(outputs, jax.Array):
+        outputs.copy_to_host_async()
+        return outputs
+    return owned_host_array(outputs)
