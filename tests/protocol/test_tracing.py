@@ -3,11 +3,14 @@ and gRPC fronts on loopback, and `jitserve serve --trace-endpoint` exporting OTL
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import json
+import queue
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ import jitserve as js
 
 pytest.importorskip("opentelemetry.sdk")
 grpcclient = pytest.importorskip("tritonclient.grpc")
+import generation_models  # noqa: E402
 import uvicorn  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
@@ -50,14 +54,16 @@ def post(port: int, payload: bytes, headers: dict) -> int:
         connection.close()
 
 
-def test_spans_of_requests_and_their_batch_with_w3c_parents():
+@contextlib.contextmanager
+def traced_fronts(name: str, served) -> Iterator[tuple[int, int, InMemorySpanExporter]]:
+    """``served`` (a Serving or a Generation) as model ``name`` behind real HTTP and gRPC fronts on loopback,
+    its spans kept in memory: (HTTP port, gRPC port, exporter)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    serving = js.Serving(lambda x: x * 2, batch_size=8, batch_timeout=0.3, input_template=js.template((4,), "float32"))
     port, grpc_port = free_port(), free_port()
-    with js.serve(serving, name="traced") as server:
-        service = InferenceService({"traced": server}, tracing=Tracing(provider))
+    with js.serve(served, name=name) as server:
+        service = InferenceService({name: server}, tracing=Tracing(provider))
         http_server = uvicorn.Server(app.http_config(service, "127.0.0.1", port))
         http_thread = threading.Thread(target=http_server.run, daemon=True)
         http_thread.start()
@@ -66,27 +72,37 @@ def test_spans_of_requests_and_their_batch_with_w3c_parents():
         try:
             while not http_server.started:
                 time.sleep(0.05)
-            statuses: list[int] = []
-            callers = [threading.Thread(target=lambda i=i: statuses.append(
-                post(port, body(i), {"traceparent": traceparent(TRACE_IDS[i])}))) for i in range(2)]
-            for caller in callers:  # both arrive within the batch window: one batch runs them
-                caller.start()
-            for caller in callers:
-                caller.join(30)
-            assert statuses == [200, 200]
-            client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
-            tensor = grpcclient.InferInput("input", [1, 4], "FP32")
-            tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
-            client.infer("traced", [tensor], headers={"traceparent": traceparent(TRACE_IDS[2])})
-            assert post(port, body(1), {}) == 200  # no traceparent: a trace of its own
-            deadline = time.monotonic() + 10
-            while sum(span.name == "batch" for span in exporter.get_finished_spans()) < 3:
-                assert time.monotonic() < deadline, [span.name for span in exporter.get_finished_spans()]
-                time.sleep(0.05)
+            yield port, grpc_port, exporter
         finally:
             grpc_server.stop(1)
             http_server.should_exit = True
             http_thread.join(10)
+
+
+def children_of(spans, parent) -> list[str]:
+    return sorted(span.name for span in spans if span.parent is not None and span.parent.span_id == parent.context.span_id)
+
+
+def test_spans_of_requests_and_their_batch_with_w3c_parents():
+    serving = js.Serving(lambda x: x * 2, batch_size=8, batch_timeout=0.3, input_template=js.template((4,), "float32"))
+    with traced_fronts("traced", serving) as (port, grpc_port, exporter):
+        statuses: list[int] = []
+        callers = [threading.Thread(target=lambda i=i: statuses.append(
+            post(port, body(i), {"traceparent": traceparent(TRACE_IDS[i])}))) for i in range(2)]
+        for caller in callers:  # both arrive within the batch window: one batch runs them
+            caller.start()
+        for caller in callers:
+            caller.join(30)
+        assert statuses == [200, 200]
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        tensor = grpcclient.InferInput("input", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+        client.infer("traced", [tensor], headers={"traceparent": traceparent(TRACE_IDS[2])})
+        assert post(port, body(1), {}) == 200  # no traceparent: a trace of its own
+        deadline = time.monotonic() + 10
+        while sum(span.name == "batch" for span in exporter.get_finished_spans()) < 3:
+            assert time.monotonic() < deadline, [span.name for span in exporter.get_finished_spans()]
+            time.sleep(0.05)
     spans = exporter.get_finished_spans()
     requests = [span for span in spans if span.name in ("http infer", "grpc infer")]
     assert sorted(span.name for span in requests) == ["grpc infer", "http infer", "http infer", "http infer"]
@@ -95,9 +111,7 @@ def test_spans_of_requests_and_their_batch_with_w3c_parents():
         request = by_trace[trace_id]
         assert request.name == f"{protocol} infer" and f"{request.parent.span_id:016x}" == PARENT, \
             "the request's span is the child of its traceparent"
-        children = sorted(span.name for span in spans if span.parent is not None
-                          and span.parent.span_id == request.context.span_id)
-        assert children == ["queue", "receive", "send"], children
+        assert children_of(spans, request) == ["queue", "receive", "send"]
         assert request.attributes["jitserve.model"] == "traced" and request.attributes["jitserve.status"] in ("200", "OK")
     untraced = [span for trace_id, span in by_trace.items() if trace_id not in TRACE_IDS]
     assert len(untraced) == 1 and untraced[0].parent is None
@@ -111,6 +125,43 @@ def test_spans_of_requests_and_their_batch_with_w3c_parents():
     queue = next(span for span in spans if span.name == "queue"
                  and span.parent.span_id == by_trace[TRACE_IDS[0]].context.span_id)
     assert queue.end_time == shared[0].start_time, "a request's queue span ends as its batch forms"
+
+
+def test_spans_of_streamed_generation_requests_over_sse_and_grpc_streams():
+    generation = js.Generation(generation_models.prefill, generation_models.decode, params={}, slots=2,
+                               max_length=64, prefill_lengths=[8], logits=True)
+    prompt = np.array([5, 6, 7], np.int32)
+    with traced_fronts("gen", generation) as (port, grpc_port, exporter):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        payload = json.dumps({"inputs": [{"name": "prompt", "datatype": "INT32", "shape": [3], "data": prompt.tolist()}],
+                              "parameters": {"max_steps": 5}}).encode()
+        connection.request("POST", "/v2/models/gen/infer_stream", payload, {"traceparent": traceparent(TRACE_IDS[0])})
+        answer = connection.getresponse()
+        assert answer.status == 200 and answer.read().count(b"data: ") == 5
+        connection.close()
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        client.start_stream(callback=lambda result, error: results.put(error), headers={
+            "traceparent": traceparent(TRACE_IDS[1])})
+        tensor = grpcclient.InferInput("prompt", [3], "INT32")
+        tensor.set_data_from_numpy(prompt)
+        client.async_stream_infer("gen", [tensor], parameters={"max_steps": 4})
+        assert [results.get(timeout=30) for _ in range(4)] == [None] * 4
+        client.stop_stream()
+        deadline = time.monotonic() + 10
+        while len([span for span in exporter.get_finished_spans() if span.name.endswith("stream infer")]) < 1:
+            assert time.monotonic() < deadline, [span.name for span in exporter.get_finished_spans()]
+            time.sleep(0.05)
+    spans = exporter.get_finished_spans()
+    for name, trace_id, outputs, status in (("http infer_stream", TRACE_IDS[0], 5, "200"),
+                                            ("grpc stream infer", TRACE_IDS[1], 4, "OK")):
+        request = next(span for span in spans if span.name == name)
+        assert f"{request.context.trace_id:032x}" == trace_id and f"{request.parent.span_id:016x}" == PARENT
+        assert children_of(spans, request) == ["receive", "stream"]
+        assert [event.name for event in request.events] == ["first output"]
+        assert request.attributes["jitserve.outputs"] == outputs and request.attributes["jitserve.status"] == status
+        stream = next(span for span in spans if span.name == "stream" and span.parent.span_id == request.context.span_id)
+        assert stream.start_time <= request.events[0].timestamp <= stream.end_time, "the first output is in its stream"
 
 
 class Collector(http.server.BaseHTTPRequestHandler):

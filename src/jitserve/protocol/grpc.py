@@ -274,21 +274,35 @@ class StreamCall:
         REQUEST_ARRIVED.set(time.perf_counter())  # this request's task: its latency in the access log
         service = self.front.service
         model = ""
-        request = None
+        request = span = failure = stream = None
+        status = "CANCELLED"  # unless it ends or fails
         try:
             request = parse(MESSAGES["ModelInferRequest"], data)
             model = request.model_name
+            if service.tracing is not None:
+                span = service.tracing.request("grpc", model, self.context.invocation_metadata() or (), "stream infer")
             tensors = _decode_inputs(request)
             names = _requested(request)
+            if span is not None:
+                span.phase("receive")
             served, stream = service.infer_stream(model, tensors, names, _priority(request), request.model_version,
                                                   _parameter_values(request))
             async for outputs in stream:
+                if span is not None:
+                    span.output()
                 await self._put(MESSAGES["ModelStreamInferResponse"](
                     infer_response=_infer_response(model, served, request.id, outputs)))
+            status = "OK"
         except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
+            failure = error
             version = None if request is None else request.model_version
-            await self._put(_stream_error(request, model, service.failed("grpc", model, error, version)[2]))
+            _, status, message = service.failed("grpc", model, error, version)
+            await self._put(_stream_error(request, model, message))
             return
+        finally:
+            if span is not None:
+                span.phase(None if stream is None else "stream")
+                span.end(failure, status)
         service.count(model, "grpc", "OK", served)
         if _flag(request, "triton_enable_empty_final_response"):
             final = MESSAGES["ModelInferResponse"](model_name=model, model_version=served, id=request.id)

@@ -294,27 +294,43 @@ class HttpFront:
                            version: str | None) -> Response | _Events:
         """The request is read, checked and queued first (its errors are ordinary 4xx/5xx responses); then
         the outputs go out as events while the rows run."""
+        tracing = self.service.tracing
+        span = None if tracing is None else tracing.request("http", model, headers.items(), "infer_stream")
         try:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, _ = await self._off_loop(
                 len(body), lambda: _parse_request(body, header_length))
+            if span is not None:
+                span.phase("receive")
             served, stream = self.service.infer_stream(model, tensors, _classes(requested),
                                                        _priority(request), version, request.get("parameters"))
         except Exception as error:  # noqa: BLE001 - statuses by error class
-            return self._failed(model, error, version)
-        return _Events(self._events(model, served, request.get("id"), stream))
+            failed = self._failed(model, error, version)
+            if span is not None:
+                span.end(error, failed[0])
+            return failed
+        return _Events(self._events(model, served, request.get("id"), stream, span))
 
     async def _events(self, model: str, served: str, request_id: Any,
-                      stream: AsyncIterator[list[tuple[str, np.ndarray]]]) -> AsyncIterator[bytes]:
+                      stream: AsyncIterator[list[tuple[str, np.ndarray]]], span: Any) -> AsyncIterator[bytes]:
+        failure: BaseException | None = None
+        status: int | str = "disconnected"  # unless it ends or fails
         try:
             async for outputs in stream:
+                if span is not None:
+                    span.output()
                 yield b"data: " + _encode_response(model, served, request_id, outputs, {}, False)[2] + b"\n\n"
+            status = 200
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
+            failure = error
             status, _, message = self.service.failed("http", model, error, served)
             yield b"event: error\ndata: " + orjson.dumps({"error": message, "status": status}) + b"\n\n"
             return
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+            if span is not None:
+                span.phase("stream")
+                span.end(failure, status)
         self.service.count(model, "http", 200, served)
 
 

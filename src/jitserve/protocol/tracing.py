@@ -5,7 +5,11 @@ Each inference request (HTTP infer, gRPC ModelInfer) is a span ``http infer`` /
 (HTTP header or gRPC metadata) when it carries one, with children ``receive``
 (reading and decoding it), ``queue`` (from submission until the batch that
 runs its rows formed; one per batch, for a request split across several) and
-``send`` (encoding the answer). Each batch is a span ``batch`` (from forming to
+``send`` (encoding the answer). A streamed request (HTTP ``infer_stream``, each
+request of a gRPC ``ModelStreamInfer``: a streaming serving's or a
+generation's) is a span ``http infer_stream`` / ``grpc stream infer`` with
+children ``receive`` and ``stream`` (from queued to its last output sent), an
+event ``first output``, and its outputs counted (``jitserve.outputs``). Each batch is a span ``batch`` (from forming to
 delivery) with a child ``execute`` (the compiled call), in a trace of its own
 and linked to the span of every request it ran: a batch serves many traces, as
 OpenTelemetry's links are meant for. The serving layer knows nothing of this:
@@ -60,11 +64,12 @@ class Tracing:
         if isinstance(self.provider, TracerProvider):
             self.provider.shutdown()
 
-    def request(self, protocol: str, model: str, carrier: Iterable[tuple[str | bytes, str | bytes]]) -> RequestSpan:
-        """Open a request's span (its parent from ``carrier``'s W3C headers, if any) and make it the current
-        task's trace context, which the request's batches will see."""
+    def request(self, protocol: str, model: str, carrier: Iterable[tuple[str | bytes, str | bytes]],
+                call: str = "infer") -> RequestSpan:
+        """Open the span of a request to ``call`` (its parent from ``carrier``'s W3C headers, if any) and make
+        it the current task's trace context, which the request's batches will see."""
         headers = {_text(key).lower(): _text(value) for key, value in carrier if _text(key).lower() in CARRIED}
-        span = self.tracer.start_span(f"{protocol} infer", context=_PROPAGATOR.extract(headers), kind=SpanKind.SERVER,
+        span = self.tracer.start_span(f"{protocol} {call}", context=_PROPAGATOR.extract(headers), kind=SpanKind.SERVER,
                                       attributes={"rpc.system": protocol, "jitserve.model": model})
         TRACE.set(span.get_span_context())
         return RequestSpan(self.tracer, span)
@@ -92,13 +97,20 @@ class Tracing:
 class RequestSpan:
     """A request's span while it is handled: :meth:`phase` closes a child span from the last mark to now."""
 
-    __slots__ = ("tracer", "span", "context", "mark")
+    __slots__ = ("tracer", "span", "context", "mark", "outputs")
 
     def __init__(self, tracer: Any, span: Any) -> None:
         self.tracer = tracer
         self.span = span
         self.context = set_span_in_context(span)
         self.mark = time.time_ns()
+        self.outputs = 0  # a stream's, sent so far
+
+    def output(self) -> None:
+        """A stream sent an output: the first is an event, and all are counted at the end."""
+        self.outputs += 1
+        if self.outputs == 1:
+            self.span.add_event("first output")
 
     def phase(self, name: str | None) -> None:
         """A child span ``name`` from the last mark to now (None: only move the mark)."""
@@ -112,6 +124,8 @@ class RequestSpan:
             self.span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {str(error)[:200]}"))
         if status is not None:
             self.span.set_attribute("jitserve.status", str(status))
+        if self.outputs:
+            self.span.set_attribute("jitserve.outputs", self.outputs)
         self.span.end()
 
 
