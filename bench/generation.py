@@ -122,7 +122,7 @@ def report(title: str, figures: dict) -> None:
     def median(label, key):
         return float(np.median([round_[key] for round_ in figures[label]]))
 
-    print(title)
+    print(title, flush=True)
     print("| server | outputs/s | first output p50 | p99 | per step p50 | p99 | decode steps |")
     print("|---|---|---|---|---|---|---|")
     for label in figures:
@@ -136,7 +136,7 @@ def report(title: str, figures: dict) -> None:
           f"{median('streaming', 'steps') / median('generation', 'steps'):.2f}x (streaming's decode steps over "
           f"generation's); p99 first output {median('generation', 'ttft_p99') * 1e3:.1f} ms vs streaming's p50 "
           f"{median('streaming', 'ttft_p50') * 1e3:.1f} ms (goal: below); over one at a time "
-          f"{median('generation', 'outputs_per_s') / median('one at a time', 'outputs_per_s'):.2f}x")
+          f"{median('generation', 'outputs_per_s') / median('one at a time', 'outputs_per_s'):.2f}x", flush=True)
 
 
 def main() -> None:
@@ -177,19 +177,18 @@ def main() -> None:
         arms = {"generation": generation_arm("bench-generation", args.slots, stack),
                 "streaming": (call_streaming, lambda: streaming_steps[0]),
                 "one at a time": generation_arm("bench-one", 1, stack)}
+        setting = (f"GPT-2 example ({module.SIZE} config), {args.requests} requests, outputs 1..256, {args.slots} "
+                   f"slots / batch size, XLA on {jax.devices()[0].device_kind}, median of {args.rounds} rounds")
         requests = workload(args.requests, args.rate, module.CONFIG["vocab_size"], module.CONTEXT)
         flood = measure(arms, requests, args.rounds)
+        report(f"{setting}; flood: Poisson {args.rate:g}/s", flood)
         outputs_per_request = np.mean([steps for _, _, steps in requests])
         capacity = np.median([r["outputs_per_s"] for r in flood["generation"]]) / outputs_per_request
         busy_rate = args.load * capacity
         busy = measure(arms, workload(args.requests, busy_rate, module.CONFIG["vocab_size"], module.CONTEXT),
                        args.rounds)
-
-    setting = (f"GPT-2 example ({module.SIZE} config), {args.requests} requests, outputs 1..256, {args.slots} "
-               f"slots / batch size, XLA on {jax.devices()[0].device_kind}, median of {args.rounds} rounds")
-    report(f"{setting}; flood: Poisson {args.rate:g}/s", flood)
-    report(f"{setting}; busy: Poisson {busy_rate:.1f}/s ({args.load:g} of generation's capacity, "
-           f"{capacity:.1f} requests/s)", busy)
+        report(f"{setting}; busy: Poisson {busy_rate:.1f}/s ({args.load:g} of generation's capacity, "
+               f"{capacity:.1f} requests/s)", busy)
 
 
 if __name__ == "__main__":
