@@ -168,14 +168,16 @@ class ModelRepository:
             return None
 
     def _load(self, name: str) -> None:
-        # a name that is no model of the directory gets no entry: names clients make up must not pile up
-        source = self._source(name) if "/" not in name and name not in ("", ".", "..") else None
-        if source is None:
-            raise RepositoryError(f"model '{name}' is not in the repository: there is no "
+        missing = RepositoryError(f"model '{name}' is not in the repository: there is no "
                                   f"{self.directory / name / MODEL_FILE}")
+        # a name that is no model of the directory gets no entry: names clients make up must not pile up
+        if "/" in name or name in ("", ".", "..") or not (self.directory / name / MODEL_FILE).is_file():
+            raise missing
         model = self._model(name)
         with model.lock:
-            source = self._source(name) or source  # as it is now that no other load of it runs
+            source = self._source(name)  # read once no other load of it runs
+            if source is None:  # removed meanwhile
+                raise missing
             serving_now = model.source is not None
             if not serving_now:
                 model.state, model.reason = "LOADING", ""
