@@ -9,10 +9,12 @@ runs its rows formed; one per batch, for a request split across several) and
 request of a gRPC ``ModelStreamInfer``: a streaming serving's or a
 generation's) is a span ``http infer_stream`` / ``grpc stream infer`` with
 children ``receive`` and ``stream`` (from queued to its last output sent), an
-event ``first output``, and its outputs counted (``jitserve.outputs``). Each batch is a span ``batch`` (from forming to
-delivery) with a child ``execute`` (the compiled call), in a trace of its own
-and linked to the span of every request it ran: a batch serves many traces, as
-OpenTelemetry's links are meant for. The serving layer knows nothing of this:
+event ``first output``, and its outputs counted (``jitserve.outputs``).
+
+Each batch is a span ``batch`` (from forming to delivery) with a child
+``execute`` (the compiled call), in a trace of its own and linked to the span
+of every request it ran: a batch serves many traces, as OpenTelemetry's links
+are meant for. The serving layer knows nothing of this:
 a request carries its span's context (``serving.request.TRACE``) into the
 reports of its batches, from which the batch listener here makes the spans.
 """
