@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jitserve as js
+import jitserve.serving.generation as generation_server
 
 VOCAB = 97
 
@@ -254,7 +255,10 @@ def sampled(compiler="xla", **options):
 @pytest.mark.parametrize("compiler", ["xla", "eager"])
 def test_a_logits_generation_is_greedy_by_default_and_samples_per_request_on_request(compiler):
     prompt = np.array([3, 1, 4, 1, 5], np.int32)
-    with js.serve(sampled(compiler), name="sampled"):
+    with js.serve(sampled(compiler), name="sampled") as server:
+        compiles = server.stats()["compiles"]
+        # prefill per (length, prompts); a greedy and a sampling update per prompts, and step
+        assert compiles == (0 if compiler == "eager" else 2 * 3 + 2 * 3 + 2)
         assert js.generate("sampled", prompt, max_steps=10).tolist() == expected(prompt, 10)
         assert js.generate("sampled", prompt, max_steps=10, temperature=5.0, top_k=1).tolist() == \
             expected(prompt, 10), "top_k=1 is greedy at any temperature"
@@ -262,6 +266,26 @@ def test_a_logits_generation_is_greedy_by_default_and_samples_per_request_on_req
         assert js.generate("sampled", prompt, max_steps=20, temperature=2.0, seed=7).tolist() == first
         assert js.generate("sampled", prompt, max_steps=20, temperature=2.0, seed=8).tolist() != first
         assert first != expected(prompt, 20)
+        assert server.stats()["compiles"] == compiles, "greedy and sampled steps compiled at warm-up"
+
+
+def test_only_steps_with_a_sampled_request_run_the_sampling_program(monkeypatch):
+    """The host picks greedy or sampling per step (a lax.cond on the device would stall a GPU's pipeline):
+    greedy requests alone never reach the sampler; eager runs it as a jitted function, traced on first use."""
+    traced = []
+
+    def sample_tokens(*arguments):
+        traced.append(arguments[0].shape)
+        return real(*arguments)
+
+    real = generation_server.sample_tokens
+    monkeypatch.setattr(generation_server, "sample_tokens", sample_tokens)
+    prompt = np.array([3, 1, 4], np.int32)
+    with js.serve(sampled("eager", slots=2), name="host-picks"):
+        assert js.generate("host-picks", prompt, max_steps=6).tolist() == expected(prompt, 6)
+        assert traced == [], "a greedy request ran the sampler"
+        js.generate("host-picks", prompt, max_steps=3, temperature=1.0, seed=3)
+        assert traced, "a sampled request did not run the sampler"
 
 
 def test_top_k_and_top_p_keep_to_the_most_likely_tokens():

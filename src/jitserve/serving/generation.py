@@ -20,7 +20,12 @@ Everything compiles at warm-up: the prefill per (prompt length, number of
 prompts) bucket, the slot update per number of prompts, and one decode step,
 whose state is donated so that XLA updates it in place; the slot update writes
 rows with ``dynamic_update_slice`` (a prefill padded to more prompts repeats
-the first one into its own slot), which every compiler lowers in place.
+the first one into its own slot), which every compiler lowers in place. A
+generation that gives logits has two of each update and step: one picks the
+most likely tokens, the other samples with each row's options. The host picks
+the program, as it knows every request's options: a ``lax.cond`` on the device
+would be read back to the host by XLA on a GPU, and the host would wait for
+each step before it could queue the next.
 """
 
 from __future__ import annotations
@@ -97,13 +102,16 @@ class Sampling:
 GREEDY = Sampling(seed=0)
 
 
-def pick_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
+def greedy_tokens(logits: Any) -> Any:
+    """The most likely token of each row of ``logits`` (rows, vocabulary)."""
+    return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
+
+
+def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
     """One token per row of ``logits`` (rows, vocabulary): the most likely where ``temperature`` is 0,
     else drawn from that row's top-k / top-p distribution at its temperature with the key
-    ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only. When every
-    row is greedy, nothing is sorted (``lax.cond``)."""
+    ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only."""
     logits = jnp.asarray(logits, jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(row: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
         vocabulary = row.shape[-1]
@@ -116,11 +124,8 @@ def pick_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         return jax.random.categorical(key, jnp.where(kept, scaled, -jnp.inf)).astype(jnp.int32)
 
-    def sampled() -> Any:
-        drawn = jax.vmap(draw)(logits, temperature, top_k, top_p, seed, step)
-        return jnp.where(temperature > 0, drawn, greedy)
-
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+    drawn = jax.vmap(draw)(logits, temperature, top_k, top_p, seed, step)
+    return jnp.where(temperature > 0, drawn, greedy_tokens(logits))
 
 
 class Generation:
@@ -244,30 +249,42 @@ class _Programs:
         self.options = options
         self.on_compile = on_compile
         self.prefills: dict[tuple[int, int], Callable[..., Any]] = {}
-        # picking tokens is jitserve's code: compiled with the step, or on its own beside functions run as written
-        self.pick = pick_tokens if self.compiler.compiles else jax.jit(pick_tokens)
-        self.updates: dict[int, Callable[..., Any]] = {}
         g = generation
+        # picking tokens is jitserve's code: compiled with the step, or on its own beside functions run as written
+        self.greedy, self.sample = ((greedy_tokens, sample_tokens) if self.compiler.compiles
+                                    else (jax.jit(greedy_tokens), jax.jit(sample_tokens)))
+        # a logits generation has a program of each kind, greedy (no options, nothing sorted) and sampled; the
+        # host picks one per step: a lax.cond would make the host wait for the device on a GPU (XLA reads the
+        # predicate back), and the pipeline would stall
+        self.kinds = (False, True) if g.logits else (False,)
+        self.updates: dict[tuple[int, bool], Callable[..., Any]] = {}
         # what prefill gives per prompt: a state row, and an output or logits
         self.row_template, self.first_template, self.output_template = g.shapes()
         output = self.output_template
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
-        self.step = self._compile(self._step, [g.params_template, self.carry_template, *self._options(g.slots)],
-                                  donate=(1,))
+        self.steps = {sampled: self._compile(self._step, [g.params_template, self.carry_template,
+                                                          *self._options(g.slots, sampled)], donate=(1,))
+                      for sampled in self.kinds}
 
-    def _options(self, rows: int) -> list[Template]:
+    @staticmethod
+    def _options(rows: int, sampled: bool) -> list[Template]:
         """The templates of the sampling options of ``rows`` sequences (see :meth:`option_arrays`); none
-        unless the generation gives logits."""
-        if not self.generation.logits:
+        unless the program samples."""
+        if not sampled:
             return []
         return [Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.uint32, np.int32)]
 
-    def option_arrays(self, requests: Sequence[GenerationRequest | None]) -> list[np.ndarray]:
-        """Each request's temperature, top_k, top_p, seed and next step (its outputs computed so far), one
-        row per request (None: an idle slot, greedy); none unless the generation gives logits."""
-        if not self.generation.logits:
+    def sampled(self, requests: Sequence[GenerationRequest | None]) -> bool:
+        """Whether a program that samples must pick the outputs of ``requests``: some request is not greedy."""
+        return self.generation.logits and any(r is not None and r.sampling.temperature > 0 for r in requests)
+
+    def option_arrays(self, requests: Sequence[GenerationRequest | None], sampled: bool) -> list[np.ndarray]:
+        """The options the program of kind ``sampled`` takes for ``requests``: none for one that does not
+        sample, else each request's temperature, top_k, top_p, seed and next step (its outputs computed so
+        far), one row per request (None: an idle slot, greedy)."""
+        if not sampled:
             return []
         chosen = [GREEDY if request is None else request.sampling for request in requests]
         steps = [0 if request is None else request.dispatched for request in requests]
@@ -276,9 +293,11 @@ class _Programs:
                 np.array(steps, np.int32)]
 
     def _chosen(self, outputs: Any, options: Sequence[Any]) -> Any:
-        """The outputs a step gives its callers and the next step: the tokens picked from the logits (see
-        :func:`pick_tokens`), or the outputs as they are."""
-        return self.pick(outputs, *options) if self.generation.logits else outputs
+        """The outputs a step gives its callers and the next step: the tokens picked from the logits
+        (:func:`sample_tokens` given ``options``, else :func:`greedy_tokens`), or the outputs as they are."""
+        if not self.generation.logits:
+            return outputs
+        return self.sample(outputs, *options) if options else self.greedy(outputs)
 
     def _compile(self, fn: Callable[..., Any], templates: list[Any], donate: tuple[int, ...] = ()) -> Any:
         with defn_errors():
@@ -289,7 +308,8 @@ class _Programs:
 
     def _step(self, params: Any, carry: Any, *options: Any) -> Any:
         """One decode step: the next carry, and the outputs again in a buffer of their own, which the host
-        reads while the next step (given the carry, donated) runs."""
+        reads while the next step (given the carry, donated) runs; ``options``: the sampling options, if
+        the program samples."""
         state, last = carry
         state, outputs = self.generation.decode(params, state, last)
         chosen = self._chosen(outputs, options)
@@ -312,8 +332,10 @@ class _Programs:
         rows = [self.generation.prefill(params, tokens[i], lengths[i]) for i in range(len(lengths))]
         return jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *rows)
 
-    def update(self, count: int) -> Callable[..., Any]:
-        run = self.updates.get(count)
+    def update(self, count: int, sampled: bool) -> Callable[..., Any]:
+        """The write of ``count`` prefilled rows into their slots, picking their first outputs (sampled or
+        not)."""
+        run = self.updates.get((count, sampled))
         if run is None:
             def write(carry: Any, rows: Any, first: Any, slots: Any, *options: Any) -> Any:
                 def put(stacked: Any, new: Any) -> Any:  # row i into slot slots[i], in place (no scatter)
@@ -329,9 +351,9 @@ class _Programs:
             rows = jax.tree_util.tree_map(lambda t: Template((count, *t.shape), t.dtype), self.row_template,
                                           is_leaf=is_template)
             first = Template((count, *self.first_template.shape), self.first_template.dtype)
-            run = self.updates[count] = self._compile(
-                write, [self.carry_template, rows, first, Template((count,), np.int32), *self._options(count)],
-                donate=(0,))
+            run = self.updates[count, sampled] = self._compile(
+                write, [self.carry_template, rows, first, Template((count,), np.int32),
+                        *self._options(count, sampled)], donate=(0,))
         return run
 
     def zeros(self) -> Any:
@@ -411,7 +433,8 @@ class GenerationServer(GenerationFront):
             for count in g.prefill_batches:
                 programs.prefill(length, count)
         for count in g.prefill_batches:
-            programs.update(count)
+            for sampled in programs.kinds:
+                programs.update(count, sampled)
         self._thread.start()
         return self
 
@@ -611,8 +634,9 @@ class GenerationServer(GenerationFront):
             slots = np.array([request.slot for request in padded], np.int32)
             started = time.perf_counter()
             rows, first = programs.prefill(length, count)(self._params, tokens, lengths)
-            self._carry, outputs = programs.update(count)(self._carry, rows, first, slots,
-                                                          *programs.option_arrays(padded))
+            sampled = programs.sampled(padded)
+            self._carry, outputs = programs.update(count, sampled)(self._carry, rows, first, slots,
+                                                                   *programs.option_arrays(padded, sampled))
             with self._lock:
                 self._stats["prefills"] += 1
                 self._queued(group)
@@ -625,10 +649,12 @@ class GenerationServer(GenerationFront):
             running = sorted(self._busy.items())
             if not running:
                 return
-            options = programs.option_arrays([self._busy.get(slot) for slot in range(self.generation.slots)])
+            every = [self._busy.get(slot) for slot in range(self.generation.slots)]
+            sampled = programs.sampled(every)
+            options = programs.option_arrays(every, sampled)
             self._queued([request for _, request in running])
         started = time.perf_counter()
-        self._carry, outputs = programs.step(self._params, self._carry, *options)
+        self._carry, outputs = programs.steps[sampled](self._params, self._carry, *options)
         dispatched.append(_Dispatched([request for _, request in running], [slot for slot, _ in running],
                                       _to_host(outputs), started, True))
 
