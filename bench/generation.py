@@ -17,9 +17,11 @@ mean outputs per request). The arms take turns, ``--rounds`` times per load (thi
 between runs), and each figure is the median over rounds: outputs per second (all outputs over the time
 from the first arrival to the last output), p50 / p99 time to first output, p50 / p99 time per output
 step (a request's time from its first to its last output over its outputs after the first), and the
-decode steps each server ran. Goals: generation >= 3x the outputs/s of streaming, and its p99 time to
-first output below streaming's p50. At equal cost per step, streaming's decode steps over generation's
-bound the first ratio: request-level batching keeps a row busy until its batch's longest request ends.
+decode steps each server ran. Last, the floor of a step: the decode step alone, queued back to back
+with no host work between steps, at ``--slots`` and at one slot. Goals: generation >= 3x the
+outputs/s of streaming, and its p99 time to first output below streaming's p50. At equal cost per
+step, streaming's decode steps over generation's bound the first ratio: request-level batching keeps
+a row busy until its batch's longest request ends.
 
     python3 dev.py bench generation [--requests 64] [--rate 200] [--load 0.8] [--rounds 3] [--slots 8]
 """
@@ -57,17 +59,40 @@ def workload(requests: int, rate: float, vocab: int, context: int, seed: int = 0
              int(rng.integers(1, 257))) for at in arrivals]
 
 
-def streaming_serving(module, slots: int, steps: list[int]) -> js.Serving:
-    """Request-level batching: a generator over one batch of prompts, decoding until its longest is done
-    (its decode steps counted in ``steps[0]``)."""
-    def greedy(step):  # the example's functions give logits; the server's greedy pick is an argmax
+def greedy_programs(module):
+    """The example's prefill (over a batch of prompts) and decode, jitted, each picking the most likely token
+    (the example's functions give logits), decode's state donated."""
+    def greedy(step):
         def picked(*arguments):
             state, logits = step(*arguments)
             return state, jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return picked
 
-    many_prefill = jax.jit(greedy(jax.vmap(module.prefill, in_axes=(None, 0, 0))))
-    decode = jax.jit(greedy(module.decode), donate_argnums=1)
+    return (jax.jit(greedy(jax.vmap(module.prefill, in_axes=(None, 0, 0)))),
+            jax.jit(greedy(module.decode), donate_argnums=1))
+
+
+def device_step_ms(module, slots: int, steps: int = 200) -> float:
+    """The floor of a decode step: ``steps`` greedy steps of ``slots`` prompts queued back to back with no
+    host work between them, ms per step (median of 3 runs)."""
+    many_prefill, decode = greedy_programs(module)
+    params = jax.device_put(module.load())
+    tokens = np.ones((slots, module.CONTEXT), np.int32)
+    state, last = many_prefill(params, tokens, np.full(slots, 4, np.int32))
+    times = []
+    for _ in range(4):  # the first compiles
+        started = time.perf_counter()
+        for _ in range(steps):
+            state, last = decode(params, state, last)
+        last.block_until_ready()
+        times.append((time.perf_counter() - started) / steps * 1e3)
+    return float(np.median(times[1:]))
+
+
+def streaming_serving(module, slots: int, steps: list[int]) -> js.Serving:
+    """Request-level batching: a generator over one batch of prompts, decoding until its longest is done
+    (its decode steps counted in ``steps[0]``)."""
+    many_prefill, decode = greedy_programs(module)
     params = jax.device_put(module.load())
 
     def generate(entry):
@@ -189,6 +214,8 @@ def main() -> None:
                        args.rounds)
         report(f"{setting}; busy: Poisson {busy_rate:.1f}/s ({args.load:g} of generation's capacity, "
                f"{capacity:.1f} requests/s)", busy)
+    print(f"decode step alone, queued back to back (the floor of a step): {device_step_ms(module, args.slots):.2f} ms "
+          f"at {args.slots} slots, {device_step_ms(module, 1):.2f} ms at 1", flush=True)
 
 
 if __name__ == "__main__":
