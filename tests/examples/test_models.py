@@ -8,6 +8,7 @@ import importlib.util
 import threading
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -24,6 +25,17 @@ def example(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(autouse=True, scope="module")
+def full_float32():
+    """A GPU multiplies float32 matrices in TF32 unless told otherwise (GPT-2's logits then differ from
+    transformers' by up to 4e-3 at the small config); the comparisons need float32 there, as on a CPU,
+    where this changes nothing. Set process-wide: servers compile on threads of their own."""
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", before)
 
 
 def loaded(model, params):
