@@ -228,6 +228,13 @@ def test_options_are_checked():
     with pytest.raises(js.OptionError) as info:
         generation(slots=0)
     assert str(info.value) == "slots must be a positive integer, got 0"
+    for eos, got in [([33, 34], "int64(2)"), (1.5, "float64()")]:
+        with pytest.raises(js.OptionError) as info:
+            js.serve(generation(eos=eos), name="gen-bad-eos")
+        assert str(info.value) == f"eos must be one output of this generation, int32(); got {eos!r} ({got})"
+    with js.serve(generation(eos=np.int64(33)), name="gen-int64-eos"):
+        prompt = np.array([1, 2], np.int32)
+        assert js.generate("gen-int64-eos", prompt, max_steps=40).tolist() == expected(prompt, 40, eos=33)
 
 
 # sampling -----------------------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ class Generation:
 
     def shapes(self) -> tuple[Any, Template, Template]:
         """The templates of a prompt's state row, of what ``prefill`` gives for it (an output, or logits),
-        and of one output a caller gets per step (a token id, for ``logits=True``)."""
+        and of one output a caller gets per step (a token id, for ``logits=True``), which ``eos`` must be."""
         row, first = jax.eval_shape(self.prefill, *jax.tree_util.tree_map(
             lambda t: t.abstract(), (self.params_template, Template((self.prefill_lengths[0],), np.int32),
                                      Template((), np.int32)), is_leaf=is_template))
@@ -182,7 +182,10 @@ class Generation:
         if self.logits and (len(first.shape) != 1 or first.dtype.kind != "f"):
             raise OptionError(f"a logits=True generation's prefill must return a vector of float logits per "
                               f"prompt; it returned {first}")
-        return templates_of(row), first, Template((), np.int32) if self.logits else first
+        output = Template((), np.int32) if self.logits else first
+        if self.eos is not None:
+            _check_one_output("eos", self.eos, output)
+        return templates_of(row), first, output
 
     def check_request(self, name: str, prompt: Any, max_steps: int, sampling: Sampling | None) -> np.ndarray:
         """A request's prompt (see :meth:`check_prompt`) once its ``max_steps`` and ``sampling`` are checked
@@ -406,6 +409,7 @@ class GenerationServer(GenerationFront):
         self._on_stop: list[Callable[[Any], None]] = []
         self._listeners: list[Callable[[str, float], None]] = []
         self.output_template = self._programs.output_template
+        self._eos = None if generation.eos is None else np.asarray(generation.eos, self.output_template.dtype)
 
     def add_listener(self, listener: Callable[[str, float], None]) -> None:
         """Call ``listener(kind, seconds)`` for each ``"first_output"`` (a request's time from submission to
@@ -661,8 +665,9 @@ class GenerationServer(GenerationFront):
     def _deliver(self, item: _Dispatched) -> None:
         """Once ``item`` is computed, each of its requests' next output; a request that is done (its outputs
         needed, or eos) ends and frees its slot."""
-        g = self.generation
         outputs = owned_host_array(item.outputs)
+        # which rows are eos, at once: comparing row by row costs more than the rest of the delivery
+        at_eos = None if self._eos is None else (outputs == self._eos).reshape(len(outputs), -1).all(axis=1)
         now = time.perf_counter()
         finished = []
         delivered = 0
@@ -673,7 +678,7 @@ class GenerationServer(GenerationFront):
             request.produced += 1
             delivered += 1
             request.stream.put(output)
-            if request.produced >= request.needed or (g.eos is not None and np.array_equal(output, g.eos)):
+            if request.produced >= request.needed or (at_eos is not None and at_eos[row]):
                 request.stream.put(END)
                 request.ended = True
                 finished.append(request)
@@ -705,6 +710,16 @@ class _Dispatched(NamedTuple):
     outputs: Any
     started: float
     step: bool
+
+
+def _check_one_output(name: str, value: Any, output: Template) -> None:
+    """A clear error unless ``value`` is one output of the shape of ``output`` that its dtype holds: an
+    ``eos`` of another shape, or one the outputs cannot hold, would never match and never stop a request."""
+    array = np.asarray(value)
+    if array.shape != output.shape or array.dtype.kind not in "biuf" or \
+            not np.array_equal(array.astype(output.dtype), array):
+        raise OptionError(f"{name} must be one output of this generation, {output}; got {value!r} "
+                          f"({Template(array.shape, array.dtype)})")
 
 
 def _to_host(outputs: Any) -> Any:
