@@ -148,6 +148,34 @@ def test_a_failing_step_fails_the_requests_it_ran_and_the_server_goes_on():
     assert stats["errors"] == 1 and stats["slots_busy"] == 0
 
 
+def test_a_step_that_fails_on_the_device_fails_its_requests_and_the_server_goes_on(monkeypatch):
+    """A computation that fails after its launch (a GPU's asynchronous error) surfaces when the loop reads
+    its outputs, a step later. XLA runs a CPU's computations at launch, so here the read is made to fail."""
+    failing = threading.Event()
+    read = generation_server.owned_host_array
+
+    def fragile_read(outputs):
+        time.sleep(0.002)  # the steps outrun no stream before the failure
+        if failing.is_set():
+            raise RuntimeError("device failed on purpose")
+        return read(outputs)
+
+    monkeypatch.setattr(generation_server, "owned_host_array", fragile_read)
+    with js.serve(generation(slots=2, max_length=512), name="gen-device-fail") as server:
+        streams = [js.generate_stream("gen-device-fail", [1, 2], max_steps=400) for _ in range(2)]
+        for stream in streams:
+            next(stream)
+        failing.set()
+        for stream in streams:
+            with pytest.raises(RuntimeError, match="device failed on purpose"):
+                for _ in stream:
+                    pass
+        failing.clear()
+        assert js.generate("gen-device-fail", [5], max_steps=3).tolist() == expected([5], 3), "the server goes on"
+        stats = server.stats()
+    assert stats["errors"] >= 1 and stats["slots_busy"] == 0
+
+
 def slow_decode(params, state, last):
     time.sleep(0.02)
     return {"position": state["position"] + 1, "total": state["total"] + 1}, np.asarray(last) + 0
