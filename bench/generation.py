@@ -18,7 +18,8 @@ between runs), and each figure is the median over rounds: outputs per second (al
 from the first arrival to the last output), p50 / p99 time to first output, p50 / p99 time per output
 step (a request's time from its first to its last output over its outputs after the first), and the
 decode steps each server ran. Last, the floor of a step: the decode step alone, queued back to back
-with no host work between steps, at ``--slots`` and at one slot. Goals: generation >= 3x the
+with no host work between steps, at ``--slots`` and at one slot, and how much of it the host spends
+inside the call that queues a step (on a GPU, launching it). Goals: generation >= 3x the
 outputs/s of streaming, and its p99 time to first output below streaming's p50. At equal cost per
 step, streaming's decode steps over generation's bound the first ratio: request-level batching keeps
 a row busy until its batch's longest request ends.
@@ -72,20 +73,26 @@ def greedy_programs(module):
             jax.jit(greedy(module.decode), donate_argnums=1))
 
 
-def device_step_ms(module, params, slots: int, steps: int = 200) -> float:
+def device_step_ms(module, params, slots: int, steps: int = 200) -> tuple[float, float]:
     """The floor of a decode step: ``steps`` greedy steps of ``slots`` prompts queued back to back with no
-    host work between them, ms per step (median of 3 runs); ``params`` on the device."""
+    host work between them, ms per step, and the part of it the host spent inside the calls that queue
+    them (launching the step: where that is most of a step, the host, not the device, sets the pace);
+    medians of 3 runs, ``params`` on the device."""
     many_prefill, decode = greedy_programs(module)
     tokens = np.ones((slots, module.CONTEXT), np.int32)
     state, last = many_prefill(params, tokens, np.full(slots, 4, np.int32))
-    times = []
+    times, launches = [], []
     for _ in range(4):  # the first compiles
+        launching = 0.0
         started = time.perf_counter()
         for _ in range(steps):
+            called = time.perf_counter()
             state, last = decode(params, state, last)
+            launching += time.perf_counter() - called
         last.block_until_ready()
         times.append((time.perf_counter() - started) / steps * 1e3)
-    return float(np.median(times[1:]))
+        launches.append(launching / steps * 1e3)
+    return float(np.median(times[1:])), float(np.median(launches[1:]))
 
 
 def streaming_serving(module, params, slots: int, steps: list[int]) -> js.Serving:
@@ -214,9 +221,10 @@ def main() -> None:
                        args.rounds)
         report(f"{setting}; busy: Poisson {busy_rate:.1f}/s ({args.load:g} of generation's capacity, "
                f"{capacity:.1f} requests/s)", busy)
-        print(f"decode step alone, queued back to back (the floor of a step): "
-              f"{device_step_ms(module, resident, args.slots):.2f} ms at {args.slots} slots, "
-              f"{device_step_ms(module, resident, 1):.2f} ms at 1", flush=True)
+        floors = {slots: device_step_ms(module, resident, slots) for slots in (args.slots, 1)}
+        print("decode step alone, queued back to back (the floor of a step): " + ", ".join(
+            f"{step:.2f} ms at {slots} slot{'s' if slots > 1 else ''} (the host inside the call that queues it: "
+            f"{launch:.2f} ms)" for slots, (step, launch) in floors.items()), flush=True)
 
 
 if __name__ == "__main__":
