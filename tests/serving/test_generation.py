@@ -62,6 +62,26 @@ def test_generate_and_stream_agree_with_the_model_run_alone(compiler):
         assert server.stats()["compiles"] == compiles, "nothing compiles after warm-up"
 
 
+def test_warm_up_runs_every_program_once_before_any_request():
+    """A GPU loads a program's kernels and builds its command buffers on its first run: warm-up runs each
+    prefill, update and step once, on idle slots, so that no request pays for it; outputs are unchanged."""
+    ran = []
+
+    def seen_prefill(params, tokens, length):
+        jax.debug.callback(lambda t: ran.append(("prefill", t.shape[0])), tokens)
+        return prefill(params, tokens, length)
+
+    def seen_decode(params, state, last):
+        jax.debug.callback(lambda: ran.append(("decode", None)))
+        return decode(params, state, last)
+
+    seen = js.Generation(seen_prefill, seen_decode, params=PARAMS, slots=4, max_length=64, prefill_lengths=[8, 16])
+    with js.serve(seen, name="gen-warm"):
+        assert set(ran) == {("prefill", 8), ("prefill", 16), ("decode", None)}
+        prompt = np.array([2, 7, 1], np.int32)
+        assert js.generate("gen-warm", prompt, max_steps=5).tolist() == expected(prompt, 5)
+
+
 def test_eos_max_steps_and_max_length_stop_exactly():
     prompt = np.array([2, 7], np.int32)
     free_run = expected(prompt, 30)

@@ -16,9 +16,10 @@ scheduling); when no slot is busy, no step runs. The loop queues each step
 before it delivers the outputs of the step before (JetStream's pipeline), so
 the device does not wait for the host between steps.
 
-Everything compiles at warm-up: the prefill per (prompt length, number of
-prompts) bucket, the slot update per number of prompts, and one decode step,
-whose state is donated so that XLA updates it in place; the slot update writes
+Everything compiles at warm-up, and runs once there on idle slots (a GPU's
+first run of a program loads its kernels): the prefill per (prompt length,
+number of prompts) bucket, the slot update per number of prompts, and one
+decode step, whose state is donated so that XLA updates it in place; the slot update writes
 rows with ``dynamic_update_slice`` (a prefill padded to more prompts repeats
 the first one into its own slot), which every compiler lowers in place. A
 generation that gives logits has two of each update and step: one picks the
@@ -430,17 +431,37 @@ class GenerationServer(GenerationFront):
     # lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> Self:
-        """Compile every prefill bucket, every slot update and the step, then start the loop."""
+        """Compile every prefill bucket, every slot update and the step, and run each once; then start the
+        loop."""
         programs, g = self._programs, self.generation
-        self._carry = programs.zeros()
         for length in g.prefill_lengths:
             for count in g.prefill_batches:
                 programs.prefill(length, count)
         for count in g.prefill_batches:
             for sampled in programs.kinds:
                 programs.update(count, sampled)
+        if programs.compiler.compiles:  # functions run as written have nothing to warm up
+            self._run_each_once()
+        self._carry = programs.zeros()
         self._thread.start()
         return self
+
+    def _run_each_once(self) -> None:
+        """Run every compiled program once, on idle slots of a scratch carry: a GPU loads a program's
+        kernels and builds its command buffers on its first run, which is then not on a request's time."""
+        programs, g = self._programs, self.generation
+        carry = programs.zeros()
+        for count in g.prefill_batches:
+            for length in g.prefill_lengths:
+                rows, first = programs.prefill(length, count)(self._params, np.zeros((count, length), np.int32),
+                                                              np.ones(count, np.int32))
+            for sampled in programs.kinds:
+                carry, _ = programs.update(count, sampled)(carry, rows, first, np.arange(count, dtype=np.int32),
+                                                           *programs.option_arrays([None] * count, sampled))
+        for sampled in programs.kinds:
+            carry, outputs = programs.steps[sampled](self._params, carry,
+                                                     *programs.option_arrays([None] * g.slots, sampled))
+        owned_host_array(outputs)  # waits for the runs, which all end in it
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests; ``drain``: finish what runs and what waits (for at most ``timeout`` s),
