@@ -36,6 +36,10 @@ XLA's CPU computations run inline on the partition that calls them, as
 ``jitserve serve`` runs them (``--cpu-dispatch async``: on XLA's dispatch
 thread, JAX's default), for the raw function and the servers alike.
 
+The batch size (and so the number of callers) is 64 unless
+``JITSERVE_BENCH_BATCH`` says otherwise: on a GPU the goal is served / raw at
+batch 512 (``JITSERVE_BENCH_BATCH=512``).
+
     python3 dev.py bench serving
 """
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import queue
 import random
 import statistics
@@ -59,7 +64,7 @@ from jitserve.compilers.xla import run_cpu_computations_inline
 from jitserve.loadtest import closed_loop, closed_loop_async
 from jitserve.serving.serving import Executor
 
-BATCH = 64
+BATCH = int(os.environ.get("JITSERVE_BENCH_BATCH", "64"))
 rng = np.random.default_rng(0)
 W1 = rng.normal(0, 0.05, (256, 1024)).astype(np.float32)
 W2 = rng.normal(0, 0.05, (1024, 256)).astype(np.float32)
@@ -364,14 +369,14 @@ def main() -> None:
         r = one[adaptive]
         print(f"| 1 caller, 1-row requests, {label} | {r['p50'] * 1e3:.3f} | {r['p50'] / direct:.2f} "
               f"({r['p50'] / unbatched['p50']:.2f}x unbatched) | {r['rows_per_s']:,.0f} |")
-    print(f"| 64 asyncio callers, adaptive / fixed throughput | | | "
+    print(f"| {BATCH} asyncio callers, adaptive / fixed throughput | | | "
           f"{single_async['rows_per_s']:,.0f} / {fixed_async['rows_per_s']:,.0f} = "
           f"{single_async['rows_per_s'] / fixed_async['rows_per_s']:.2f} |")
 
     stream = streaming_first_rows(args.batch_timeout)
     print()
-    print("streaming a 1,000-row request (batch 64; median of 10):")
-    print("| one batch-64 execution ms | first rows ms | whole request ms | first / whole |")
+    print(f"streaming a 1,000-row request (batch {BATCH}; median of 10):")
+    print(f"| one batch-{BATCH} execution ms | first rows ms | whole request ms | first / whole |")
     print("|---|---|---|---|")
     print(f"| {stream['batch'] * 1e3:.2f} | {stream['first'] * 1e3:.2f} ({stream['first_rows']} rows) "
           f"| {stream['whole'] * 1e3:.2f} | {stream['first'] / stream['whole']:.2f} |")
