@@ -18,8 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # lines of src/jitserve that hold code (comments, docstrings and blank lines are free), raised on purpose when
 # a capability lands; 7,800 after weights as params, generation, issue 31's hardening, sampling, and generation
-# over the network and on Ray (7,666 code lines of 10,900 in all when the count changed to code only)
-LINE_BUDGET = 8_800
+# over the network and on Ray (7,666 code lines of 10,900 in all when the count changed to code only);
+# 8,850 when generation warm-up learnt to run its programs where a first run costs extra (a GPU)
+LINE_BUDGET = 8_850
 SOURCE = ROOT / "src" / "jitserve"
 
 

@@ -90,6 +90,12 @@ class Compiler(abc.ABC):
         """One option set per device: the given device, or every device of the default kind."""
         return [dict(options)]
 
+    def first_run_costs(self, options: Mapping[str, Any]) -> bool:
+        """Whether an executable's first run on this option set's device does one-off work (a GPU loads its
+        kernels and builds its command buffers), which a generation server's warm-up then pays by running
+        each program once."""
+        return False
+
     def place(self, tree: Any, options: Mapping[str, Any]) -> Any:
         """``tree``'s arrays resident on the device of this option set, once (a serving's weights), in the
         form its executables take without a copy per call: here host numpy arrays (a memory-mapped array

@@ -110,6 +110,10 @@ class XlaCompiler(Compiler):
         placed = jax.device_put(tree, resolve_device(device) if device is not None else jax.devices()[0])
         return jax.block_until_ready(placed)  # copied now: the host arrays may be released once this returns
 
+    def first_run_costs(self, options: Mapping[str, Any]) -> bool:
+        device = options.get("device")
+        return (resolve_device(device) if device is not None else jax.devices()[0]).platform != "cpu"
+
     def devices(self) -> list[Device]:
         found = []
         for device in jax.devices():

@@ -16,8 +16,8 @@ scheduling); when no slot is busy, no step runs. The loop queues each step
 before it delivers the outputs of the step before (JetStream's pipeline), so
 the device does not wait for the host between steps.
 
-Everything compiles at warm-up, and runs once there on idle slots (a GPU's
-first run of a program loads its kernels): the prefill per (prompt length,
+Everything compiles at warm-up, and on a GPU runs once there on idle slots
+(a GPU's first run of a program loads its kernels): the prefill per (prompt length,
 number of prompts) bucket, the slot update per number of prompts, and one
 decode step, whose state is donated so that XLA updates it in place; the slot update writes
 rows with ``dynamic_update_slice`` (a prefill padded to more prompts repeats
@@ -431,8 +431,8 @@ class GenerationServer(GenerationFront):
     # lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> Self:
-        """Compile every prefill bucket, every slot update and the step, and run each once; then start the
-        loop."""
+        """Compile every prefill bucket, every slot update and the step, and run each once where a first run
+        costs extra (a GPU); then start the loop."""
         programs, g = self._programs, self.generation
         for length in g.prefill_lengths:
             for count in g.prefill_batches:
@@ -440,7 +440,7 @@ class GenerationServer(GenerationFront):
         for count in g.prefill_batches:
             for sampled in programs.kinds:
                 programs.update(count, sampled)
-        if programs.compiler.compiles:  # functions run as written have nothing to warm up
+        if programs.compiler.first_run_costs(programs.options):
             self._run_each_once()
         self._carry = programs.zeros()
         self._thread.start()
