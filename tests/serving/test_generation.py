@@ -149,6 +149,20 @@ def test_slots_freed_by_eos_and_max_steps_take_new_requests_with_no_mix_up():
     assert stats["slots_busy"] == 0 and stats["max_slots_busy"] <= 3
 
 
+def fail_two_streams(name, failing, error, match):
+    """Two streams of generation server ``name`` past their first outputs; then ``failing`` is set until
+    each has ended with ``error``."""
+    streams = [js.generate_stream(name, [1, 2], max_steps=400) for _ in range(2)]
+    for stream in streams:
+        next(stream)
+    failing.set()
+    for stream in streams:
+        with pytest.raises(error, match=match):
+            for _ in stream:
+                pass
+    failing.clear()
+
+
 def test_a_failing_step_fails_the_requests_it_ran_and_the_server_goes_on():
     failing = threading.Event()
 
@@ -160,15 +174,7 @@ def test_a_failing_step_fails_the_requests_it_ran_and_the_server_goes_on():
     fragile = js.Generation(prefill, fragile_decode, params=PARAMS, slots=2, max_length=512, prefill_lengths=[8],
                             compiler="eager")
     with js.serve(fragile, name="gen-fragile") as server:
-        streams = [js.generate_stream("gen-fragile", [1, 2], max_steps=400) for _ in range(2)]
-        for stream in streams:
-            next(stream)
-        failing.set()
-        for stream in streams:
-            with pytest.raises(ValueError, match="decode failed on purpose"):
-                for _ in stream:
-                    pass
-        failing.clear()
+        fail_two_streams("gen-fragile", failing, ValueError, "decode failed on purpose")
         assert js.generate("gen-fragile", [5], max_steps=3).tolist() == [5, 6, 7]
         stats = server.stats()
     assert stats["errors"] == 1 and stats["slots_busy"] == 0
@@ -188,15 +194,7 @@ def test_a_step_that_fails_on_the_device_fails_its_requests_and_the_server_goes_
 
     monkeypatch.setattr(generation_server, "owned_host_array", fragile_read)
     with js.serve(generation(slots=2, max_length=512), name="gen-device-fail") as server:
-        streams = [js.generate_stream("gen-device-fail", [1, 2], max_steps=400) for _ in range(2)]
-        for stream in streams:
-            next(stream)
-        failing.set()
-        for stream in streams:
-            with pytest.raises(RuntimeError, match="device failed on purpose"):
-                for _ in stream:
-                    pass
-        failing.clear()
+        fail_two_streams("gen-device-fail", failing, RuntimeError, "device failed on purpose")
         assert js.generate("gen-device-fail", [5], max_steps=3).tolist() == expected([5], 3), "the server goes on"
         stats = server.stats()
     assert stats["errors"] >= 1 and stats["slots_busy"] == 0
