@@ -22,11 +22,11 @@ length, number of prompts) bucket, the slot update per number of prompts, and
 one decode step, whose state is donated so that XLA updates it in place; the
 slot update writes rows with ``dynamic_update_slice`` (a prefill padded to
 more prompts repeats the first one into its own slot), which every compiler
-lowers in place. A generation that gives logits has two of each update and step: one picks the
-most likely tokens, the other samples with each row's options. The host picks
-the program, as it knows every request's options: a ``lax.cond`` on the device
-would be read back to the host by XLA on a GPU, and the host would wait for
-each step before it could queue the next.
+lowers in place. A generation that gives logits has two of each update and
+step: one picks the most likely tokens, the other samples with each row's
+options. The host picks the program, as it knows every request's options: a
+``lax.cond`` on the device would be read back to the host by XLA on a GPU,
+and the host would wait for each step before it could queue the next.
 """
 
 from __future__ import annotations
