@@ -74,6 +74,14 @@ def template_of(value: Any) -> Template:
     return Template(shape, dtype, weak_type=bool(getattr(value, "weak_type", False)))
 
 
+def host_array(value: Any) -> np.ndarray:
+    """``value`` as a numpy array of its template's dtype: a Python scalar as JAX traces it (``2.0`` is
+    float32, not numpy's float64), anything else as ``np.asarray`` gives it."""
+    if isinstance(value, _PYTHON_SCALARS):
+        return np.asarray(value, template_of(value).dtype)
+    return np.asarray(value)
+
+
 def is_template(value: Any) -> bool:
     """For ``is_leaf=``: a Template is a leaf of a pytree of templates."""
     return isinstance(value, Template)

@@ -57,6 +57,17 @@ def test_a_serving_with_params_agrees_with_numpy_run_and_served(compiler):
         assert server.stats()["compiles"] == compiles, "new weights of the same shapes compile nothing"
 
 
+@pytest.mark.parametrize("compiler", ["xla", "evaluator", "iree"])
+def test_python_scalar_weights_are_the_dtypes_jax_traces_them_as(compiler):
+    """``2.0`` is a float32 weight (JAX's weak type), not numpy's float64: IREE refused the float64 buffer
+    at every call, and float16 inputs keep their dtype."""
+    serving = js.Serving(lambda params, x: x * params["scale"] + params["shift"], params={"scale": 2.0, "shift": 3},
+                         batch_size=2, input_template=js.template(3, "float16"), compiler=compiler)
+    with js.serve(serving, name=f"scalar-params-{compiler}"):
+        served = js.batched_run(f"scalar-params-{compiler}", js.Batch.stack([np.arange(3, dtype=np.float16)]))
+    assert served.dtype == np.float16 and served.tolist() == [[3.0, 5.0, 7.0]]
+
+
 def test_batch_keys_come_after_the_params():
     serving = js.Serving(lambda params, key, x: x * params["scale"] + key, params={"scale": np.float32(3)},
                          batch_size=2, batch_keys=[10, 20])

@@ -15,11 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
-import numpy as np
 
 from ..device import Device as Device  # part of the compiler contract; defined below iree
 from ..errors import OptionError
-from ..template import Template, check_arguments, is_template, template_of, templates_of
+from ..template import Template, check_arguments, host_array, is_template, template_of, templates_of
 
 COMMON_OPTIONS = frozenset({"compiler", "cache_dir"})
 
@@ -100,7 +99,7 @@ class Compiler(abc.ABC):
         """``tree``'s arrays resident on the device of this option set, once (a serving's weights), in the
         form its executables take without a copy per call: here host numpy arrays (a memory-mapped array
         stays mapped, not read)."""
-        return jax.tree_util.tree_map(np.asarray, tree)
+        return jax.tree_util.tree_map(host_array, tree)
 
     def output_shapes(self, fn: Callable[..., Any], templates: Sequence[Any]) -> Any:
         """The shapes and dtypes ``fn`` returns for arguments shaped like ``templates`` (JAX's abstract

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from ...errors import CompileError
-from ...template import Template
+from ...template import Template, host_array
 from ..base import Compiler, Device, Executable, flat_templates
 from ..xla import to_mlir
 from . import runtime as iree
@@ -71,7 +71,7 @@ class IreeCompiler(Compiler):
 
     def place(self, tree: Any, options: Mapping[str, Any]) -> Any:
         device = _device(options)
-        return jax.tree_util.tree_map(lambda leaf: iree.to_device(leaf, device), tree)
+        return jax.tree_util.tree_map(lambda leaf: iree.to_device(host_array(leaf), device), tree)
 
     def devices(self) -> list[Device]:
         return [device for driver in iree.list_drivers() for device in iree.list_devices(driver)]
