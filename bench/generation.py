@@ -19,7 +19,8 @@ from the first arrival to the last output), p50 / p99 time to first output, p50 
 step (a request's time from its first to its last output over its outputs after the first), and the
 decode steps each server ran. Last, the floor of a step: the decode step alone, queued back to back
 with no host work between steps, at ``--slots`` and at one slot, and how much of it the host spends
-inside the call that queues a step (on a GPU, launching it). Goals: generation >= 3x the
+inside the call that queues a step (on a GPU, launching it), with the weights as the example's tree
+of arrays and packed into fewer arrays as js.Generation passes them (``jitserve.packed``). Goals: generation >= 3x the
 outputs/s of streaming, and its p99 time to first output below streaming's p50. At equal cost per
 step, streaming's decode steps over generation's bound the first ratio: request-level batching keeps
 a row busy until its batch's longest request ends.
@@ -41,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jitserve as js
+from jitserve.packed import PackedLayout
+from jitserve.template import templates_of
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -60,12 +63,13 @@ def workload(requests: int, rate: float, vocab: int, context: int, seed: int = 0
              int(rng.integers(1, 257))) for at in arrivals]
 
 
-def greedy_programs(module):
+def greedy_programs(module, layout: PackedLayout | None = None):
     """The example's prefill (over a batch of prompts) and decode, jitted, each picking the most likely token
-    (the example's functions give logits), decode's state donated."""
+    (the example's functions give logits), decode's state donated; with a ``layout``, they take the weights
+    packed as it lays them out (as js.Generation's programs do), else as the example's tree of arrays."""
     def greedy(step):
-        def picked(*arguments):
-            state, logits = step(*arguments)
+        def picked(params, *arguments):
+            state, logits = step(params if layout is None else layout.unpack(params), *arguments)
             return state, jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return picked
 
@@ -73,12 +77,16 @@ def greedy_programs(module):
             jax.jit(greedy(module.decode), donate_argnums=1))
 
 
-def device_step_ms(module, params, slots: int, steps: int = 200) -> tuple[float, float]:
+def device_step_ms(module, params, slots: int, packed: bool, steps: int = 200) -> tuple[float, float, int]:
     """The floor of a decode step: ``steps`` greedy steps of ``slots`` prompts queued back to back with no
     host work between them, ms per step, and the part of it the host spent inside the calls that queue
     them (launching the step: where that is most of a step, the host, not the device, sets the pace);
-    medians of 3 runs, ``params`` on the device."""
-    many_prefill, decode = greedy_programs(module)
+    medians of 3 runs, ``params`` on the device, passed as the example's tree or ``packed`` (then fewer
+    arrays per call); and the number of weight arrays each call passed."""
+    layout = PackedLayout(templates_of(params)) if packed else None
+    if layout is not None:
+        params = jax.device_put(layout.pack(params))
+    many_prefill, decode = greedy_programs(module, layout)
     tokens = np.ones((slots, module.CONTEXT), np.int32)
     state, last = many_prefill(params, tokens, np.full(slots, 4, np.int32))
     times, launches = [], []
@@ -92,7 +100,7 @@ def device_step_ms(module, params, slots: int, steps: int = 200) -> tuple[float,
         last.block_until_ready()
         times.append((time.perf_counter() - started) / steps * 1e3)
         launches.append(launching / steps * 1e3)
-    return float(np.median(times[1:])), float(np.median(launches[1:]))
+    return float(np.median(times[1:])), float(np.median(launches[1:])), len(jax.tree_util.tree_leaves(params))
 
 
 def streaming_serving(module, params, slots: int, steps: list[int]) -> js.Serving:
@@ -221,11 +229,13 @@ def main() -> None:
                        args.rounds)
         report(f"{setting}; busy: Poisson {busy_rate:.1f}/s ({args.load:g} of generation's capacity, "
                f"{capacity:.1f} requests/s)", busy)
-        floors = {slots: device_step_ms(module, resident, slots) for slots in (args.slots, 1)}
-        print("decode step alone, queued back to back (the floor of a step): " + ", ".join(
-            f"{step:.2f} ms at {slots} slot{'s' if slots > 1 else ''} (the host inside the call that queues it: "
-            f"{launch:.2f} ms)" for slots, (step, launch) in floors.items()), flush=True)
-
+        floors = [(slots, packed, *device_step_ms(module, resident, slots, packed))
+                  for slots, packed in ((args.slots, False), (args.slots, True), (1, True))]
+        print("decode step alone, queued back to back (the floor of a step; the host's time inside the call "
+              "that queues it): " + ", ".join(
+                  f"{step:.2f} ms ({launch:.2f} ms) at {slots} slot{'s' if slots > 1 else ''} with the weights "
+                  f"{'packed' if packed else 'as given'}, {arrays} arrays" for slots, packed, step, launch, arrays
+                  in floors), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # lines of src/jitserve that hold code (comments, docstrings and blank lines are free), raised on purpose when
 # a capability lands; 7,800 after weights as params, generation, issue 31's hardening, sampling, and generation
 # over the network and on Ray (7,666 code lines of 10,900 in all when the count changed to code only);
-# 8,850 when generation warm-up learnt to run its programs where a first run costs extra (a GPU)
-LINE_BUDGET = 8_850
+# 8,850 when generation warm-up learnt to run its programs where a first run costs extra (a GPU); 8,880 when
+# a generation's programs took its weights packed into few arrays (jitserve/packed.py)
+LINE_BUDGET = 8_880
 SOURCE = ROOT / "src" / "jitserve"
 
 
@@ -75,7 +76,7 @@ def test_mypy_is_clean():
 
 # DESIGN.md's layers, bottom up: a module may import from its own layer and those below, never above.
 LAYERS = (
-    ("errors", "template", "defaults", "device", "version", "params"),
+    ("errors", "template", "defaults", "device", "version", "params", "packed"),
     ("graph",),
     ("compilers",),
     ("defn",),

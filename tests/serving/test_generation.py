@@ -15,6 +15,8 @@ import jitserve as js
 import jitserve.serving.generation as generation_server
 from jitserve import compilers
 from jitserve.compilers.xla import XlaCompiler
+from jitserve.packed import PACKED_ELEMENTS, PackedLayout
+from jitserve.template import templates_of
 
 VOCAB = 97
 
@@ -62,6 +64,66 @@ def test_generate_and_stream_agree_with_the_model_run_alone(compiler):
         assert [int(o) for o in js.generate_stream("gen", prompt, max_steps=4)] == expected(prompt, 4)
         assert js.generate("gen", [7], max_steps=1).tolist() == expected([7], 1)
         assert server.stats()["compiles"] == compiles, "nothing compiles after warm-up"
+
+
+MANY_WEIGHTS = {  # vectors and scalars of three dtypes, matrices, a vector too long to pack, a Python scalar
+    "layers": [{"bias": np.arange(i, i + 5, dtype=np.float32), "gain": np.full(3, i, np.int32),
+                "half": np.arange(4).astype(np.float16), "one": np.int32(i), "w": np.full((2, 3), i, np.float32)}
+               for i in range(4)],
+    "long": np.arange(PACKED_ELEMENTS + 7, dtype=np.float32) % 3,
+    "mix": 2.0,
+}
+
+
+def weights_checksum(params):
+    """A whole number that changes if a leaf of MANY_WEIGHTS comes in another place, shape or order; below
+    2**24, so float32 sums it exactly in any order."""
+    total = jnp.float32(0)
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(params)):
+        leaf = jnp.asarray(leaf)
+        positions = jnp.arange(leaf.size, dtype=jnp.float32).reshape(leaf.shape) % 7
+        total += (i + 1) * jnp.sum(leaf.astype(jnp.float32) * positions)
+    return total
+
+
+def test_packed_layout_passes_small_weights_in_one_array_per_dtype():
+    layout = PackedLayout(templates_of(MANY_WEIGHTS))
+    packed = layout.pack(MANY_WEIGHTS)
+    assert [str(t) for t in layout.templates] == ["float32(20)", "int32(16)", "float16(16)",
+                                                   *["float32(2, 3)"] * 4, "float32(65543)", "float32()"]
+    assert [t.weak_type for t in layout.templates] == [False] * 8 + [True]
+    assert packed[3] is MANY_WEIGHTS["layers"][0]["w"] and packed[7] is MANY_WEIGHTS["long"], "as given"
+    unpacked = layout.unpack(packed)
+    assert jax.tree_util.tree_structure(unpacked) == jax.tree_util.tree_structure(MANY_WEIGHTS)
+    for got, given in zip(jax.tree_util.tree_leaves(unpacked), jax.tree_util.tree_leaves(MANY_WEIGHTS)):
+        assert np.asarray(got).dtype == np.asarray(given).dtype and np.array_equal(got, given)
+    traced = jax.jit(lambda arrays: weights_checksum(layout.unpack(arrays)))(packed)
+    assert float(traced) == float(weights_checksum(MANY_WEIGHTS))
+
+
+@pytest.mark.parametrize("compiler", ["xla", "iree", "evaluator"])
+def test_weights_of_many_leaves_reach_prefill_and_decode_as_given(compiler):
+    """The programs take the weights packed into few arrays; prefill and decode get them back as given."""
+    checksum = int(weights_checksum(MANY_WEIGHTS))
+
+    def weighed_prefill(params, tokens, length):
+        state, first = prefill(PARAMS, tokens, length)
+        return state, (first + weights_checksum(params).astype(jnp.int32)) % VOCAB
+
+    def weighed_decode(params, state, last):
+        state, outputs = decode(PARAMS, state, last)
+        return state, (outputs + weights_checksum(params).astype(jnp.int32)) % VOCAB
+
+    weighed = js.Generation(weighed_prefill, weighed_decode, params=MANY_WEIGHTS, slots=2, max_length=32,
+                            prefill_lengths=[8], compiler=compiler)
+    prompt = np.array([3, 1, 4], np.int32)
+    total, position = int(np.sum(prompt)), prompt.size
+    wanted = [(total % VOCAB + checksum) % VOCAB]
+    for _ in range(4):
+        total, position = total + wanted[-1] + position, position + 1
+        wanted.append((total % VOCAB + checksum) % VOCAB)
+    with js.serve(weighed, name="gen-weighed"):
+        assert js.generate("gen-weighed", prompt, max_steps=5).tolist() == wanted
 
 
 def test_warm_up_runs_every_program_once_where_a_first_run_costs_extra(monkeypatch):

@@ -22,7 +22,9 @@ length, number of prompts) bucket, the slot update per number of prompts, and
 one decode step, whose state is donated so that XLA updates it in place; the
 slot update writes rows with ``dynamic_update_slice`` (a prefill padded to
 more prompts repeats the first one into its own slot), which every compiler
-lowers in place. A generation that gives logits has two of each update and
+lowers in place. The programs take the weights packed into few arrays
+(:mod:`jitserve.packed`), as each array a call passes costs the host time
+at every step. A generation that gives logits has two of each update and
 step: one picks the most likely tokens, the other samples with each row's
 options. The host picks the program, as it knows every request's options: a
 ``lax.cond`` on the device would be read back to the host by XLA on a GPU,
@@ -57,6 +59,7 @@ from ..errors import (
     ServerStoppedError,
     raised_by_model,
 )
+from ..packed import PackedLayout
 from ..template import Template, is_template, params_template, templates_of
 from .options import count_option, finite_number, optional_count, optional_seconds
 from .request import END, Stream
@@ -264,11 +267,12 @@ class _Programs:
         self.updates: dict[tuple[int, bool], Callable[..., Any]] = {}
         # what prefill gives per prompt: a state row, and an output or logits
         self.row_template, self.first_template, self.output_template = g.shapes()
+        self.layout = PackedLayout(g.params_template)  # the programs take the weights packed
         output = self.output_template
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
-        self.steps = {sampled: self._compile(self._step, [g.params_template, self.carry_template,
+        self.steps = {sampled: self._compile(self._step, [self.layout.templates, self.carry_template,
                                                           *self._options(g.slots, sampled)], donate=(1,))
                       for sampled in self.kinds}
 
@@ -310,12 +314,12 @@ class _Programs:
             self.on_compile()
         return executable.run
 
-    def _step(self, params: Any, carry: Any, *options: Any) -> Any:
+    def _step(self, packed: Any, carry: Any, *options: Any) -> Any:
         """One decode step: the next carry, and the outputs again in a buffer of their own, which the host
         reads while the next step (given the carry, donated) runs; ``options``: the sampling options, if
         the program samples."""
         state, last = carry
-        state, outputs = self.generation.decode(params, state, last)
+        state, outputs = self.generation.decode(self.layout.unpack(packed), state, last)
         chosen = self._chosen(outputs, options)
         return (state, chosen), chosen
 
@@ -323,16 +327,17 @@ class _Programs:
         key = (length, count)
         run = self.prefills.get(key)
         if run is None:
-            many = jax.vmap(self.generation.prefill, in_axes=(None, 0, 0)) if self.compiler.compiles \
-                else self._one_by_one
-            templates = [self.generation.params_template, Template((count, length), np.int32),
+            templates = [self.layout.templates, Template((count, length), np.int32),
                          Template((count,), np.int32)]
-            run = self.prefills[key] = self._compile(many, templates)
+            run = self.prefills[key] = self._compile(self._prefills, templates)
         return run
 
-    def _one_by_one(self, params: Any, tokens: Any, lengths: Any) -> Any:
-        """The prefills of several prompts, stacked: for functions run as written (numpy), which
-        ``jax.vmap`` cannot batch."""
+    def _prefills(self, packed: Any, tokens: Any, lengths: Any) -> Any:
+        """The prefills of several prompts, stacked: by ``jax.vmap`` where the compiler traces them, else one
+        by one (functions run as written on numpy, which ``jax.vmap`` cannot batch)."""
+        params = self.layout.unpack(packed)
+        if self.compiler.compiles:
+            return jax.vmap(self.generation.prefill, in_axes=(None, 0, 0))(params, tokens, lengths)
         rows = [self.generation.prefill(params, tokens[i], lengths[i]) for i in range(len(lengths))]
         return jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *rows)
 
@@ -403,7 +408,7 @@ class GenerationServer(GenerationFront):
                                        "first_output_s": 0.0, "step_s": 0.0, "max_slots_busy": 0}
         options = compilers.get(generation.compiler_name).partitions(generation.compiler_options)[0]
         self._programs = _Programs(generation, options, self._count_compile)
-        self._params = self._programs.compiler.place(generation.params, options)
+        self._params = self._programs.compiler.place(self._programs.layout.pack(generation.params), options)
         self._carry: Any = None
         self._ready = 0.0  # when the outputs delivered last were on the host
         self._thread = threading.Thread(target=self._loop, name=f"jitserve-{name}-generation", daemon=True)
