@@ -1,9 +1,11 @@
-"""Weights packed into few arrays: how a generation's weights travel to its compiled programs at every step.
+"""Weights packed into few arrays: how a serving's or a generation's weights travel to its compiled code.
 
 Each array a compiled program takes costs the host time on every call, in
-JAX's dispatch and in XLA's runtime (about half a microsecond each on a CPU,
-more on a GPU), whatever its size: GPT-2's 148 weight arrays cost more to
-pass than its 8-slot decode step costs to run on a GPU. A
+JAX's dispatch and in XLA's runtime, whatever its size: about 0.6 us each on
+this project's 2-core CPU (``jax.jit`` of a dict of 148 small arrays: 115 us
+per call, against 25 us for 2). Where the host paces the work, as it does a
+small model's decode step on a GPU (GPT-2's step: 0.54 ms of the host
+launching it, 0.63 ms in all, on an H200), that is a cost per step. A
 :class:`PackedLayout` lays the weights' vectors and scalars (biases, norm
 scales: up to :data:`PACKED_ELEMENTS` elements each) end to end in one flat
 array per dtype, and passes the matrices as they are, so that a program
@@ -17,6 +19,7 @@ is copied into a buffer of its own first, at every call.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -76,3 +79,7 @@ class PackedLayout:
                 array = array[start:start + math.prod(template.shape)].reshape(template.shape)
             leaves.append(array)
         return jax.tree_util.tree_unflatten(self.tree, leaves)
+
+    def taking_packed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn(params, *rest)`` as a function of the packed arrays in place of ``params``."""
+        return lambda arrays, *rest: fn(self.unpack(arrays), *rest)

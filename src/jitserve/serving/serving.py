@@ -26,6 +26,7 @@ from .. import compilers
 from ..batch import Batch, RowSignature
 from ..defn import defn_errors, resolve_options, warn_large_constants
 from ..errors import BatchError, OptionError, OutputShapeError, raised_by_model
+from ..packed import PackedLayout
 from ..params import load_params, release_pages
 from ..template import Template, check_params, is_template, params_template, template_of
 from .options import (
@@ -62,6 +63,8 @@ class Executor:
         self._lock = threading.Lock()
         self._reuse_inputs = reuse_inputs
         self._input_buffers: list[np.ndarray] = []
+        # the weights travel to the executables packed into few arrays: each array a call passes costs time
+        self._layout = PackedLayout(serving.params_template)
 
     def compiled(self, rows: int, tree: Any, row_signature: RowSignature,
                  batch_key: Any = None) -> Callable[..., Any]:
@@ -85,6 +88,8 @@ class Executor:
             if compiler.compiles:
                 warn_large_constants(fn, arguments, f"serving function {getattr(serving.fn, '__name__', serving.fn)!r}",
                                      owner=serving.fn)
+            if serving.has_params:
+                fn, arguments = self._layout.taking_packed(fn), [self._layout.templates, *arguments[1:]]
             executable = compiler.compile(fn, arguments, self.options)
         if compiler.compiles:
             self._on_compile()
@@ -92,14 +97,14 @@ class Executor:
 
     def place(self, params: Any) -> Any:
         """The serving's weights (a pytree shaped like ``params_template``) resident on this partition's
-        device, to give every :meth:`execute`: one array at a time, each memory-mapped array's file pages
-        released once it is copied, so that a loaded checkpoint is never held twice, not even while it is
-        placed."""
-        return jax.tree_util.tree_map(self._place_array, params)
-
-    def _place_array(self, array: Any) -> Any:
-        placed = self.compiler.place(array, self.options)
-        release_pages(array)
+        device, packed as its executables take them, to give every :meth:`execute`: one array at a time,
+        each memory-mapped array's file pages released once it is copied, so that a loaded checkpoint is
+        never held twice, not even while it is placed."""
+        placed = []
+        for array in self._layout.pack(params):
+            placed.append(self.compiler.place(array, self.options))
+            release_pages(array)
+        release_pages(params)  # the vectors, now in packed copies
         return placed
 
     def close(self) -> None:
