@@ -316,6 +316,29 @@ def test_async_forms():
     assert first == streamed == expected([4, 4], 5)
 
 
+def test_the_asyncio_streams_of_one_loop_get_each_step_in_one_wake_up():
+    """A network front's event loop holds every caller's stream: a step's outputs reach all of them in one
+    ``call_soon_threadsafe``, not one per stream (each is a write to the loop's wake-up pipe)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        handed = []
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            handed.append(len(args[0]) if args and isinstance(args[0], list) else None)
+            return call_soon_threadsafe(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        outputs = await asyncio.gather(*[js.generate_async("gen-wake", [i + 1], max_steps=20) for i in range(4)])
+        return outputs, [count for count in handed if count is not None]
+
+    with js.serve(generation(), name="gen-wake"):
+        outputs, handed = asyncio.run(main())
+    assert [o.tolist() for o in outputs] == [expected([i + 1], 20) for i in range(4)]
+    assert sum(handed) == 4 * 21  # 20 outputs and the end of each stream
+    assert len(handed) < 30, f"{len(handed)} wake-ups for 4 streams of 20 outputs"
+
+
 def test_bad_input_is_a_clear_error_and_the_server_keeps_generating():
     with js.serve(generation(), name="gen-bad"):
         with pytest.raises(js.BatchError) as info:

@@ -62,7 +62,7 @@ from ..errors import (
 from ..packed import PackedLayout
 from ..template import Template, is_template, params_template, templates_of
 from .options import count_option, finite_number, optional_count, optional_seconds
-from .request import END, Stream
+from .request import END, Stream, put_all
 from .server import Lifecycle
 from .serving import owned_host_array
 
@@ -696,18 +696,18 @@ class GenerationServer(GenerationFront):
         at_eos = None if self._eos is None else (outputs == self._eos).reshape(len(outputs), -1).all(axis=1)
         now = time.perf_counter()
         finished = []
-        delivered = 0
+        deliveries: list[tuple[Stream, Any]] = []
         for request, row in zip(item.requests, item.rows):
             if request.ended or request.cancelled:
                 continue
-            output = outputs[row]
             request.produced += 1
-            delivered += 1
-            request.stream.put(output)
+            deliveries.append((request.stream, outputs[row]))
             if request.produced >= request.needed or (at_eos is not None and at_eos[row]):
-                request.stream.put(END)
+                deliveries.append((request.stream, END))
                 request.ended = True
                 finished.append(request)
+        delivered = len(deliveries) - len(finished)
+        put_all(deliveries)
         elapsed = now - max(item.started, self._ready)  # from when the device could start it
         self._ready = now
         with self._lock:

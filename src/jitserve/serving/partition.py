@@ -21,7 +21,7 @@ import jax
 
 from ..batch import Batch, RowSignature
 from .queue import Piece, Queues
-from .request import END, Request, resolve_futures
+from .request import END, Request, Stream, put_all, resolve_futures
 from .serving import Serving
 
 log = logging.getLogger("jitserve.server")
@@ -291,6 +291,7 @@ class BatchRunner:
         """Give each piece its rows of the outputs (and the batch's report); returns the requests now
         complete. (A serving that yields steps delivered them already: only the report and the count.)"""
         finished = []
+        deliveries: list[tuple[Stream, Any]] = []
         parts = self._pieces_of(pieces, outputs) if outputs is not None else ((piece, None) for piece in pieces)
         for piece, part in parts:
             request = piece.request
@@ -298,7 +299,7 @@ class BatchRunner:
                 continue
             if part is not None:
                 if request.stream is not None:
-                    request.stream.put((piece.offset, part))
+                    deliveries.append((request.stream, (piece.offset, part)))
                 else:
                     request.parts.append((piece.offset, part))
             request.reports.append(report)
@@ -306,22 +307,25 @@ class BatchRunner:
             if request.rows_left == 0:
                 finished.append(request)
                 if request.stream is not None:
-                    request.stream.put(END)
+                    deliveries.append((request.stream, END))
+        put_all(deliveries)
         return finished
 
     def _deliver_step(self, pieces: list[Piece], step: int, outputs: Any) -> bool:
         """One step a streaming serving yielded: each caller's rows of it, to its stream or its parts. False
         when none of the callers is waiting any more (each stopped reading): no more steps are wanted."""
         wanted = False
+        deliveries: list[tuple[Stream, Any]] = []
         for piece, part in self._pieces_of(pieces, outputs):
             request = piece.request
             if request.error is not None:
                 continue
             wanted = True
             if request.stream is not None:
-                request.stream.put((step, part))
+                deliveries.append((request.stream, (step, part)))
             else:
                 request.parts.append((step, part))
+        put_all(deliveries)
         return wanted
 
     @staticmethod

@@ -111,6 +111,28 @@ class Stream:
             pass
 
 
+def put_all(deliveries: Sequence[tuple[Stream, Any]]) -> None:
+    """Each ``(stream, item)``, in order: put on a thread's stream at once, and handed to each asyncio caller's
+    event loop in one call for all of its streams (one wake-up of a network front's loop per step, not one
+    per stream)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
+    for stream, item in deliveries:
+        if stream.loop is None:
+            stream.items.put(item)
+        else:
+            by_loop.setdefault(stream.loop, []).append((stream.items, item))
+    for loop, puts in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_nowait_each, puts)
+        except RuntimeError:  # the callers' loop is closed: nobody is reading any more
+            pass
+
+
+def _put_nowait_each(puts: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for items, item in puts:
+        items.put_nowait(item)
+
+
 class Request:
     """One caller's rows in flight. A sync caller waits on ``done`` (a held lock released when the request
     finishes); an asyncio caller awaits ``future``, resolved on its own ``loop``; a streaming caller reads
