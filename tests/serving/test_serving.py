@@ -8,11 +8,14 @@ import random
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jitserve as js
+from jitserve import compilers
+from jitserve.compilers.xla import XlaCompiler
 
 
 def double(x):
@@ -165,6 +168,34 @@ def test_warm_up_compiles_every_size_then_no_request_compiles():
             x = np.ones((rows, 3), np.float32)
             np.testing.assert_allclose(js.batched_run("warm", js.Batch.concatenate([x])), np.tanh(x), rtol=1e-6)
         assert server.stats()["compiles"] == 4
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_warm_up_runs_every_size_once_where_a_first_run_costs_extra(monkeypatch, tmp_path, isolation):
+    """A GPU loads a program's kernels on its first run: there warm-up runs each batch size once on zeros,
+    with the serving's weights and under each batch key, outside the stats. On this CPU nothing runs (XLA
+    says so); CI has no GPU, so the compiler's answer for one is stood in."""
+    log = tmp_path / "runs"
+
+    def model(params, key, x):
+        def seen(rows, scaled):
+            with open(log, "a") as file:  # the runs happen in a worker process under process isolation
+                file.write(f"{key} {rows.shape[0]} {float(rows.sum())} {float(scaled.sum())}\n")
+        jax.debug.callback(seen, x, x * params["scale"] + params["scale"])
+        return x * params["scale"]
+
+    serving = js.Serving(model, params={"scale": np.float32(3)}, batch_size=4, batch_keys=["a", "b"],
+                         input_template=js.template((2,), "float32"), isolation=isolation)
+    with js.serve(serving, name="warm-default"):
+        assert log.exists() == compilers.get("xla").first_run_costs({})
+    log.unlink(missing_ok=True)
+    monkeypatch.setattr(XlaCompiler, "first_run_costs", lambda self, options: True)
+    with js.serve(serving, name="warm-run") as server:
+        ran = sorted(log.read_text().splitlines())
+        stats = server.stats()
+        assert stats["batches"] == 0 and stats["compiles"] == 6
+        assert js.batched_run("warm-run", js.Batch.stack([np.ones(2, np.float32)]).key("b")).tolist() == [[3, 3]]
+    assert ran == [f"{key} {size} 0.0 {6.0 * size}" for key in "ab" for size in (1, 2, 4)]  # the weights: 3
 
 
 @pytest.mark.parametrize("compiler", ["xla", "evaluator", "eager"])

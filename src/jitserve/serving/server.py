@@ -27,11 +27,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
+import jax
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .. import compilers
+from ..batch import Batch
 from ..errors import OptionError, ServerStoppedError
 from ..params import load_params
+from ..template import is_template
 from .options import optional_seconds
 from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, ServerStats, Weights
 from .queue import BatchPolicy, Queues
@@ -110,11 +114,19 @@ class Server(Corridor, BatchRunner, Lifecycle):
         return self
 
     def warm_up(self) -> None:
-        """Compile every batch size on every partition for ``input_template`` (no-op without one)."""
+        """Compile every batch size on every partition for ``input_template`` (no-op without one), and run
+        each once on zeros where a first run costs extra (a GPU loads a program's kernels and builds its
+        command buffers then): not a caller's batch pays for it. The runs are not counted in the stats; a
+        streaming serving's generator is not run."""
         signature = self.serving.template_signature()
         if signature is None or not self._compiles_own or not self.serving.compiles:
             return
         tree, row_signature = signature
+        compiler = compilers.get(self.serving.compiler_name)
+        runs_once = [not self.serving.streaming and compiler.first_run_costs(options)
+                     for options in self.serving.partition_options()]
+        zeros = Batch.stack([jax.tree_util.tree_map(lambda t: t.zeros(), self.serving.input_template,
+                                                    is_leaf=is_template)])
         sizes = self.serving.batch_sizes
         keys = self.serving.batch_keys or (None,)
         work = [(p, size, key) for p in self._partitions for key in keys for size in sizes]
@@ -126,6 +138,8 @@ class Server(Corridor, BatchRunner, Lifecycle):
             for partition, size, key in work:
                 started = time.perf_counter()
                 partition.executor.compiled(size, tree, row_signature, key)
+                if runs_once[partition.index]:
+                    partition.executor.execute(zeros.key(key).pad_to(size), self._weights.placed[partition.index])
                 log.info("server %s: partition %d compiled batch size %d%s in %.3fs", self.name, partition.index,
                          size, "" if key is None else f" for batch key {key!r}", time.perf_counter() - started)
                 progress.update(1)
