@@ -56,8 +56,8 @@ class PackedLayout:
             self.templates[position] = Template((ends[dtype],), dtype)
 
     def pack(self, params: Any) -> list[Any]:
-        """The arrays of ``params`` (shaped as the template) as the program takes them, on the host: the
-        packed ones new, the large leaves as given (a memory-mapped weight stays mapped)."""
+        """The arrays of ``params`` (shaped as the template) as the program takes them: the packed ones new,
+        on the host; the others as given (a memory-mapped matrix stays mapped, not read)."""
         leaves = jax.tree_util.tree_leaves(params)
         arrays: list[Any] = [None] * len(self.templates)
         parts: dict[int, list[np.ndarray]] = {}
