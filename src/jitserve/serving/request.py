@@ -102,13 +102,7 @@ class Stream:
         self.items: Any = thread_queue.SimpleQueue() if loop is None else asyncio.Queue()
 
     def put(self, item: Any) -> None:
-        if self.loop is None:
-            self.items.put(item)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is reading any more
-            pass
+        put_all([(self, item)])
 
 
 def put_all(deliveries: Sequence[tuple[Stream, Any]]) -> None:
