@@ -20,10 +20,10 @@ step (a request's time from its first to its last output over its outputs after 
 decode steps each server ran. Last, the floor of a step: the decode step alone, queued back to back
 with no host work between steps, at ``--slots`` and at one slot, and how much of it the host spends
 inside the call that queues a step (on a GPU, launching it), with the weights as the example's tree
-of arrays and packed into fewer arrays as js.Generation passes them (``jitserve.packed``). Goals: generation >= 3x the
-outputs/s of streaming, and its p99 time to first output below streaming's p50. At equal cost per
-step, streaming's decode steps over generation's bound the first ratio: request-level batching keeps
-a row busy until its batch's longest request ends.
+of arrays and packed into fewer arrays as js.Generation passes them (``jitserve.packed``). Goals:
+generation >= 3x the outputs/s of streaming, and its p99 time to first output below streaming's p50.
+At equal cost per step, streaming's decode steps over generation's bound the first ratio:
+request-level batching keeps a row busy until its batch's longest request ends.
 
     python3 dev.py bench generation [--requests 64] [--rate 200] [--load 0.8] [--rounds 3] [--slots 8]
 """
@@ -236,6 +236,7 @@ def main() -> None:
                   f"{step:.2f} ms ({launch:.2f} ms) at {slots} slot{'s' if slots > 1 else ''} with the weights "
                   f"{'packed' if packed else 'as given'}, {arrays} arrays" for slots, packed, step, launch, arrays
                   in floors), flush=True)
+
 
 if __name__ == "__main__":
     main()
