@@ -421,3 +421,19 @@ def run(case: Case, compiler: str, **options: Any) -> tuple[str, str]:
             return "unclear error", f"{type(error).__name__}: {error}"
     problem = mismatch(case, got, want)
     return ("agree", "") if problem is None else ("wrong", problem)
+
+# scatters under jax.vmap: batching dimensions, and the windows of dynamic_update_slice (a KV cache per slot)
+CACHE = f32(3, 2, 4, 8, 5)  # (slots, layers, heads, positions, head size)
+POSITIONS = np.array([0, 7, 3], np.int32)
+case("scatter/vmap_update_slice",
+     jax.vmap(lambda c, r, p: lax.dynamic_update_slice(c, r[None], (p, 0))), f32(3, 8, 4), f32(3, 4), POSITIONS)
+case("scatter/vmap_kv_cache_write",
+     jax.vmap(lambda c, k, p: lax.dynamic_update_slice(c, k[None, :, None], (1, 0, p, 0))), CACHE, f32(3, 4, 5),
+     POSITIONS)
+case("scatter/vmap_update_slice_clamped",
+     jax.vmap(lambda c, b, p: lax.dynamic_update_slice(c, b, (p, 0))), f32(3, 8, 4), f32(3, 3, 4),
+     np.array([-4, 6, 2**30], np.int32))
+case("scatter/vmap_add_drop",
+     jax.vmap(lambda v, p: v.at[p].add(1.0, mode="drop")), f32(3, 9), np.array([[0, 9], [4, -1], [8, 8]], np.int32))
+case("scatter/vmap_rows_max", jax.vmap(lambda x, p, u: x.at[p].max(u)), f32(3, 6, 4), ints(3, 2, low=0, high=6),
+     f32(3, 2, 4))

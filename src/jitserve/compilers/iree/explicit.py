@@ -11,7 +11,11 @@ meaning survives any lowering:
 - a gather clamps its start indices itself (and masks the windows that were
   out of range where the mode is ``fill``);
 - a scatter sends an out-of-range update window into a scratch margin added
-  to the operand and sliced off afterwards, so it touches nothing;
+  to the operand and sliced off afterwards, so it touches nothing, and is
+  put in the one form IREE compiles: points named by index columns of the
+  leading axes, windows over the trailing ones. ``jax.vmap`` of
+  ``dynamic_update_slice`` (a KV cache written at each slot's position)
+  gives a batching axis and windows on indexed axes, which IREE 3.x refused;
 - a stable sort gets the position of each element as its last key, so that
   every order it may produce is the stable one;
 - a float to integer conversion saturates and sends NaN to 0 explicitly, as
@@ -182,12 +186,58 @@ def _gather(operand: Any, indices: Any, *, dimension_numbers: Any, slice_sizes: 
     return [lax.select(keep, out, lax.full_like(out, semantics.gather_fill(operand.dtype, fill_value)))]
 
 
+def _in_iree_form(primitive: Any, operand: Any, indices: Any, updates: Any, dn: lax.ScatterDimensionNumbers,
+                  params: dict[str, Any]) -> Any:
+    """A scatter of indices known to be in range, in the one form IREE compiles (``iree_linalg_ext.scatter``):
+    points named by index columns of the leading axes, each with a window over all the trailing axes.
+    ``jax.vmap`` of ``dynamic_update_slice`` (a KV cache written at each slot's position) gives others.
+    So a batching axis becomes an index column of its position (as StableHLO's compatibility expander
+    does); an indexed axis whose window spans it drops its column (always 0 here); and a window on an
+    indexed axis, or on an axis before one, becomes points: a column of start + 0..size-1, one more axis
+    of updates. The data written is the same; only the bookkeeping of where changes."""
+    rank, last = operand.ndim, indices.ndim - 1
+    columns = {axis: lax.slice_in_dim(indices, i, i + 1, axis=last)
+               for i, axis in enumerate(dn.scatter_dims_to_operand_dims)}
+    for operand_axis, indices_axis in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims):
+        columns[operand_axis] = lax.broadcasted_iota(indices.dtype, (*indices.shape[:-1], 1), indices_axis)
+    windows = [a for a in range(rank) if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
+    batch = indices.ndim - 1  # the updates' axes that are not windows, first, then the windows in order
+    updates = lax.transpose(updates, [*(d for d in range(updates.ndim) if d not in dn.update_window_dims),
+                                      *dn.update_window_dims])
+    whole = [a for i, a in enumerate(windows) if a in columns and updates.shape[batch + i] == operand.shape[a]]
+    for axis in whole[:len(columns) - 1]:
+        del columns[axis]
+    deepest = max(columns)
+    for axis in range(deepest):
+        if axis not in columns and axis not in windows:  # inserted without a column: at 0
+            columns[axis] = jnp.zeros((*indices.shape[:-1], 1), indices.dtype)
+    pointwise = [a for a in windows if a <= deepest]
+    if pointwise or list(columns) != sorted(columns) or dn.operand_batching_dims:
+        # overlapping windows would give the same point twice, and the new columns break the order
+        params = {**params, "indices_are_sorted": False, "unique_indices": params["unique_indices"] and not pointwise}
+    for axis in pointwise:
+        updates = jnp.moveaxis(updates, batch + windows.index(axis), batch)
+        shape = (*updates.shape[:batch + 1], 1)
+        columns = {a: lax.broadcast_in_dim(c, shape, (*range(batch), batch + 1)) for a, c in columns.items()}
+        columns[axis] = columns.get(axis, 0) + lax.broadcasted_iota(indices.dtype, shape, batch)
+        windows.remove(axis)
+        batch += 1
+    points = lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(batch, batch + len(windows))),
+        inserted_window_dims=tuple(a for a in range(rank) if a not in windows),
+        scatter_dims_to_operand_dims=tuple(sorted(columns)))
+    return primitive.bind(operand, lax.concatenate([columns[a] for a in sorted(columns)], batch), updates,
+                          dimension_numbers=points, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS, **params)
+
+
 def _scatter(primitive: Any) -> Callable[..., list[Any]]:
     def scatter(operand: Any, indices: Any, updates: Any, *, dimension_numbers: Any, mode: Any,
                 **params: Any) -> list[Any]:
         dn = dimension_numbers
         if not dn.scatter_dims_to_operand_dims:
-            return [primitive.bind(operand, indices, updates, dimension_numbers=dn, mode=mode, **params)]
+            if not dn.operand_batching_dims:
+                return [primitive.bind(operand, indices, updates, dimension_numbers=dn, mode=mode, **params)]
+            return [_in_iree_form(primitive, operand, indices, updates, dn, params)]
         window_axes = [a for a in range(operand.ndim)
                        if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
         sizes = [1] * operand.ndim
@@ -198,8 +248,7 @@ def _scatter(primitive: Any) -> Callable[..., list[Any]]:
         upper, in_range = _bounds(indices, [operand.shape[a] - sizes[a] for a in targets])
         if lax.GatherScatterMode.from_any(mode) is lax.GatherScatterMode.CLIP:
             safe = lax.clamp(np.zeros((), indices.dtype), indices, np.broadcast_to(upper, indices.shape))
-            return [primitive.bind(operand, safe, updates, dimension_numbers=dn,
-                                   mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS, **params)]
+            return [_in_iree_form(primitive, operand, safe, updates, dn, params)]
         # An out-of-range window goes to a margin past the end of the first scattered axis, sliced off after.
         first = targets[0]
         margin = [(0, sizes[first] if axis == first else 0, 0) for axis in range(operand.ndim)]
@@ -209,8 +258,7 @@ def _scatter(primitive: Any) -> Callable[..., list[Any]]:
         parking[0] = operand.shape[first]
         safe = lax.select(jax.numpy.broadcast_to(keep, indices.shape), indices,
                           jax.numpy.broadcast_to(parking, indices.shape))
-        out = primitive.bind(widened, safe, updates, dimension_numbers=dn,
-                             mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS, **params)
+        out = _in_iree_form(primitive, widened, safe, updates, dn, params)
         return [lax.slice(out, (0,) * operand.ndim, operand.shape)]
     return scatter
 
