@@ -1,4 +1,5 @@
-"""Weights from checkpoint files: ``load_params`` maps a ``.safetensors`` or ``.npz`` file into a nested dict.
+"""Weights from checkpoint files: ``load_params`` maps a ``.safetensors`` or ``.npz`` file (or the shards of
+one, as ``transformers`` writes them) into a nested dict.
 
 Nothing is read when a file is loaded: every array is a read-only view of the
 file, memory-mapped, so the pages come in as the weights are first copied to
@@ -13,6 +14,7 @@ names.
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
@@ -39,18 +41,65 @@ _NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.form
 _ZIP_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip member's local header: its name and extra field follow
 
 
+SHARD_INDEX = ".safetensors.index.json"  # transformers' sharded checkpoint: {"weight_map": {name: shard file}}
+
+
 def load_params(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The arrays of a ``.safetensors`` or ``.npz`` file as a nested dict (see the module's docstring),
     memory-mapped and read-only. Members of a compressed ``.npz`` (``np.savez_compressed``) cannot be
-    mapped and are read into memory."""
+    mapped and are read into memory. A checkpoint sharded as ``transformers`` writes one (its
+    ``*.safetensors.index.json``, or the folder that holds it or a single ``.safetensors``) is every
+    shard's arrays together."""
     path = os.fspath(path)
-    readers = {".safetensors": _safetensors, ".npz": _npz}
-    reader = readers.get(os.path.splitext(path)[1])
+    if os.path.isdir(path):
+        path = _checkpoint_in(path)
+    readers = {".safetensors": _safetensors, ".npz": _npz, SHARD_INDEX: _shards}
+    reader = next((read for suffix, read in readers.items() if path.endswith(suffix)), None)
     if reader is None:
-        raise CheckpointError(f"cannot load weights from {path!r}: expected a .safetensors or .npz file")
+        raise CheckpointError(f"cannot load weights from {path!r}: expected a .safetensors or .npz file, a "
+                              f"{SHARD_INDEX} of shards, or a folder holding one of those")
     if not os.path.isfile(path):
         raise CheckpointError(f"cannot load weights from {path!r}: no such file")
     return nest(reader(path), repr(path))
+
+
+def _checkpoint_in(folder: str) -> str:
+    """The one checkpoint of a folder: its shard index, else its one ``.safetensors``."""
+    names = sorted(os.listdir(folder))
+    for suffix in (SHARD_INDEX, ".safetensors"):
+        found = [name for name in names if name.endswith(suffix)]
+        if len(found) == 1:
+            return os.path.join(folder, found[0])
+        if found:
+            raise CheckpointError(f"cannot load weights from folder {folder!r}: it holds {len(found)} "
+                                  f"{suffix} files ({', '.join(found)}); name the one to load")
+    raise CheckpointError(f"cannot load weights from folder {folder!r}: it holds no {SHARD_INDEX} and no "
+                          f".safetensors file")
+
+
+def _shards(index: str) -> dict[str, np.ndarray]:
+    """Every array an index's ``weight_map`` names, from the shard it names, each shard mapped once."""
+    try:
+        with open(index, "rb") as file:
+            weight_map = json.load(file)["weight_map"]
+        shards = {name: str(shard) for name, shard in weight_map.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{index!r} is not a shard index (JSON with a 'weight_map' of names to "
+                              f"shard files): {error!r}") from None
+    files = {shard: os.path.join(os.path.dirname(index), shard) for shard in sorted(set(shards.values()))}
+    for shard, path in files.items():
+        if os.path.basename(shard) != shard or not os.path.isfile(path):
+            raise CheckpointError(f"{index!r} names shard {shard!r}, which is not a file beside it")
+    arrays: dict[str, np.ndarray] = {}
+    for shard, path in files.items():
+        held = _safetensors(path)
+        listed = {name for name, listed_shard in shards.items() if listed_shard == shard}
+        if held.keys() != listed:
+            stray = sorted(held.keys() ^ listed)[:3]
+            raise CheckpointError(f"{index!r} and its shard {shard!r} disagree on which arrays it holds "
+                                  f"(for example {', '.join(stray)})")
+        arrays.update(held)
+    return arrays
 
 
 def _safetensors(path: str) -> dict[str, np.ndarray]:

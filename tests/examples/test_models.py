@@ -144,3 +144,16 @@ def test_gpt2_generation_on_iree_is_transformers_greedy_generate(gpt2):
     with js.serve(on_iree, name="gpt2-iree") as server:
         assert generated_together("gpt2-iree", prompts) == expected
         assert server.stats()["max_slots_busy"] > 1
+
+
+def test_a_checkpoint_that_transformers_shards_loads_whole(gpt2, tmp_path):
+    """``save_pretrained`` with a small ``max_shard_size`` writes shards and their index, as the checkpoints
+    of large models come: ``js.load_params`` of the folder is every array of the model's state dict."""
+    _, reference = gpt2
+    reference.save_pretrained(tmp_path, max_shard_size="200KB", safe_serialization=True)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    loaded = flatten(js.load_params(tmp_path))
+    state = {name: tensor.numpy() for name, tensor in reference.state_dict().items() if name != "lm_head.weight"}
+    assert loaded.keys() == state.keys()  # lm_head is tied to wte, and transformers saves it once
+    for name, array in state.items():
+        np.testing.assert_array_equal(loaded[name], array)

@@ -3,6 +3,7 @@ never compiled in; ``load_params``; the warning for large captured constants."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -282,6 +283,65 @@ def test_load_params_maps_safetensors_and_npz_into_nested_trees(tmp_path):
     assert js.load_params(tmp_path / "small.npz")["x"].tolist() == [0, 1, 2]
 
 
+def shard(folder, params, parts):
+    """``params`` saved as shards of ``parts`` layers each, with the index transformers writes."""
+    folder.mkdir()
+    weight_map = {}
+    for number, start in enumerate(range(0, len(params["layers"]), parts)):
+        name = f"model-{number + 1:05d}.safetensors"
+        part = {str(i): layer for i, layer in enumerate(params["layers"]) if start <= i < start + parts}
+        save_params(folder / name, {"layers": part})
+        weight_map.update({f"layers.{i}.{leaf}": name for i in map(int, part) for leaf in ("w", "b")})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def test_a_sharded_checkpoint_loads_whole_from_its_index_or_its_folder(tmp_path):
+    params = weights(5, layers=5)
+    folder = shard(tmp_path / "sharded", params, parts=2)
+    assert len(list(folder.glob("*.safetensors"))) == 3
+    for path in (folder / "model.safetensors.index.json", folder):
+        loaded = js.load_params(path)
+        assert len(loaded["layers"]) == 5
+        for got, want in zip(loaded["layers"], params["layers"]):
+            np.testing.assert_array_equal(got["w"], want["w"])
+            np.testing.assert_array_equal(got["b"], want["b"])
+            assert mapped(got["w"])
+    single = tmp_path / "single"
+    single.mkdir()
+    save_params(single / "weights.safetensors", params)
+    np.testing.assert_array_equal(js.load_params(single)["layers"][4]["b"], params["layers"][4]["b"])
+
+
+def test_sharded_checkpoint_errors(tmp_path):
+    folder = shard(tmp_path / "sharded", weights(5, layers=4), parts=2)
+    index = folder / "model.safetensors.index.json"
+    listing = json.loads(index.read_text())
+
+    def refused(path):
+        with pytest.raises(js.CheckpointError) as info:
+            js.load_params(path)
+        return str(info.value)
+
+    index.write_text(json.dumps({**listing, "weight_map": {**listing["weight_map"], "layers.0.w": "other.safetensors"}}))
+    assert refused(index) == f"{str(index)!r} names shard 'other.safetensors', which is not a file beside it"
+    index.write_text(json.dumps({**listing, "weight_map": {**listing["weight_map"], "layers.0.w": "model-00002.safetensors"}}))
+    assert refused(folder) == (f"{str(index)!r} and its shard 'model-00001.safetensors' disagree on which arrays "
+                               f"it holds (for example layers.0.w)")
+    index.write_text(json.dumps({**listing, "weight_map": {**listing["weight_map"], "layers.0.w": "../w.safetensors"}}))
+    assert refused(index) == f"{str(index)!r} names shard '../w.safetensors', which is not a file beside it"
+    index.write_text("{not json")
+    assert refused(index).startswith(f"{str(index)!r} is not a shard index (JSON with a 'weight_map' of names to "
+                                     f"shard files): JSONDecodeError(")
+    index.unlink()
+    assert refused(folder) == (f"cannot load weights from folder {str(folder)!r}: it holds 2 .safetensors files "
+                               f"(model-00001.safetensors, model-00002.safetensors); name the one to load")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert refused(empty) == (f"cannot load weights from folder {str(empty)!r}: it holds no "
+                              f".safetensors.index.json and no .safetensors file")
+
+
 def test_a_loaded_checkpoint_serves(tmp_path):
     params = weights(4)
     save_params(tmp_path / "w.safetensors", params)
@@ -295,7 +355,8 @@ def test_a_loaded_checkpoint_serves(tmp_path):
 def test_load_params_errors(tmp_path):
     with pytest.raises(js.CheckpointError) as info:
         js.load_params(tmp_path / "w.bin")
-    assert str(info.value) == f"cannot load weights from {str(tmp_path / 'w.bin')!r}: expected a .safetensors or .npz file"
+    assert str(info.value) == (f"cannot load weights from {str(tmp_path / 'w.bin')!r}: expected a .safetensors or "
+                               f".npz file, a .safetensors.index.json of shards, or a folder holding one of those")
     with pytest.raises(js.CheckpointError) as info:
         js.load_params(tmp_path / "none.safetensors")
     assert str(info.value).endswith("none.safetensors': no such file")
