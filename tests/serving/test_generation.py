@@ -159,6 +159,10 @@ def test_eos_max_steps_and_max_length_stop_exactly():
     with js.serve(generation(eos=eos), name="gen-eos"):
         got = js.generate("gen-eos", prompt, max_steps=30).tolist()
     assert got == free_run[:free_run.index(eos) + 1] and got[-1] == eos, "the eos output is the last one returned"
+    stops = [free_run[9], free_run[4]]  # several end tokens: the first of any ends it
+    with js.serve(generation(eos=stops), name="gen-eos-list"):
+        got = js.generate("gen-eos-list", prompt, max_steps=30).tolist()
+    assert got == free_run[:min(free_run.index(stop) for stop in stops) + 1] and got[-1] in stops
     with js.serve(generation(max_length=12, prefill_lengths=[12]), name="gen-max"):
         assert len(js.generate("gen-max", np.arange(10, dtype=np.int32), max_steps=50)) == 2  # 10 + 2 = 12
         assert len(js.generate("gen-max", [1], max_steps=3)) == 3
@@ -367,10 +371,11 @@ def test_options_are_checked():
     with pytest.raises(js.OptionError) as info:
         generation(slots=0)
     assert str(info.value) == "slots must be a positive integer, got 0"
-    for eos, got in [([33, 34], "int64(2)"), (1.5, "float64()")]:
+    for eos, got in [([[33, 34]], "int64(1, 2)"), (1.5, "float64()"), ([], "float64(0)"), ([33, 2**40], "int64(2)")]:
         with pytest.raises(js.OptionError) as info:
             js.serve(generation(eos=eos), name="gen-bad-eos")
-        assert str(info.value) == f"eos must be one output of this generation, int32(); got {eos!r} ({got})"
+        assert str(info.value) == (f"eos must be one output of this generation, int32(), or a list of them; "
+                                   f"got {eos!r} ({got})")
     with js.serve(generation(eos=np.int64(33)), name="gen-int64-eos"):
         prompt = np.array([1, 2], np.int32)
         assert js.generate("gen-int64-eos", prompt, max_steps=40).tolist() == expected(prompt, 40, eos=33)

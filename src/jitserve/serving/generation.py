@@ -10,9 +10,9 @@ admits waiting requests into free slots (their prompts prefilled together,
 padded to the same compiled length, and written into their slots by a
 compiled update that leaves the other rows in place), and it frees a slot the
 moment its request ends: after ``max_steps`` outputs, right after an output
-equal to ``eos``, at ``max_length``, or when its caller stops reading. A
-request never waits for another to finish (Orca's iteration-level
-scheduling); when no slot is busy, no step runs. The loop queues each step
+equal to ``eos`` (or to one of a list of them), at ``max_length``, or when
+its caller stops reading. A request never waits for another to finish
+(Orca's iteration-level scheduling); when no slot is busy, no step runs. The loop queues each step
 before it delivers the outputs of the step before (JetStream's pipeline), so
 the device does not wait for the host between steps.
 
@@ -178,7 +178,8 @@ class Generation:
 
     def shapes(self) -> tuple[Any, Template, Template]:
         """The templates of a prompt's state row, of what ``prefill`` gives for it (an output, or logits),
-        and of one output a caller gets per step (a token id, for ``logits=True``), which ``eos`` must be."""
+        and of one output a caller gets per step (a token id, for ``logits=True``), which ``eos`` must be
+        (or a list of them)."""
         row, first = jax.eval_shape(self.prefill, *jax.tree_util.tree_map(
             lambda t: t.abstract(), (self.params_template, Template((self.prefill_lengths[0],), np.int32),
                                      Template((), np.int32)), is_leaf=is_template))
@@ -188,7 +189,7 @@ class Generation:
                               f"prompt; it returned {first}")
         output = Template((), np.int32) if self.logits else first
         if self.eos is not None:
-            _check_one_output("eos", self.eos, output)
+            _stop_outputs(self.eos, output)
         return templates_of(row), first, output
 
     def check_request(self, name: str, prompt: Any, max_steps: int, sampling: Sampling | None) -> np.ndarray:
@@ -415,7 +416,7 @@ class GenerationServer(GenerationFront):
         self._on_stop: list[Callable[[Any], None]] = []
         self._listeners: list[Callable[[str, float], None]] = []
         self.output_template = self._programs.output_template
-        self._eos = None if generation.eos is None else np.asarray(generation.eos, self.output_template.dtype)
+        self._eos = None if generation.eos is None else _stop_outputs(generation.eos, self.output_template)
 
     def add_listener(self, listener: Callable[[str, float], None]) -> None:
         """Call ``listener(kind, seconds)`` for each ``"first_output"`` (a request's time from submission to
@@ -692,8 +693,9 @@ class GenerationServer(GenerationFront):
         """Once ``item`` is computed, each of its requests' next output; a request that is done (its outputs
         needed, or eos) ends and frees its slot."""
         outputs = owned_host_array(item.outputs)
-        # which rows are eos, at once: comparing row by row costs more than the rest of the delivery
-        at_eos = None if self._eos is None else (outputs == self._eos).reshape(len(outputs), -1).all(axis=1)
+        # which rows are an eos, at once: comparing row by row costs more than the rest of the delivery
+        at_eos = None if self._eos is None else \
+            (outputs[:, None] == self._eos).reshape(len(outputs), len(self._eos), -1).all(axis=2).any(axis=1)
         now = time.perf_counter()
         finished = []
         deliveries: list[tuple[Stream, Any]] = []
@@ -738,14 +740,17 @@ class _Dispatched(NamedTuple):
     step: bool
 
 
-def _check_one_output(name: str, value: Any, output: Template) -> None:
-    """A clear error unless ``value`` is one output of the shape of ``output`` that its dtype holds: an
-    ``eos`` of another shape, or one the outputs cannot hold, would never match and never stop a request."""
-    array = np.asarray(value)
-    if array.shape != output.shape or array.dtype.kind not in "biuf" or \
+def _stop_outputs(eos: Any, output: Template) -> np.ndarray:
+    """``eos`` as the outputs that end a request, stacked (n, *output shape): one output of the shape of
+    ``output``, or several (a list of token ids, as models with more than one end token have), in values
+    its dtype holds; else a clear error, as an ``eos`` that no output can equal would never stop a request."""
+    array = np.asarray(eos)
+    if array.shape[array.ndim - len(output.shape):] != output.shape or array.ndim > len(output.shape) + 1 or \
+            array.size == 0 or array.dtype.kind not in "biuf" or \
             not np.array_equal(array.astype(output.dtype), array):
-        raise OptionError(f"{name} must be one output of this generation, {output}; got {value!r} "
-                          f"({Template(array.shape, array.dtype)})")
+        raise OptionError(f"eos must be one output of this generation, {output}, or a list of them; got "
+                          f"{eos!r} ({Template(array.shape, array.dtype)})")
+    return array.astype(output.dtype).reshape(-1, *output.shape)
 
 
 def _to_host(outputs: Any) -> Any:
