@@ -273,6 +273,36 @@ def test_out_of_range_indices_never_touch_memory_outside_the_array():
         np.testing.assert_array_equal(np.asarray(js.jit(fn, compiler="iree")(table, ids)), np.asarray(jax.jit(fn)(table, ids)))
 
 
+WRITES = {  # in-place writes into an input, directly or through a view (IREE wrote the caller's buffer)
+    "update_slice": lambda w, i: jax.lax.dynamic_update_slice(w, jnp.ones((1, 4), jnp.float32), (i, 0)),
+    "through_a_reshape": lambda w, i: jax.lax.dynamic_update_slice(w.reshape(32, 8), jnp.ones((1, 8)),
+                                                                   (i, 0)).reshape(64, 4),
+    "clipped_scatter": lambda w, i: w.at[i].set(1.0, mode="clip"),
+    "vmapped_update_slice": lambda w, i: jax.vmap(lambda row, p: jax.lax.dynamic_update_slice(
+        row, jnp.ones(1), (p,)))(w, jnp.full(64, i)),
+}
+
+
+@pytest.mark.parametrize("name", WRITES)
+def test_an_input_on_the_device_is_never_written_unless_donated(name):
+    """IREE writes a function's input in place when one in-place operation is all that uses it
+    (iree-org/iree#16168): each call saw the writes of the calls before, and results already returned
+    changed with it. jitserve gives such an operation a copy; a donated input is still written in place."""
+    compiler, fn = js.compilers.get("iree"), WRITES[name]
+    templates = [js.template((64, 4), "float32"), js.template((), "int32")]
+    kept = compiler.compile(fn, templates, {})
+    weights = compiler.place(np.zeros((64, 4), np.float32), {})
+    first = kept.run(weights, np.int32(1))
+    second = kept.run(weights, np.int32(2))
+    for result, row in ((first, 1), (second, 2)):
+        np.testing.assert_array_equal(np.asarray(result), np.asarray(jax.jit(fn)(np.zeros((64, 4), np.float32),
+                                                                               np.int32(row))))
+    np.testing.assert_array_equal(np.asarray(compiler.compile(lambda w: w + 0, templates[:1], {}).run(weights)), 0)
+    donated = compiler.compile(fn, templates, {}, donate=(0,)).run(weights, np.int32(3))
+    np.testing.assert_array_equal(np.asarray(compiler.compile(lambda w: w + 0, templates[:1], {}).run(weights)),
+                                  np.asarray(donated), err_msg="a donated input is updated in place")
+
+
 def test_stable_sorts_are_stable_and_constant_keys_work():
     keys = np.array([1, 0, 1, 0] * 8, np.int32)
     argsort = js.jit(lambda k: jnp.argsort(k, stable=True), compiler="iree")(keys)

@@ -9,6 +9,7 @@ import threading
 import time
 import zipfile
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,6 +68,24 @@ def test_python_scalar_weights_are_the_dtypes_jax_traces_them_as(compiler):
     with js.serve(serving, name=f"scalar-params-{compiler}"):
         served = js.batched_run(f"scalar-params-{compiler}", js.Batch.stack([np.arange(3, dtype=np.float16)]))
     assert served.dtype == np.float16 and served.tolist() == [[3.0, 5.0, 7.0]]
+
+
+def marked(params, x):
+    """Writes into a copy of its weights, functionally: the row a request names is set to ones."""
+    rows = jax.lax.dynamic_update_slice(params["table"], jnp.ones((1, 4), jnp.float32), (x[0, 0].astype(jnp.int32), 0))
+    return jnp.broadcast_to(rows.sum(), (x.shape[0],))
+
+
+@pytest.mark.parametrize("compiler", ["xla", "evaluator", "iree"])
+def test_a_function_that_writes_into_a_copy_of_its_weights_leaves_them_as_they_are(compiler):
+    """On IREE such a write once reached the resident weights themselves (iree-org/iree#16168): each call
+    saw every earlier one's, 4, 8, 12, ... instead of 4 each time."""
+    serving = js.Serving(marked, params={"table": np.zeros((16, 4), np.float32)}, batch_size=1,
+                         input_template=js.template((1,), "float32"), compiler=compiler)
+    with js.serve(serving, name=f"params-marked-{compiler}"):
+        sums = [js.batched_run(f"params-marked-{compiler}", js.Batch.stack([np.float32([row])]))[0]
+                for row in (1, 2, 3, 2)]
+    assert sums == [4.0] * 4
 
 
 def test_batch_keys_come_after_the_params():

@@ -49,7 +49,7 @@ class IreeCompiler(Compiler):
     def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
                 donate: Sequence[int] = ()) -> Executable:
         device = _device(options)
-        lowered = to_mlir(explicit(fn), list(templates))
+        lowered = to_mlir(explicit(fn, donate), list(templates))
         flags = options.get("iree_compiler_flags") or iree.default_flags(device)
         module = iree.compile(lowered.mlir_module, flags, lowered.output_container, options.get("cache_dir"))
         invoke = module.function(device)

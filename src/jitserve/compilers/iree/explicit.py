@@ -16,6 +16,10 @@ meaning survives any lowering:
   leading axes, windows over the trailing ones. ``jax.vmap`` of
   ``dynamic_update_slice`` (a KV cache written at each slot's position)
   gives a batching axis and windows on indexed axes, which IREE 3.x refused;
+- an in-place write (an update slice, a scatter) into an argument, or into
+  a view of one, writes a copy unless the argument is donated: IREE wrote
+  the caller's buffer when one such write was all that used it
+  (iree-org/iree#16168), so a serving's weights changed at every call;
 - a stable sort gets the position of each element as its last key, so that
   every order it may produce is the stable one;
 - a float to integer conversion saturates and sends NaN to 0 explicitly, as
@@ -96,18 +100,40 @@ INLINED: dict[str, str] = {
 }
 
 
-def explicit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with the nodes above rewritten (same inputs, same outputs)."""
+# What IREE may write in place, its first operand; and what may give its operand's buffer as its result.
+WRITES_IN_PLACE = frozenset({"dynamic_update_slice", "scatter", "scatter-add", "scatter-mul", "scatter-min",
+                             "scatter-max"})
+VIEWS = frozenset({"reshape", "squeeze", "broadcast_in_dim", "convert_element_type", "bitcast_convert_type",
+                   "reduce_precision", "copy", "optimization_barrier", "slice", "dynamic_slice", "transpose"})
+
+
+def explicit(fn: Callable[..., Any], donated: Sequence[int] = ()) -> Callable[..., Any]:
+    """``fn`` with the nodes above rewritten (same inputs, same outputs). Its arguments are the caller's to
+    keep, but for those at positions ``donated``: IREE writes an input in place when one in-place operation
+    (an update slice, a scatter) is all that uses it (iree-org/iree#16168), so such an operation on an
+    input, or on a view of one, is given a copy of it first (XLA copies there too)."""
     def rewritten(*args: Any) -> Any:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        flat = _evaluate(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args))
+        kept = {id(leaf) for position, arg in enumerate(args) if position not in donated
+                for leaf in jax.tree_util.tree_leaves(arg)}
+        flat = _evaluate(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args), kept)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
 
     rewritten.__name__ = getattr(fn, "__name__", "fn")
     return rewritten
 
 
-def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def _own_copy(x: Any) -> Any:
+    """``x`` in a buffer of its own: a select on a predicate IREE cannot see through (an optimization
+    barrier), which it can neither fold away nor run in the caller's buffer."""
+    keep = lax.optimization_barrier(np.ones((), bool))
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kept: set[int] | None = None) -> list[Any]:
+    """``jaxpr`` rewritten and traced; ``kept``: the ids of the values that are the caller's arrays (or views
+    of them), which no operation may write in place (grown as views of them are made)."""
+    kept = set() if kept is None else kept
     env: dict[Any, Any] = {}
 
     def read(atom: Any) -> Any:
@@ -121,16 +147,20 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[An
             raise CompileError(f"compiler 'iree' cannot compile {UNSUPPORTED[name]}: IREE has no lowering for "
                                f"primitive {name!r}; {LINEAR_ALGEBRA}")
         values = [read(atom) for atom in eqn.invars]
+        if name in WRITES_IN_PLACE and id(values[0]) in kept:
+            values[0] = _own_copy(values[0])
         if name in INLINED:
             body = eqn.params[INLINED[name]]
             closed = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
-            results = _evaluate(closed.jaxpr, closed.consts, values)
+            results = _evaluate(closed.jaxpr, closed.consts, values, kept)
         elif name in REWRITES:
             results = REWRITES[name](*values, **eqn.params)
         else:
             results = eqn.primitive.bind(*values, **_rewrite_bodies(eqn.params))
             if not eqn.primitive.multiple_results:
                 results = [results]
+        if name in VIEWS and any(id(value) in kept for value in values):
+            kept.update(id(result) for result in results)
         for var, value in zip(eqn.outvars, results):
             if not isinstance(var, jcore.DropVar):
                 env[var] = value
