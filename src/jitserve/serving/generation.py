@@ -12,9 +12,10 @@ compiled update that leaves the other rows in place), and it frees a slot the
 moment its request ends: after ``max_steps`` outputs, right after an output
 equal to ``eos`` (or to one of a list of them), at ``max_length``, or when
 its caller stops reading. A request never waits for another to finish
-(Orca's iteration-level scheduling); when no slot is busy, no step runs. The loop queues each step
-before it delivers the outputs of the step before (JetStream's pipeline), so
-the device does not wait for the host between steps.
+(Orca's iteration-level scheduling); when no slot is busy, no step runs.
+The loop queues each step before it delivers the outputs of the step before
+(JetStream's pipeline), so the device does not wait for the host between
+steps.
 
 Everything compiles at warm-up, and on a GPU runs once there on idle slots
 (a GPU's first run of a program loads its kernels): the prefill per (prompt
