@@ -101,6 +101,30 @@ def test_packed_layout_passes_small_weights_in_one_array_per_dtype():
     assert float(traced) == float(weights_checksum(MANY_WEIGHTS))
 
 
+def written_prefill(params, tokens, length):
+    """Starts each sequence's state from a zero row kept in the weights, its first token written at its
+    last position: its first output is that token, unless another request's write is still there."""
+    row = jax.lax.dynamic_update_slice(params["empty"], tokens[:1].astype(jnp.float32), (length - 1,))
+    return {"row": row}, row.sum().astype(jnp.int32)
+
+
+def written_decode(params, state, last):
+    return state, (state["row"].sum(axis=1).astype(jnp.int32) + last) % VOCAB
+
+
+@pytest.mark.parametrize("compiler", ["xla", "iree"])
+def test_a_prefill_that_writes_into_a_copy_of_a_weight_leaves_the_weight_as_it_is(compiler):
+    """The weights travel packed, so ``params["empty"]`` is a slice of one array: on IREE the write once
+    reached the resident weights (iree-org/iree#16168), and each prompt's first output carried the first
+    tokens of the prompts before it."""
+    generation = js.Generation(written_prefill, written_decode, params={"empty": np.zeros(16, np.float32)},
+                               slots=2, max_length=16, prefill_lengths=[8], compiler=compiler)
+    with js.serve(generation, name=f"gen-written-{compiler}"):
+        firsts = [js.generate(f"gen-written-{compiler}", [token] + [1] * extra, max_steps=2).tolist()
+                  for token, extra in ((5, 0), (7, 1), (9, 2), (11, 3))]
+    assert firsts == [[5, 10], [7, 14], [9, 18], [11, 22]]
+
+
 @pytest.mark.parametrize("compiler", ["xla", "iree", "evaluator"])
 def test_weights_of_many_leaves_reach_prefill_and_decode_as_given(compiler):
     """The programs take the weights packed into few arrays; prefill and decode get them back as given."""
