@@ -746,8 +746,7 @@ def _stop_outputs(eos: Any, output: Template) -> np.ndarray:
     ``output``, or several (a list of token ids, as models with more than one end token have), in values
     its dtype holds; else a clear error, as an ``eos`` that no output can equal would never stop a request."""
     array = np.asarray(eos)
-    if array.shape[array.ndim - len(output.shape):] != output.shape or array.ndim > len(output.shape) + 1 or \
-            array.size == 0 or array.dtype.kind not in "biuf" or \
+    if output.shape not in (array.shape, array.shape[1:]) or array.size == 0 or array.dtype.kind not in "biuf" or \
             not np.array_equal(array.astype(output.dtype), array):
         raise OptionError(f"eos must be one output of this generation, {output}, or a list of them; got "
                           f"{eos!r} ({Template(array.shape, array.dtype)})")
