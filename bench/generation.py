@@ -6,6 +6,8 @@ output length drawn uniformly from 1..256 (fixed seed), arrive in a Poisson stre
 same slots / batch size (``--slots``), all warm before the clock starts:
 
 - ``generation``: ``js.Generation(prefill, decode, slots=...)``, admitting requests between steps;
+- ``generation, N steps per launch``: the same with ``steps_per_launch=N`` (``--steps-per-launch``, 4;
+  1 leaves this arm out), admitting requests between launches of N steps;
 - ``streaming``: today's ``js.Serving(..., streaming=True)`` whose generator prefills a batch and
   decodes it until its longest request is done (each request reads its own outputs, then leaves), the
   same jitted prefill and decode inside; a batch holds its rows to its end;
@@ -20,12 +22,14 @@ step (a request's time from its first to its last output over its outputs after 
 decode steps each server ran. Last, the floor of a step: the decode step alone, queued back to back
 with no host work between steps, at ``--slots`` and at one slot, and how much of it the host spends
 inside the call that queues a step (on a GPU, launching it), with the weights as the example's tree
-of arrays and packed into fewer arrays as js.Generation passes them (``jitserve.packed``). Goals:
+of arrays and packed into fewer arrays as js.Generation passes them (``jitserve.packed``), and with N
+steps per launch. Goals:
 generation >= 3x the outputs/s of streaming, and its p99 time to first output below streaming's p50.
 At equal cost per step, streaming's decode steps over generation's bound the first ratio:
 request-level batching keeps a row busy until its batch's longest request ends.
 
     python3 dev.py bench generation [--requests 64] [--rate 200] [--load 0.8] [--rounds 3] [--slots 8]
+                                    [--steps-per-launch 4]
 """
 
 from __future__ import annotations
@@ -63,37 +67,42 @@ def workload(requests: int, rate: float, vocab: int, context: int, seed: int = 0
              int(rng.integers(1, 257))) for at in arrivals]
 
 
-def greedy_programs(module, layout: PackedLayout | None = None):
+def greedy_programs(module, layout: PackedLayout | None = None, per_launch: int = 1):
     """The example's prefill (over a batch of prompts) and decode, jitted, each picking the most likely token
     (the example's functions give logits), decode's state donated; with a ``layout``, they take the weights
-    packed as it lays them out (as js.Generation's programs do), else as the example's tree of arrays."""
-    def greedy(step):
-        def picked(params, *arguments):
-            state, logits = step(params if layout is None else layout.unpack(params), *arguments)
-            return state, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    packed as it lays them out (as js.Generation's programs do), else as the example's tree of arrays; decode
+    runs ``per_launch`` steps per call, unrolled (as js.Generation(..., steps_per_launch=...) does)."""
+    def greedy(step, steps=1):
+        def picked(params, state, *arguments):
+            params = params if layout is None else layout.unpack(params)
+            for _ in range(steps):
+                state, logits = step(params, state, *arguments)
+                arguments = (jnp.argmax(logits, axis=-1).astype(jnp.int32),)
+            return state, *arguments
         return picked
 
     return (jax.jit(greedy(jax.vmap(module.prefill, in_axes=(None, 0, 0)))),
-            jax.jit(greedy(module.decode), donate_argnums=1))
+            jax.jit(greedy(module.decode, per_launch), donate_argnums=1))
 
 
-def device_step_ms(module, params, slots: int, packed: bool, steps: int = 200) -> tuple[float, float, int]:
+def device_step_ms(module, params, slots: int, packed: bool, per_launch: int = 1,
+                   steps: int = 200) -> tuple[float, float, int]:
     """The floor of a decode step: ``steps`` greedy steps of ``slots`` prompts queued back to back with no
-    host work between them, ms per step, and the part of it the host spent inside the calls that queue
-    them (launching the step: where that is most of a step, the host, not the device, sets the pace);
-    medians of 3 runs, ``params`` on the device, passed as the example's tree or ``packed`` (then fewer
-    arrays per call); and the number of weight arrays each call passed."""
+    host work between them, ``per_launch`` per call, ms per step, and the part of it the host spent inside
+    the calls that queue them (launching the steps: where that is most of a step, the host, not the
+    device, sets the pace); medians of 3 runs, ``params`` on the device, passed as the example's tree or
+    ``packed`` (then fewer arrays per call); and the number of weight arrays each call passed."""
     layout = PackedLayout(templates_of(params)) if packed else None
     if layout is not None:
         params = jax.device_put(layout.pack(params))
-    many_prefill, decode = greedy_programs(module, layout)
+    many_prefill, decode = greedy_programs(module, layout, per_launch)
     tokens = np.ones((slots, module.CONTEXT), np.int32)
     state, last = many_prefill(params, tokens, np.full(slots, 4, np.int32))
     times, launches = [], []
     for _ in range(4):  # the first compiles
         launching = 0.0
         started = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(steps // per_launch):
             called = time.perf_counter()
             state, last = decode(params, state, last)
             launching += time.perf_counter() - called
@@ -167,6 +176,11 @@ def report(title: str, figures: dict) -> None:
         print(f"| {label} | {median(label, 'outputs_per_s'):,.0f} | {median(label, 'ttft_p50') * 1e3:.1f} ms | "
               f"{median(label, 'ttft_p99') * 1e3:.1f} ms | {median(label, 'step_p50') * 1e3:.2f} ms | "
               f"{median(label, 'step_p99') * 1e3:.2f} ms | {median(label, 'steps'):,.0f} |")
+    for label in [label for label in figures if label.startswith("generation, ")]:
+        ratios = [ours["outputs_per_s"] / theirs["outputs_per_s"]
+                  for ours, theirs in zip(figures[label], figures["streaming"])]
+        print(f"{label} / streaming: {np.median(ratios):.2f}x outputs/s (rounds: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
     ratios = [ours["outputs_per_s"] / theirs["outputs_per_s"]
               for ours, theirs in zip(figures["generation"], figures["streaming"])]
     print(f"generation / streaming: {np.median(ratios):.2f}x outputs/s (goal >= 3x; rounds: "
@@ -184,13 +198,16 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.8, help="the busy load, a fraction of generation's capacity")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--steps-per-launch", type=int, default=4,
+                        help="an arm of js.Generation(..., steps_per_launch=N) beside the default one (1: none)")
     args = parser.parse_args()
     module = gpt2()
     streaming_steps = [0]
 
-    def generation_arm(name: str, slots: int, stack: contextlib.ExitStack):
+    def generation_arm(name: str, slots: int, stack: contextlib.ExitStack, steps_per_launch: int = 1):
         generation = js.Generation(module.prefill, module.decode, params=module.load(), slots=slots,
-                                   max_length=module.MAX_LENGTH, prefill_lengths=[16, module.CONTEXT], logits=True)
+                                   max_length=module.MAX_LENGTH, prefill_lengths=[16, module.CONTEXT], logits=True,
+                                   steps_per_launch=steps_per_launch)
         server = stack.enter_context(js.serve(generation, name=name))
 
         def call(prompt, steps, record):
@@ -214,7 +231,10 @@ def main() -> None:
         stack.enter_context(js.serve(streaming_serving(module, resident, args.slots, streaming_steps),
                                      name="bench-streaming"))
         call_streaming(np.ones(4, np.int32), 2, lambda _: None)  # compiles its prefill and decode
+        launches = args.steps_per_launch
         arms = {"generation": generation_arm("bench-generation", args.slots, stack),
+                **({f"generation, {launches} steps per launch": generation_arm(
+                    "bench-launches", args.slots, stack, launches)} if launches > 1 else {}),
                 "streaming": (call_streaming, lambda: streaming_steps[0]),
                 "one at a time": generation_arm("bench-one", 1, stack)}
         setting = (f"GPT-2 example ({module.SIZE} config), {args.requests} requests, outputs 1..256, {args.slots} "
@@ -229,13 +249,17 @@ def main() -> None:
                        args.rounds)
         report(f"{setting}; busy: Poisson {busy_rate:.1f}/s ({args.load:g} of generation's capacity, "
                f"{capacity:.1f} requests/s)", busy)
-        floors = [(slots, packed, *device_step_ms(module, resident, slots, packed))
-                  for slots, packed in ((args.slots, False), (args.slots, True), (1, True))]
+        floors = [(slots, packed, per_launch, *device_step_ms(module, resident, slots, packed, per_launch))
+                  for slots, packed, per_launch in [(args.slots, False, 1), (args.slots, True, 1),
+                                                    *([(args.slots, True, launches)] if launches > 1 else []),
+                                                    (1, True, 1)]]
         print("decode step alone, queued back to back (the floor of a step; the host's time inside the call "
-              "that queues it): " + ", ".join(
+              "that queues it, per step): " + ", ".join(
                   f"{step:.2f} ms ({launch:.2f} ms) at {slots} slot{'s' if slots > 1 else ''} with the weights "
-                  f"{'packed' if packed else 'as given'}, {arrays} arrays" for slots, packed, step, launch, arrays
-                  in floors), flush=True)
+                  f"{'packed' if packed else 'as given'}, {arrays} arrays"
+                  f"{f', {per_launch} steps per launch' if per_launch > 1 else ''}"
+                  for slots, packed, per_launch, step, launch, arrays in floors),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -241,6 +241,25 @@ def test_slots_freed_by_eos_and_max_steps_take_new_requests_with_no_mix_up():
     assert stats["slots_busy"] == 0 and stats["max_slots_busy"] <= 3
 
 
+@pytest.mark.parametrize("compiler", ["xla", "iree", "eager"])
+def test_several_steps_per_launch_give_each_request_the_outputs_of_one_step_at_a_time(compiler):
+    """Launches of 3 steps: requests end mid-launch at eos or max_steps (what was computed for them after is
+    dropped), slots take new prompts between launches, and nothing else changes, compiles included."""
+    prompts, steps = random_requests(2, 24, 30)
+    eos = 33
+    with js.serve(generation(slots=3, eos=eos, steps_per_launch=3, compiler=compiler), name="gen-launch") as server:
+        compiles = server.stats()["compiles"]
+        assert compiles == (0 if compiler == "eager" else 2 * 3 + 3 + 1)
+        results = generate_concurrently("gen-launch", prompts, steps)
+        assert [int(o) for o in js.generate_stream("gen-launch", prompts[0], max_steps=4)] == expected(prompts[0], 4)
+        stats = server.stats()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == expected(prompt, steps[i], eos=eos), i
+    assert sum(result[-1] == eos and len(result) < steps[i] for i, result in results.items()) == 4
+    assert stats["steps"] % 3 == 0 and stats["compiles"] == compiles and stats["slots_busy"] == 0
+    assert stats["outputs"] == sum(len(result) for result in results.values()) + 4
+
+
 def fail_two_streams(name, failing, error, match):
     """Two streams of generation server ``name`` past their first outputs; then ``failing`` is set until
     each has ended with ``error``."""
@@ -332,6 +351,18 @@ def test_a_closed_stream_frees_its_slot_at_the_next_step():
         assert server.stats()["cancelled"] == 1
 
 
+def test_a_closed_stream_frees_its_slot_at_the_next_launch_of_several_steps():
+    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=1, max_length=512, prefill_lengths=[8],
+                         compiler="eager", steps_per_launch=4)
+    with js.serve(slow, name="gen-cancel-launch") as server:
+        stream = js.generate_stream("gen-cancel-launch", [1], max_steps=400)
+        assert [int(next(stream)) for _ in range(6)] == [1] * 6
+        stream.close()
+        assert js.generate("gen-cancel-launch", [5], max_steps=6).tolist() == [5] * 6
+        stats = server.stats()
+    assert stats["cancelled"] == 1 and stats["steps"] % 4 == 0 and stats["steps"] < 40
+
+
 def test_async_forms():
     async def main():
         first = await js.generate_async("gen-async", np.array([4, 4], np.int32), max_steps=5)
@@ -395,6 +426,9 @@ def test_options_are_checked():
     with pytest.raises(js.OptionError) as info:
         generation(slots=0)
     assert str(info.value) == "slots must be a positive integer, got 0"
+    with pytest.raises(js.OptionError) as info:
+        generation(steps_per_launch=0)
+    assert str(info.value) == "steps_per_launch must be a positive integer, got 0"
     for eos, got in [([[33, 34]], "int64(1, 2)"), (1.5, "float64()"), ([], "float64(0)"), ([33, 2**40], "int64(2)")]:
         with pytest.raises(js.OptionError) as info:
             js.serve(generation(eos=eos), name="gen-bad-eos")
@@ -495,6 +529,22 @@ def test_a_sampled_request_gives_the_same_tokens_alone_and_among_30_others():
         assert together[0].tolist() == alone
         for index in range(2, 31, 2):
             assert together[index].tolist() == expected(prompts[index], 24), "a greedy neighbour stays greedy"
+
+
+def test_a_seeded_request_gives_the_same_tokens_in_launches_of_several_steps():
+    prompts = [np.array([5, index + 1, 3], np.int32) for index in range(6)]
+    options = {"temperature": 1.5, "top_p": 0.9, "seed": 11}
+    tokens = {}
+    for steps_per_launch in (1, 3):
+        name = f"sampled-{steps_per_launch}"
+        with js.serve(sampled(slots=4, steps_per_launch=steps_per_launch), name=name):
+            async def crowd():
+                return await asyncio.gather(*(js.generate_async(name, prompt, max_steps=20 + index, **options)
+                                              for index, prompt in enumerate(prompts)))
+
+            tokens[steps_per_launch] = [result.tolist() for result in asyncio.run(crowd())]
+    assert tokens[3] == tokens[1]
+    assert tokens[1][0] != expected(prompts[0], 20), "it sampled"
 
 
 def test_sampling_options_are_checked():

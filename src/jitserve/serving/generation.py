@@ -15,7 +15,11 @@ its caller stops reading. A request never waits for another to finish
 (Orca's iteration-level scheduling); when no slot is busy, no step runs.
 The loop queues each step before it delivers the outputs of the step before
 (JetStream's pipeline), so the device does not wait for the host between
-steps.
+steps. With ``steps_per_launch`` above 1 (vLLM's multi-step scheduling) one
+program runs that many decode steps back to back, unrolled, so the host's
+work of queueing a step (on a GPU, launching it) is paid once per so many
+steps; requests are then admitted and freed between launches, and outputs
+reach their callers a launch at a time.
 
 Everything compiles at warm-up, and on a GPU runs once there on idle slots
 (a GPU's first run of a program loads its kernels): the prefill per (prompt
@@ -137,12 +141,14 @@ class Generation:
     """A generation serving: ``prefill`` and ``decode`` (see the module), its weights, and its slots. With
     ``logits=True`` both return logits (a vector per sequence) instead of outputs: the server picks each
     token on the device, greedy or sampled per request (:class:`Sampling`), and gives it to the caller and
-    to the next ``decode``."""
+    to the next ``decode``. ``steps_per_launch``: the decode steps each launch runs (see the module); a
+    request's outputs do not depend on it, only when they arrive and how many steps a slot idles after its
+    request ends mid-launch."""
 
     def __init__(self, prefill: Callable[..., Any], decode: Callable[..., Any], *, params: Any, slots: int,
                  max_length: int, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
                  compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
-                 **compiler_options: Any) -> None:
+                 steps_per_launch: int = 1, **compiler_options: Any) -> None:
         if not callable(prefill) or not callable(decode):
             raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
                               "decode(params, state, last_outputs)")
@@ -161,6 +167,7 @@ class Generation:
         self.prefill_batches = _powers_of_two_up_to(self.slots)  # prompts prefilled together, padded to these
         self.eos = eos
         self.logits = bool(logits)
+        self.steps_per_launch = count_option("steps_per_launch", steps_per_launch)
         self.max_queue = optional_count("max_queue", max_queue)
         chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
                                                          **compiler_options})
@@ -240,7 +247,7 @@ class GenerationRequest:
         self.stream = Stream(loop)
         # outputs it gets unless eos ends it first: max_steps, or as many as fit max_length (the first, always)
         self.needed = max(1, min(max_steps, max_length - prompt.size))
-        self.dispatched = 0  # its outputs being computed or computed (ahead of ``produced`` by a step at most)
+        self.dispatched = 0  # its outputs being computed or computed (ahead of ``produced`` by a launch at most)
         self.produced = 0  # its outputs delivered
         self.ended = False  # it got END or an error: later outputs computed for it are dropped
         self.cancelled = False
@@ -274,7 +281,7 @@ class _Programs:
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
-        self.steps = {sampled: self._compile(self._step, [self.layout.templates, self.carry_template,
+        self.steps = {sampled: self._compile(self._steps, [self.layout.templates, self.carry_template,
                                                           *self._options(g.slots, sampled)], donate=(1,))
                       for sampled in self.kinds}
 
@@ -316,14 +323,20 @@ class _Programs:
             self.on_compile()
         return executable.run
 
-    def _step(self, packed: Any, carry: Any, *options: Any) -> Any:
-        """One decode step: the next carry, and the outputs again in a buffer of their own, which the host
-        reads while the next step (given the carry, donated) runs; ``options``: the sampling options, if
-        the program samples."""
-        state, last = carry
-        state, outputs = self.generation.decode(self.layout.unpack(packed), state, last)
-        chosen = self._chosen(outputs, options)
-        return (state, chosen), chosen
+    def _steps(self, packed: Any, carry: Any, *options: Any) -> Any:
+        """``steps_per_launch`` decode steps, one after the other: the next carry, and each step's outputs
+        stacked (steps, slots, ...) in a buffer of their own, which the host reads while the next launch
+        (given the carry, donated) runs; ``options``: the sampling options, if the program samples (the
+        rows' step numbers counting on from the first step's)."""
+        params = self.layout.unpack(packed)
+        outputs = []
+        for step in range(self.generation.steps_per_launch):
+            state, last = carry
+            state, logits_or_outputs = self.generation.decode(params, state, last)
+            chosen = self._chosen(logits_or_outputs, [*options[:-1], options[-1] + step] if options else ())
+            carry = (state, chosen)
+            outputs.append(chosen)
+        return carry, jnp.stack(outputs) if self.compiler.compiles else np.stack([np.asarray(o) for o in outputs])
 
     def prefill(self, length: int, count: int) -> Callable[..., Any]:
         key = (length, count)
@@ -639,11 +652,11 @@ class GenerationServer(GenerationFront):
                 del self._busy[slot]
                 self._stats["cancelled"] += 1
 
-    def _queued(self, requests: list[GenerationRequest]) -> None:
-        """Under the lock: one more output of each of ``requests`` is queued; a request whose last one it is
-        gives up its slot (its outputs are on their way)."""
+    def _queued(self, requests: list[GenerationRequest], outputs: int) -> None:
+        """Under the lock: ``outputs`` more outputs of each of ``requests`` are queued; a request whose last
+        one is among them gives up its slot (its outputs are on their way)."""
         for request in requests:
-            request.dispatched += 1
+            request.dispatched += outputs
             if request.dispatched >= request.needed and self._busy.get(request.slot) is request:
                 del self._busy[request.slot]
 
@@ -671,11 +684,11 @@ class GenerationServer(GenerationFront):
                                                                    *programs.option_arrays(padded, sampled))
             with self._lock:
                 self._stats["prefills"] += 1
-                self._queued(group)
+                self._queued(group, 1)
             dispatched.append(_Dispatched(group, list(range(len(group))), _to_host(outputs), started, False))
 
     def _step(self, dispatched: list[_Dispatched]) -> None:
-        """Queue one decode step of every slot, if any is busy."""
+        """Queue the next ``steps_per_launch`` decode steps of every slot, if any is busy."""
         programs = self._programs
         with self._lock:
             running = sorted(self._busy.items())
@@ -684,31 +697,36 @@ class GenerationServer(GenerationFront):
             every = [self._busy.get(slot) for slot in range(self.generation.slots)]
             sampled = programs.sampled(every)
             options = programs.option_arrays(every, sampled)
-            self._queued([request for _, request in running])
+            self._queued([request for _, request in running], self.generation.steps_per_launch)
         started = time.perf_counter()
         self._carry, outputs = programs.steps[sampled](self._params, self._carry, *options)
         dispatched.append(_Dispatched([request for _, request in running], [slot for slot, _ in running],
                                       _to_host(outputs), started, True))
 
     def _deliver(self, item: _Dispatched) -> None:
-        """Once ``item`` is computed, each of its requests' next output; a request that is done (its outputs
-        needed, or eos) ends and frees its slot."""
+        """Once ``item`` is computed, each of its requests' next outputs, in step order; a request that is
+        done (its outputs needed, or eos) ends and frees its slot, and what was computed for it after is
+        dropped."""
         outputs = owned_host_array(item.outputs)
-        # which rows are an eos, at once: comparing row by row costs more than the rest of the delivery
-        at_eos = None if self._eos is None else \
-            (outputs[:, None] == self._eos).reshape(len(outputs), len(self._eos), -1).all(axis=2).any(axis=1)
+        if not item.step:
+            outputs = outputs[None]  # prefills give one output per prompt: as one step
+        steps, rows = outputs.shape[:2]
+        # which outputs are an eos, at once: comparing row by row costs more than the rest of the delivery
+        at_eos = None if self._eos is None else (outputs[:, :, None] == self._eos).reshape(
+            steps, rows, len(self._eos), -1).all(axis=3).any(axis=2)
         now = time.perf_counter()
         finished = []
         deliveries: list[tuple[Stream, Any]] = []
         for request, row in zip(item.requests, item.rows):
-            if request.ended or request.cancelled:
-                continue
-            request.produced += 1
-            deliveries.append((request.stream, outputs[row]))
-            if request.produced >= request.needed or (at_eos is not None and at_eos[row]):
-                deliveries.append((request.stream, END))
-                request.ended = True
-                finished.append(request)
+            for step in range(steps):
+                if request.ended or request.cancelled:
+                    break
+                request.produced += 1
+                deliveries.append((request.stream, outputs[step, row]))
+                if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]):
+                    deliveries.append((request.stream, END))
+                    request.ended = True
+                    finished.append(request)
         delivered = len(deliveries) - len(finished)
         put_all(deliveries)
         elapsed = now - max(item.started, self._ready)  # from when the device could start it
@@ -716,7 +734,7 @@ class GenerationServer(GenerationFront):
         with self._lock:
             self._stats["outputs"] += delivered
             if item.step:
-                self._stats["steps"] += 1
+                self._stats["steps"] += steps
                 self._stats["step_s"] += elapsed
             else:
                 self._stats["first_output_s"] += sum(now - r.submitted for r in item.requests)
@@ -724,15 +742,17 @@ class GenerationServer(GenerationFront):
                 if self._busy.get(request.slot) is request:
                     del self._busy[request.slot]
         if item.step:
-            self._tell("step", elapsed)
+            for _ in range(steps):
+                self._tell("step", elapsed / steps)
         else:
             for request in item.requests:
                 self._tell("first_output", now - request.submitted)
 
 
 class _Dispatched(NamedTuple):
-    """Outputs queued on the device: row ``rows[i]`` of ``outputs`` is the next output of ``requests[i]``;
-    ``step``: a decode step (else the first outputs of admitted prompts), queued at ``started``."""
+    """Outputs queued on the device, for ``requests[i]`` in row ``rows[i]``: ``step``: a launch of decode
+    steps, its outputs (steps, slots, ...), queued at ``started``; else the first outputs of admitted
+    prompts, one row each."""
 
     requests: list[GenerationRequest]
     rows: list[int]
