@@ -34,12 +34,12 @@ def decode(params, state, last):
     return {"position": state["position"] + 1, "total": total}, (total % VOCAB).astype(jnp.int32)
 
 
-def expected(prompt, steps, eos=None, max_length=64):
-    total = int(np.sum(prompt))
+def expected(prompt, steps, eos=None, max_length=64, scale=1):
+    total = int(np.sum(prompt)) * scale
     position = len(prompt)
     out = [total % VOCAB]
     while len(out) < steps and len(prompt) + len(out) < max_length and (eos is None or out[-1] != eos):
-        total = total + out[-1] + position
+        total = total + out[-1] * scale + position
         position += 1
         out.append(total % VOCAB)
     return out
@@ -361,6 +361,68 @@ def test_a_closed_stream_frees_its_slot_at_the_next_launch_of_several_steps():
         assert js.generate("gen-cancel-launch", [5], max_steps=6).tolist() == [5] * 6
         stats = server.stats()
     assert stats["cancelled"] == 1 and stats["steps"] % 4 == 0 and stats["steps"] < 40
+
+
+def test_update_params_swaps_the_weights_between_requests_under_load_without_a_compile():
+    """Every request is generated entirely by one set of weights; each update returns once its set is live."""
+    prompts, steps = random_requests(3, 8, 40)
+    answers, failures, stop_load = [], [], threading.Event()
+
+    def caller(i):
+        while not stop_load.is_set():
+            try:
+                answers.append((i, js.generate("gen-swap", prompts[i], max_steps=steps[i]).tolist()))
+            except Exception as error:
+                failures.append(error)
+
+    with js.serve(generation(slots=3), name="gen-swap") as server:
+        compiles = server.stats()["compiles"]
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        try:
+            for scale in [2, 1, 3, 2, 1, 3]:
+                time.sleep(0.05)
+                server.update_params({"scale": np.int32(scale)})
+                assert js.generate("gen-swap", prompts[0], max_steps=9).tolist() == expected(prompts[0], 9, scale=scale)
+        finally:
+            stop_load.set()
+            for thread in threads:
+                thread.join(30)
+        with pytest.raises(js.TemplateMismatchError) as info:
+            server.update_params({"scale": np.float32(2)})
+        assert str(info.value) == "params['scale']: expected int32(), got float32()"
+        assert js.generate("gen-swap", prompts[0], max_steps=9).tolist() == expected(prompts[0], 9, scale=3)
+        assert server.stats()["compiles"] == compiles
+    assert not failures and len(answers) > 24
+    by_scale = {scale: {i for i, got in answers if got == expected(prompts[i], steps[i], scale=scale)}
+                for scale in (1, 2, 3)}
+    assert all(got in [expected(prompts[i], steps[i], scale=scale) for scale in (1, 2, 3)] for i, got in answers)
+    assert all(by_scale.values()), "requests ran with every set of weights"
+
+
+def test_an_update_waits_for_the_requests_in_slots_and_new_prompts_wait_for_it():
+    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=2, max_length=512, prefill_lengths=[8],
+                         compiler="eager")  # each output repeats the first, the prompt's sum times the scale
+    with js.serve(slow, name="gen-swap-wait") as server:
+        stream = js.generate_stream("gen-swap-wait", [1, 2], max_steps=25)
+        assert int(next(stream)) == 3
+        updated = threading.Thread(target=server.update_params, args=({"scale": np.int32(5)},))
+        updated.start()
+        later: list[list[int]] = []
+        queued = threading.Thread(target=lambda: later.append(js.generate("gen-swap-wait", [1, 2],
+                                                                          max_steps=2).tolist()))
+        time.sleep(0.1)
+        queued.start()
+        time.sleep(0.1)
+        assert updated.is_alive(), "the update waits for the request in its slot"
+        assert server.stats()["queue_depth"] == 1, "a free slot takes no prompt while new weights wait"
+        assert [int(o) for o in stream] == [3] * 24, "a running request keeps its weights to its end"
+        updated.join(10)
+        queued.join(10)
+        assert later == [[15, 15]], "a prompt queued meanwhile runs with the new weights"
+    with pytest.raises(js.ServerStoppedError):
+        server.update_params({"scale": np.int32(2)})
 
 
 def test_async_forms():

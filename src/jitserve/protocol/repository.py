@@ -19,7 +19,8 @@ warmed up beside the old one, then takes every new request while the old one
 finishes what it holds and stops; the load returns once the new one answers.
 When ``model.py`` is unchanged, byte for byte, and the serving has weights of
 unchanged structure, shapes and dtypes, a reload swaps the weights only
-(``Server.update_params``): nothing compiles. A model whose ``model.py`` fails
+(``Server.update_params``, ``GenerationServer.update_params``): nothing
+compiles. A model whose ``model.py`` fails
 keeps its old version serving (if it had one); the index reports the error's
 first line, and the other models are untouched. Unloading drains, then frees.
 """
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OptionError, RepositoryError, UnknownServerError
-from ..serving.generation import Generation
+from ..serving.generation import Generation, GenerationServer
 from ..serving.registry import unstarted_server
 from ..serving.server import Server
 from ..serving.serving import Serving
@@ -185,7 +186,7 @@ class ModelRepository:
                 serving = self._run(name, source)
                 current = self.service.versions.get(name, {}).get(VERSION)
                 if current is not None and source == model.source and _weights_only(current.server, serving):
-                    current.server.update_params(serving.params)  # type: ignore[union-attr]
+                    current.server.update_params(serving.params)
                     log.info("model '%s' reloaded: new weights, nothing compiled", name)
                 else:
                     self._replace(name, serving)
@@ -238,5 +239,7 @@ class ModelRepository:
 def _weights_only(server: Any, serving: Serving | Generation) -> bool:
     """Whether a reload to ``serving`` may keep ``server`` and swap its weights: the same model file (the
     caller checks), a server that swaps weights, and weights shaped as its own."""
-    return isinstance(server, Server) and isinstance(serving, Serving) and server.swaps_weights \
+    if isinstance(serving, Generation):
+        return isinstance(server, GenerationServer) and serving.params_template == server.generation.params_template
+    return isinstance(server, Server) and server.swaps_weights \
         and serving.params is not None and serving.params_template == server.serving.params_template

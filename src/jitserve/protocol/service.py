@@ -388,8 +388,8 @@ class InferenceService:
 class FixedModels:
     """The model control of a server whose models are fixed at start (no model repository): the index
     lists them; ``load`` of a served model reloads its weights from the file they came from
-    (``Serving(params=PATH)``), in every version, compiling nothing (``Server.reload_params``), the old
-    weights serving until the new ones are live; ``unload`` is refused."""
+    (``Serving(params=PATH)``, ``Generation(params=PATH)``), in every version, compiling nothing
+    (``reload_params``), the old weights serving until the new ones are live; ``unload`` is refused."""
 
     def __init__(self, service: InferenceService) -> None:
         self.service = service
@@ -405,12 +405,11 @@ class FixedModels:
         if specs is None:
             self.service.model(name)  # the unknown-model error
             return
-        servers = [spec.server for spec in specs.values() if isinstance(spec, ModelSpec)]
-        if len(servers) < len(specs):
-            raise ProtocolError(f"model '{name}' is a generation; reloading its weights is not supported")
-        if any(server.serving.params_source is None for server in servers):
+        servers = [spec.server for spec in specs.values()]
+        if any((server.generation if isinstance(server, GenerationFront) else server.serving).params_source is None
+               for server in servers):
             raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
-                                f"(Serving(params=PATH)): there is nothing to reload")
+                                f"(params=PATH): there is nothing to reload")
         for server in servers:
             server.reload_params()
 

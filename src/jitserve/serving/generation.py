@@ -43,6 +43,7 @@ import bisect
 import collections
 import copy
 import logging
+import os
 import queue as thread_queue
 import secrets
 import threading
@@ -65,7 +66,8 @@ from ..errors import (
     raised_by_model,
 )
 from ..packed import PackedLayout
-from ..template import Template, is_template, params_template, templates_of
+from ..params import load_params
+from ..template import Template, check_params, is_template, params_template, templates_of
 from .options import count_option, finite_number, optional_count, optional_seconds
 from .request import END, Stream, put_all
 from .server import Lifecycle
@@ -138,7 +140,9 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
 
 
 class Generation:
-    """A generation serving: ``prefill`` and ``decode`` (see the module), its weights, and its slots. With
+    """A generation serving: ``prefill`` and ``decode`` (see the module), its weights (``params``: a tree of
+    arrays, or a file that :func:`jitserve.load_params` reads, remembered for ``reload_params``), and its
+    slots. With
     ``logits=True`` both return logits (a vector per sequence) instead of outputs: the server picks each
     token on the device, greedy or sampled per request (:class:`Sampling`), and gives it to the caller and
     to the next ``decode``. ``steps_per_launch``: the decode steps each launch runs (see the module); a
@@ -154,8 +158,9 @@ class Generation:
                               "decode(params, state, last_outputs)")
         self.prefill = prefill
         self.decode = decode
-        self.params = params
-        self.params_template = params_template(params)
+        self.params_source = os.fspath(params) if isinstance(params, str | os.PathLike) else None  # a reload reads it
+        self.params = params if self.params_source is None else load_params(self.params_source)
+        self.params_template = params_template(self.params)
         self.slots = count_option("slots", slots)
         self.max_length = count_option("max_length", max_length)
         lengths = _powers_of_two_up_to(self.max_length, 16) if prefill_lengths is None else \
@@ -406,6 +411,20 @@ class GenerationFront(Lifecycle):
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def update_params(self, params: Any) -> None:
+        """Generate with new weights (see :meth:`GenerationServer.update_params`)."""
+        raise OptionError(f"generation server {self.name!r} runs its steps elsewhere; update the weights where "
+                          f"it runs")
+
+    def reload_params(self) -> None:
+        """:meth:`update_params` with the weights read again from the file the generation was given
+        (``params=PATH``; replace the file, do not rewrite it in place: the served arrays may map it)."""
+        source = self.generation.params_source
+        if source is None:
+            raise OptionError(f"generation server {self.name!r} was given its weights as arrays, not as a file "
+                              f"(params=PATH), so there is no file to reload them from")
+        self.update_params(load_params(source))
+
 
 class GenerationServer(GenerationFront):
     """A named, running generation server: one loop thread that admits, prefills and steps its slots."""
@@ -423,7 +442,9 @@ class GenerationServer(GenerationFront):
                                        "first_output_s": 0.0, "step_s": 0.0, "max_slots_busy": 0}
         options = compilers.get(generation.compiler_name).partitions(generation.compiler_options)[0]
         self._programs = _Programs(generation, options, self._count_compile)
-        self._params = self._programs.compiler.place(self._programs.layout.pack(generation.params), options)
+        self._params = self._place(generation.params)
+        self._new_params: Any = None  # weights given to update_params, live once no slot runs with the old ones
+        self._update_lock = threading.Lock()
         self._carry: Any = None
         self._ready = 0.0  # when the outputs delivered last were on the host
         self._thread = threading.Thread(target=self._loop, name=f"jitserve-{name}-generation", daemon=True)
@@ -443,6 +464,29 @@ class GenerationServer(GenerationFront):
                 listener(kind, seconds)
             except Exception:
                 log.exception("generation server %s: listener %r failed", self.name, listener)
+
+    def _place(self, params: Any) -> Any:
+        """``params`` packed as the programs take them, on the server's device."""
+        programs = self._programs
+        return programs.compiler.place(programs.layout.pack(params), programs.options)
+
+    def update_params(self, params: Any) -> None:
+        """Generate with new weights, compiling nothing: ``params`` must have the structure, shapes and
+        dtypes of the generation's (else a TemplateMismatchError naming the leaf, and the old weights keep
+        generating). A request's state is computed by one set of weights, so every request is generated
+        entirely by the old or entirely by the new ones: prompts stay queued while the requests already in
+        slots finish with the old weights, then the new ones go live and those prompts are admitted. Returns
+        once they are live. Concurrent updates apply one at a time."""
+        placed = self._place(check_params(params, self.generation.params_template))
+        with self._update_lock, self._lock:
+            if self._stopping:
+                raise ServerStoppedError(f"generation server {self.name!r} is stopped; its weights stay as they were")
+            self._new_params = placed
+            self._wake.notify_all()
+            while self._new_params is placed:
+                self._wake.wait()
+            if self._params is not placed:
+                raise ServerStoppedError(f"generation server {self.name!r} stopped before its new weights went live")
 
     def _count_compile(self) -> None:
         with self._lock:
@@ -498,6 +542,9 @@ class GenerationServer(GenerationFront):
             self._end_all(f"stopped (its drain timeout of {timeout}s ran out) before this request finished")
             self._wake.notify_all()
         self._thread.join()
+        with self._lock:
+            self._new_params = None  # an update still waiting never goes live
+            self._wake.notify_all()
         if first:
             for callback in self._on_stop:
                 callback(self)
@@ -614,13 +661,18 @@ class GenerationServer(GenerationFront):
         in_flight: list[_Dispatched] = []  # queued on the device, not delivered yet
         while True:
             with self._lock:
-                while not (self._busy or self._waiting or in_flight or self._stopping):
+                while not (self._busy or self._waiting or in_flight or self._stopping or self._new_params is not None):
                     self._wake.wait()
                 if self._stopping and not (self._busy or self._waiting or in_flight):
                     return
                 self._free_cancelled()
+                if self._new_params is not None and not self._busy:  # no slot runs with the old weights
+                    self._params, self._new_params = self._new_params, None
+                    self._wake.notify_all()
                 free = [slot for slot in range(self.generation.slots) if slot not in self._busy]
-                admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+                # while new weights wait, nothing is admitted: the slots run empty of the old weights' requests
+                admitting = 0 if self._new_params is not None else min(len(free), len(self._waiting))
+                admitted = [self._waiting.popleft() for _ in range(admitting)]
                 for request, slot in zip(admitted, free):
                     request.slot = slot
                     self._busy[slot] = request
