@@ -12,7 +12,13 @@ Nothing is downloaded: the weights are made from a fixed seed and saved under
 their lengths, and returns the logits of the next token and the greedy choice.
 ``generation`` (``js.Generation``) decodes with a KV cache: ``prefill`` fills a
 slot's cache row from a prompt, ``decode`` advances every slot by one greedy
-token, attending over its own cache only.
+token, attending over its own cache only. ``text_generation`` is the same
+model with text in and text out, byte-level (each UTF-8 byte is the token of
+its value, and it answers ASCII: tokens from 128 up are never picked, so
+that each step's piece is text on its own):
+
+    jitserve serve examples/gpt2.py:text_generation   # BYTES "prompt" in, one BYTES piece per step out
+
 Set ``JITSERVE_GPT2=full`` for GPT-2's own size (124 M parameters, 500 MB).
 """
 
@@ -180,8 +186,35 @@ def decode(params, state, last, n_head=CONFIG["n_head"]):
     return jax.vmap(_decode_one, in_axes=(None, 0, 0, None))(params, state, last, n_head)
 
 
+def encode(text: str | bytes) -> np.ndarray:
+    """A prompt's token ids, byte-level: each UTF-8 byte of one string the token of its value (this
+    example's own tokenizer: nothing is downloaded). Anything but one string is the client's error (400)."""
+    if not isinstance(text, str | bytes):
+        raise js.ModelError(f"a text prompt is one string; got {type(text).__name__}")
+    return np.frombuffer(text.encode() if isinstance(text, str) else text, np.uint8).astype(np.int32)
+
+
+def as_bytes(token) -> bytes:
+    """A generated token's text: its byte, ASCII (see ``ascii_only``)."""
+    return bytes([int(token)])
+
+
+def ascii_only(step):
+    """``step`` (prefill or decode) with the logits of the tokens that are not ASCII bytes (128 and up) at
+    -inf, so that every token picked, greedy or sampled, is a character of its own, whole UTF-8 text over
+    JSON too (a byte from 128 up is only part of a character); ``suppress_tokens`` in transformers."""
+    def masked(*arguments):
+        state, logits = step(*arguments)
+        return state, jnp.where(jnp.arange(logits.shape[-1]) < 128, logits, -jnp.inf)
+    return masked
+
+
 generation = js.Generation(prefill, decode, params=load(), slots=8, max_length=MAX_LENGTH,
                            prefill_lengths=[16, CONTEXT], logits=True)
+
+text_generation = js.Generation(ascii_only(prefill), ascii_only(decode), params=load(), slots=8,
+                                max_length=MAX_LENGTH, prefill_lengths=[16, CONTEXT], logits=True,
+                                preprocess=encode, postprocess=as_bytes)
 
 serving = js.Serving(next_token, params=load(), batch_size=8, batch_timeout=0.002,
                      input_template={"tokens": js.template((CONTEXT,), "int32"), "length": js.template((), "int32")})

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # a generation's programs took its weights packed into few arrays (jitserve/packed.py); 8,900 when a step's
 # outputs reached the asyncio streams of one event loop in one hand-over; 8,930 for IREE's one scatter form,
 # 8,970 for sharded checkpoints, 9,000 for protecting IREE's inputs from in-place writes; 9,050 when generations
-# learnt to swap and reload their weights (update_params, params=PATH)
-LINE_BUDGET = 9_050
+# learnt to swap and reload their weights (update_params, params=PATH); 9,080 for a generation's text in and
+# out (preprocess, postprocess)
+LINE_BUDGET = 9_080
 SOURCE = ROOT / "src" / "jitserve"
 
 

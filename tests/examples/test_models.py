@@ -146,6 +146,21 @@ def test_gpt2_generation_on_iree_is_transformers_greedy_generate(gpt2):
         assert server.stats()["max_slots_busy"] > 1
 
 
+def test_gpt2_text_generation_is_transformers_greedy_generate_on_ascii(gpt2):
+    """Text in, text out: the example's byte-level tokenizer and the pieces it answers, against
+    GPT2LMHeadModel.generate with every token that is not an ASCII byte suppressed."""
+    module, reference = gpt2
+    texts = ["héllo, wörld", "jitserve"]
+    with torch.no_grad():
+        expected = [bytes(reference.generate(torch.from_numpy(module.encode(text)[None]).long(), max_new_tokens=12,
+                                             do_sample=False, suppress_tokens=list(range(128, 512)))[0, len(
+                                                 text.encode()):].tolist()) for text in texts]
+    assert len(set(expected[0])) > 3, "the weights generate varied text, so that agreement means something"
+    with js.serve(module.text_generation, name="gpt2-text"):
+        assert [b"".join(js.generate("gpt2-text", text, max_steps=12)) for text in texts] == expected
+        assert b"".join(js.generate_stream("gpt2-text", texts[0].encode(), max_steps=12)) == expected[0]
+
+
 def test_a_checkpoint_that_transformers_shards_loads_whole(gpt2, tmp_path):
     """``save_pretrained`` with a small ``max_shard_size`` writes shards and their index, as the checkpoints
     of large models come: ``js.load_params`` of the folder is every array of the model's state dict."""

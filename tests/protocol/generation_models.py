@@ -43,9 +43,27 @@ def expected(prompt, steps, max_length=64):
     return out
 
 
+def encode(text):
+    """A byte-level tokenizer: each UTF-8 byte of one string one token id."""
+    if not isinstance(text, str | bytes):
+        raise js.ModelError(f"a text prompt is one string; got {type(text).__name__}")  # a 400
+    return np.frombuffer(text.encode() if isinstance(text, str) else text, np.uint8).astype(np.int32)
+
+
+def piece(token):
+    """A token's text: one printable ASCII byte."""
+    return bytes([32 + int(token) % 95])
+
+
+def expected_text(text, steps):
+    return b"".join(piece(token) for token in expected(encode(text), steps))
+
+
 models = {
     "gen": js.Generation(prefill, decode, params={}, slots=4, max_length=64, prefill_lengths=[8, 16],
                          logits=True),
     "slow": js.Generation(prefill, slow_decode, params={}, slots=2, max_length=512, prefill_lengths=[8],
                           logits=True, compiler="eager"),
+    "text": js.Generation(prefill, decode, params={}, slots=4, max_length=64, prefill_lengths=[8, 16],
+                          logits=True, preprocess=encode, postprocess=piece),
 }

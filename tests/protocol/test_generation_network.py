@@ -15,7 +15,7 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from generation_models import expected  # noqa: E402
+from generation_models import expected, expected_text  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from netutil import start_server, stop  # noqa: E402
@@ -54,6 +54,42 @@ def test_http_infer_answers_every_output_and_sse_one_event_per_step(server):
     assert all(event["id"] == "q" and event["outputs"][0]["shape"] == [1] for event in steps)
     default = server.infer_json("gen", body())[1]["outputs"][0]
     assert default["shape"] == [16], "max_steps defaults to 16 (vLLM's)"
+
+
+def test_text_in_and_text_out_through_preprocess_and_postprocess(server):
+    """A BYTES prompt goes to the generation's preprocess (a tokenizer), each output through its postprocess
+    (the token's text): over HTTP JSON, server-sent events and tritonclient's gRPC stream."""
+    status, answer = server.infer_json("text", body(["héllo"], "BYTES", max_steps=6))
+    assert status == 200
+    output = answer["outputs"][0]
+    assert output["datatype"] == "BYTES" and output["shape"] == [6]
+    assert "".join(output["data"]).encode() == expected_text("héllo", 6)
+    steps = events(server, "text", body(["héllo"], "BYTES", max_steps=4))
+    assert [event["outputs"][0]["data"][0].encode() for event in steps] == \
+        [bytes([byte]) for byte in expected_text("héllo", 4)]
+    metadata = json.loads(server.request("GET", "/v2/models/text")[2])
+    assert metadata["inputs"][0]["datatype"] == metadata["outputs"][0]["datatype"] == "BYTES"
+    config = json.loads(server.request("GET", "/v2/models/text/config")[2])
+    assert config["input"][0]["data_type"] == config["output"][0]["data_type"] == "TYPE_STRING"
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    prompt = grpcclient.InferInput("prompt", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array(["héllo".encode()], dtype=object))
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("text", [prompt], parameters={"max_steps": 5})
+        pieces = []
+        for _ in range(5):
+            result, error = results.get(timeout=30)
+            assert error is None, error
+            pieces.append(result.as_numpy("output")[0])
+    finally:
+        client.stop_stream()
+    assert b"".join(pieces) == expected_text("héllo", 5)
+    status, answer = server.infer_json("text", body([1, 2], "INT32"))
+    assert status == 400 and answer["error"] == "a text prompt is one string; got ndarray"
+    status, answer = server.infer_json("text", body(["x" * 17], "BYTES"))
+    assert status == 400 and "the prompt has 17 tokens, more than the longest prefill length (16" in answer["error"]
 
 
 def test_sampling_parameters_are_per_request_and_seeded(server):

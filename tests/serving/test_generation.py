@@ -425,6 +425,39 @@ def test_an_update_waits_for_the_requests_in_slots_and_new_prompts_wait_for_it()
         server.update_params({"scale": np.int32(2)})
 
 
+def test_text_in_and_out_through_preprocess_and_postprocess():
+    def encode(text):  # a byte-level tokenizer, run by the caller
+        return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+
+    def piece(token):  # a token's text, run by the caller per output
+        return bytes([32 + int(token) % 95])
+
+    want = [piece(token) for token in expected(encode("héllo"), 6)]
+    with js.serve(generation(preprocess=encode, postprocess=piece), name="gen-text"):
+        whole = js.generate("gen-text", "héllo", max_steps=6)
+        assert whole.dtype == object and whole.tolist() == want
+        assert list(js.generate_stream("gen-text", "héllo", max_steps=6)) == want
+        assert asyncio.run(js.generate_async("gen-text", "héllo", max_steps=6)).tolist() == want
+    with pytest.raises(js.OptionError) as info:
+        generation(postprocess="detokenize")
+    assert str(info.value) == "postprocess must be a function or None, got str"
+
+
+def test_a_closed_async_stream_frees_its_slot_at_the_next_step():
+    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=1, max_length=512, prefill_lengths=[8],
+                         compiler="eager")
+
+    async def main():
+        stream = js.generate_stream_async("gen-cancel-async", [1], max_steps=400)
+        assert [int(await anext(stream)) for _ in range(2)] == [1, 1]
+        await stream.aclose()
+        return await asyncio.wait_for(js.generate_async("gen-cancel-async", [5], max_steps=2), 5)
+
+    with js.serve(slow, name="gen-cancel-async") as server:
+        assert asyncio.run(main()).tolist() == [5, 5], "the one slot was free again"
+        assert server.stats()["cancelled"] == 1
+
+
 def test_async_forms():
     async def main():
         first = await js.generate_async("gen-async", np.array([4, 4], np.int32), max_steps=5)

@@ -49,7 +49,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -983,7 +983,7 @@ class RemoteGeneration(GenerationFront):
         log.warning("replica %s lost a request before its first output (%s); sending it elsewhere", member.name,
                     type(cause).__name__)
 
-    def outputs(self, request: Any, timeout: float | None) -> Iterator[Any]:
+    def outputs(self, request: Any, timeout: float | None) -> Generator[Any, None, None]:
         tried: set[str] = set()
         produced = 0
         while True:
@@ -1000,7 +1000,7 @@ class RemoteGeneration(GenerationFront):
                 self.router.add_outstanding(member, -1)
                 ray.cancel(outputs)
 
-    async def outputs_async(self, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+    async def outputs_async(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
         tried: set[str] = set()
         produced = 0
         while True:

@@ -23,10 +23,10 @@ import numpy as np
 from .. import compilers
 from ..batch import Batch
 from ..errors import OptionError, ProtocolError
-from ..serving.generation import GenerationFront, Sampling
+from ..serving.generation import GenerationFront, Sampling, stacked
 from ..serving.server import Server
 from ..template import Template, is_template
-from .codec import DATATYPES, datatype_of
+from .codec import BYTES, DATATYPES, datatype_of
 
 
 def _tensor_names(tree: Any, prefix: str) -> list[str]:
@@ -61,8 +61,10 @@ class TensorSpec:
         return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.row_shape]}
 
     def config(self) -> dict[str, Any]:
-        """The tensor in Triton's model configuration: ``dims`` without the batch axis."""
-        return {"name": self.name, "data_type": "TYPE_" + self.datatype, "dims": list(self.row_shape)}
+        """The tensor in Triton's model configuration: ``dims`` without the batch axis (Triton calls BYTES
+        ``TYPE_STRING`` there)."""
+        return {"name": self.name, "data_type": "TYPE_STRING" if self.datatype == BYTES else "TYPE_" + self.datatype,
+                "dims": list(self.row_shape)}
 
 
 class ModelSpec:
@@ -234,7 +236,10 @@ class GenerationSpec:
     ``prompt`` (a prompt's token ids, INT32 or INT64, shaped ``[n]`` or ``[1, n]``), and one output,
     ``output``, answered once per step (shaped ``[1, ...]``: the one sequence). The request's parameters
     say how long to go, ``max_steps`` (default ``DEFAULT_STEPS``, vLLM's), and how to pick tokens
-    (``temperature``, ``top_k``, ``top_p``, ``seed``; a ``logits=True`` generation)."""
+    (``temperature``, ``top_k``, ``top_p``, ``seed``; a ``logits=True`` generation). A generation with a
+    ``preprocess`` takes the prompt as it comes (a BYTES tensor of one element: that element, the text),
+    and one with a ``postprocess`` answers what it gives per output (BYTES for bytes or str), its datatype
+    and shape learnt at start from the ``postprocess`` of a zero output."""
 
     DEFAULT_STEPS = 16
     SAMPLING = ("temperature", "top_k", "top_p", "seed")
@@ -243,8 +248,12 @@ class GenerationSpec:
         self.name = name
         self.version = version
         self.server = server
+        generation = server.generation
         output = server.output_template
-        self.inputs = [TensorSpec("prompt", "INT32", ())]
+        self.inputs = [TensorSpec("prompt", "INT32" if generation.preprocess is None else BYTES, ())]
+        if generation.postprocess is not None:
+            sample = stacked([generation.output_of(output.zeros())])
+            output = Template(sample.shape[1:], sample.dtype)
         self.outputs = [TensorSpec("output", datatype_of(output.dtype), output.shape)]
 
     def metadata(self) -> dict[str, Any]:
@@ -256,7 +265,7 @@ class GenerationSpec:
         step."""
         generation = self.server.generation
         return {"name": self.name, "platform": "jitserve", "backend": f"jitserve-{generation.compiler_name}",
-                "max_batch_size": 0, "input": [{"name": "prompt", "data_type": "TYPE_INT32", "dims": [-1]}],
+                "max_batch_size": 0, "input": [{**self.inputs[0].config(), "dims": [-1]}],
                 "output": [t.config() for t in self.outputs], "model_transaction_policy": {"decoupled": True},
                 "parameters": {"slots": generation.slots, "max_length": generation.max_length}}
 
@@ -267,12 +276,16 @@ class GenerationSpec:
             raise ProtocolError(f"model '{self.name}' takes one input, 'prompt' (INT32 or INT64 token ids); got "
                                 f"{', '.join(repr(name) for name in tensors) or 'none'}")
         prompt = tensors["prompt"]
-        if prompt.dtype.kind not in "iu":
+        generation = self.server.generation
+        if generation.preprocess is not None:  # it checks the prompt, and the server its token ids
+            prompt = generation.prompt_of(prompt.reshape(-1)[0] if prompt.dtype.kind == "O" and prompt.size == 1
+                                          else prompt)
+        elif prompt.dtype.kind not in "iu":
             raise ProtocolError(f"input 'prompt' has datatype {datatype_of(prompt.dtype)}, but model "
                                 f"'{self.name}' expects INT32 or INT64 token ids")
-        if prompt.ndim == 2 and prompt.shape[0] == 1:
+        elif prompt.ndim == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
-        if prompt.ndim != 1:
+        if generation.preprocess is None and prompt.ndim != 1:
             raise ProtocolError(f"input 'prompt' has shape {list(tensors['prompt'].shape)}; model '{self.name}' "
                                 f"takes one prompt per request, shaped [n] or [1, n]")
         steps = parameters.get("max_steps", self.DEFAULT_STEPS)
@@ -294,5 +307,6 @@ class GenerationSpec:
 
     async def _outputs(self, request: Any, timeout: float | None
                        ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        generation = self.server.generation
         async for output in self.server.outputs_async(request, timeout):
-            yield [("output", np.asarray(output)[None])]
+            yield [("output", stacked([generation.output_of(output)]))]

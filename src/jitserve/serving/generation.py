@@ -48,7 +48,7 @@ import queue as thread_queue
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from typing import Any, NamedTuple, Self
 
 import jax
@@ -69,7 +69,7 @@ from ..packed import PackedLayout
 from ..params import load_params
 from ..template import Template, check_params, is_template, params_template, templates_of
 from .options import count_option, finite_number, optional_count, optional_seconds
-from .request import END, Stream, put_all
+from .request import END, Stream, model_code, put_all
 from .server import Lifecycle
 from .serving import owned_host_array
 
@@ -152,10 +152,16 @@ class Generation:
     def __init__(self, prefill: Callable[..., Any], decode: Callable[..., Any], *, params: Any, slots: int,
                  max_length: int, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
                  compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
-                 steps_per_launch: int = 1, **compiler_options: Any) -> None:
+                 steps_per_launch: int = 1, preprocess: Callable[[Any], Any] | None = None,
+                 postprocess: Callable[[Any], Any] | None = None, **compiler_options: Any) -> None:
         if not callable(prefill) or not callable(decode):
             raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
                               "decode(params, state, last_outputs)")
+        for name, hook in (("preprocess", preprocess), ("postprocess", postprocess)):
+            if hook is not None and not callable(hook):
+                raise OptionError(f"{name} must be a function or None, got {type(hook).__name__}")
+        self.preprocess = preprocess
+        self.postprocess = postprocess
         self.prefill = prefill
         self.decode = decode
         self.params_source = os.fspath(params) if isinstance(params, str | os.PathLike) else None  # a reload reads it
@@ -177,6 +183,16 @@ class Generation:
         chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
                                                          **compiler_options})
         self.compiler_name = chosen.name
+
+    def prompt_of(self, prompt: Any) -> Any:
+        """The token ids of a caller's prompt: ``preprocess(prompt)`` where given (a tokenizer; run by the
+        caller), else the prompt itself."""
+        return prompt if self.preprocess is None else model_code(self.preprocess, prompt)
+
+    def output_of(self, output: Any) -> Any:
+        """What the caller gets for one output: ``postprocess(output)`` where given (the text of a token, say;
+        run by the caller), else the output itself."""
+        return output if self.postprocess is None else model_code(self.postprocess, output)
 
     @property
     def has_params(self) -> bool:
@@ -402,10 +418,10 @@ class GenerationFront(Lifecycle):
                sampling: Sampling | None = None) -> Any:
         raise NotImplementedError
 
-    def outputs(self, request: Any, timeout: float | None) -> Iterator[Any]:
+    def outputs(self, request: Any, timeout: float | None) -> Generator[Any, None, None]:
         raise NotImplementedError
 
-    def outputs_async(self, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+    def outputs_async(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
         raise NotImplementedError
 
     def stats(self) -> dict[str, Any]:
@@ -615,7 +631,7 @@ class GenerationServer(GenerationFront):
         raise TimeoutError(f"request to generation server {self.name!r} timed out after {timeout}s waiting "
                            f"for a free slot")
 
-    def outputs(self, request: GenerationRequest, timeout: float | None) -> Iterator[Any]:
+    def outputs(self, request: GenerationRequest, timeout: float | None) -> Generator[Any, None, None]:
         """The request's outputs as they come; closing the iterator cancels the request."""
         items = request.stream.items
         try:
@@ -633,7 +649,7 @@ class GenerationServer(GenerationFront):
         finally:
             self.cancel(request)
 
-    async def outputs_async(self, request: GenerationRequest, timeout: float | None) -> AsyncIterator[Any]:
+    async def outputs_async(self, request: GenerationRequest, timeout: float | None) -> AsyncGenerator[Any, None]:
         """:meth:`outputs` for a request submitted with its event loop."""
         items = request.stream.items
         try:
@@ -811,6 +827,16 @@ class _Dispatched(NamedTuple):
     outputs: Any
     started: float
     step: bool
+
+
+def stacked(outputs: Sequence[Any]) -> np.ndarray:
+    """A request's outputs on a first axis: arrays stacked; text (bytes or str, from a ``postprocess``) as an
+    object array, every piece as it was (a fixed-size bytes array would drop trailing zero bytes)."""
+    if outputs and isinstance(outputs[0], bytes | str):
+        array = np.empty(len(outputs), object)
+        array[:] = outputs
+        return array
+    return np.stack(outputs)
 
 
 def _stop_outputs(eos: Any, output: Template) -> np.ndarray:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
-from .generation import Generation, GenerationFront, GenerationServer, Sampling
+from .generation import Generation, GenerationFront, GenerationServer, Sampling, stacked
 from .options import optional_seconds
 from .server import Server
 from .serving import Serving
@@ -176,7 +176,7 @@ def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: 
     on a first axis; at most ``max_steps`` of them, ending right after one equal to the serving's ``eos``.
     ``timeout``: give up if no slot frees within that many seconds. ``sampling``: ``temperature``,
     ``top_k``, ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without)."""
-    return np.stack(list(generate_stream(name, prompt, max_steps, timeout, **sampling)))
+    return stacked(list(generate_stream(name, prompt, max_steps, timeout, **sampling)))
 
 
 def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
@@ -185,14 +185,21 @@ def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, ti
     request and frees its slot at the next step."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
-    yield from server.outputs(server.submit(prompt, max_steps, sampling=Sampling(**sampling)), timeout)
+    generation = server.generation
+    request = server.submit(generation.prompt_of(prompt), max_steps, sampling=Sampling(**sampling))
+    outputs = server.outputs(request, timeout)
+    try:
+        for output in outputs:
+            yield generation.output_of(output)
+    finally:
+        outputs.close()  # closed early: the request is cancelled now, not when the iterator is collected
 
 
 async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
                          **sampling: Any) -> np.ndarray:
     """:func:`generate` for asyncio callers."""
-    return np.stack([output async for output in generate_stream_async(name, prompt, max_steps, timeout,
-                                                                      **sampling)])
+    return stacked([output async for output in generate_stream_async(name, prompt, max_steps, timeout,
+                                                                     **sampling)])
 
 
 async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
@@ -200,6 +207,12 @@ async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_st
     """:func:`generate_stream` for asyncio callers (``async for``)."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
-    request = server.submit(prompt, max_steps, asyncio.get_running_loop(), Sampling(**sampling))
-    async for output in server.outputs_async(request, timeout):
-        yield output
+    generation = server.generation
+    request = server.submit(generation.prompt_of(prompt), max_steps, asyncio.get_running_loop(),
+                            Sampling(**sampling))
+    outputs = server.outputs_async(request, timeout)
+    try:
+        async for output in outputs:
+            yield generation.output_of(output)
+    finally:
+        await outputs.aclose()
