@@ -142,12 +142,13 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
 class Generation:
     """A generation serving: ``prefill`` and ``decode`` (see the module), its weights (``params``: a tree of
     arrays, or a file that :func:`jitserve.load_params` reads, remembered for ``reload_params``), and its
-    slots. With
-    ``logits=True`` both return logits (a vector per sequence) instead of outputs: the server picks each
-    token on the device, greedy or sampled per request (:class:`Sampling`), and gives it to the caller and
-    to the next ``decode``. ``steps_per_launch``: the decode steps each launch runs (see the module); a
-    request's outputs do not depend on it, only when they arrive and how many steps a slot idles after its
-    request ends mid-launch."""
+    slots. With ``logits=True`` both return logits (a vector per sequence) instead of outputs: the server
+    picks each token on the device, greedy or sampled per request (:class:`Sampling`), and gives it to the
+    caller and to the next ``decode``. ``steps_per_launch``: the decode steps each launch runs (see the
+    module); a request's outputs do not depend on it, only when they arrive and how many steps a slot
+    idles after its request ends mid-launch. ``preprocess(prompt)``: the token ids of a prompt as callers
+    send it (a tokenizer); ``postprocess(output)``: what a caller gets for each output (a token's text);
+    both run in the caller."""
 
     def __init__(self, prefill: Callable[..., Any], decode: Callable[..., Any], *, params: Any, slots: int,
                  max_length: int, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
