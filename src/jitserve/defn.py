@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,9 @@ from .template import Template, abstract_tree
 log = logging.getLogger("jitserve.defn")
 
 LARGE_CONSTANTS_BYTES = 16 * 2**20  # captured arrays above this are worth a warning: see warn_large_constants
-_warned: set[int] = set()
+# id(owner) -> what gives that owner back (a weak reference where it takes one), so that an object that gets
+# the id of a dead owner is not taken for it
+_warned: dict[int, Callable[[], Any]] = {}
 
 
 def captured_constant_bytes(fn: Callable[..., Any], args: Sequence[Any]) -> int:
@@ -42,10 +45,14 @@ def warn_large_constants(fn: Callable[..., Any], args: Sequence[Any], what: str,
     """Log one warning per ``owner`` (default ``fn``) when ``fn`` captures more than
     ``LARGE_CONSTANTS_BYTES`` of arrays as constants: each executable would embed its own copy (compile
     time and memory grow with them, once per batch size); weights belong in ``params``."""
-    key = id(fn if owner is None else owner)
-    if key in _warned:
+    owner = fn if owner is None else owner
+    seen = _warned.get(id(owner))
+    if seen is not None and seen() is owner:
         return
-    _warned.add(key)
+    try:
+        _warned[id(owner)] = weakref.ref(owner)
+    except TypeError:  # not weakly referenceable (a builtin): kept alive, so that its id stays its own
+        _warned[id(owner)] = functools.partial(lambda kept: kept, owner)
     size = captured_constant_bytes(fn, args)
     if size > LARGE_CONSTANTS_BYTES:
         log.warning("%s captures %.1f MB of arrays as constants, which every compiled executable embeds "

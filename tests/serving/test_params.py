@@ -3,6 +3,7 @@ never compiled in; ``load_params``; the warning for large captured constants."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import threading
@@ -426,6 +427,23 @@ def test_large_captured_constants_are_flagged_once_and_params_are_not(caplog):
                              input_template=js.template((4096,), "float32")), name="params-no-warning"):
         pass
     assert caplog.records == []
+
+
+def test_a_function_that_gets_the_id_of_a_warned_dead_one_is_warned_too(caplog, monkeypatch):
+    """The functions warned about are remembered by identity, not by id alone (ids are reused once an
+    object is collected, which had silenced the warning for a new function)."""
+    big = np.ones((4096, 1025), np.float32)
+
+    def closed_over(x):
+        return x @ big
+
+    stranger = object()  # stands for the dead function whose id closed_over got
+    defn = importlib.import_module("jitserve.defn")  # the module (js.defn is its decorator)
+    monkeypatch.setattr(defn, "_warned", {id(closed_over): lambda: stranger})
+    caplog.set_level(logging.WARNING, logger="jitserve.defn")
+    defn.warn_large_constants(closed_over, [js.template((2, 4096), "float32")], "definition 'closed_over'")
+    defn.warn_large_constants(closed_over, [js.template((2, 4096), "float32")], "definition 'closed_over'")
+    assert [r.getMessage()[:44] for r in caplog.records] == ["definition 'closed_over' captures 16.0 MB of"]
 
 
 CACHED_SERVING = """
