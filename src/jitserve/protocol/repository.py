@@ -17,12 +17,12 @@ finds its weights beside it. The control modes are Triton's
 A load of a loaded model reloads it, atomically: the new one is built and
 warmed up beside the old one, then takes every new request while the old one
 finishes what it holds and stops; the load returns once the new one answers.
-When ``model.py`` is unchanged, byte for byte, and the serving has weights of
-unchanged structure, shapes and dtypes, a reload swaps the weights only
-(``Server.update_params``, ``GenerationServer.update_params``): nothing
-compiles. A model whose ``model.py`` fails
-keeps its old version serving (if it had one); the index reports the error's
-first line, and the other models are untouched. Unloading drains, then frees.
+When ``model.py`` is unchanged, byte for byte, and the serving (or generation)
+has weights of unchanged structure, shapes and dtypes, a reload swaps the
+weights only (``Server.update_params``, ``GenerationServer.update_params``):
+nothing compiles. A model whose ``model.py`` fails keeps its old version
+serving (if it had one); the index reports the error's first line, and the
+other models are untouched. Unloading drains, then frees.
 """
 
 from __future__ import annotations
