@@ -380,6 +380,21 @@ def test_sigkill_of_a_raylet_mid_load_loses_nothing(ray_cluster):
     assert survived > 0
 
 
+def test_a_text_generation_on_ray_answers_the_pieces_of_a_local_server(ray_cluster):
+    """Its preprocess and postprocess come from a module of their own (ray_text), which travels to the
+    replica by value as the generation's functions do; they run in the caller."""
+    import ray_text
+
+    with js.serve(ray_text.generation(), name="text-local"):
+        local = js.generate("text-local", "héllo", max_steps=6).tolist()
+    handle = js.serve(ray_text.generation(), name="text", cluster="ray", replicas=1)
+    try:
+        assert js.generate(("ray", "text"), "héllo", max_steps=6).tolist() == local
+        assert list(js.generate_stream(("ray", "text"), "héllo", max_steps=6)) == local
+    finally:
+        handle.stop()
+
+
 def test_a_generation_on_two_replicas_streams_samples_and_frees_slots(ray_cluster):
     """Each replica owns its slots; callers are routed by load; a request's tokens are those of a local
     server (greedy and seeded sampling alike); a caller that stops reading frees its slot."""

@@ -230,9 +230,8 @@ def _travel_by_value(serving: Serving | Generation) -> None:
     """Let the user's own modules travel with the serving (cloudpickle by value), so that replicas need
     only the installed packages it imports, not the caller's source tree on their ``sys.path``."""
     installed = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
-    functions = (serving.prefill, serving.decode) if isinstance(serving, Generation) else \
-        (serving.fn, serving.preprocess, serving.postprocess)
-    for fn in functions:
+    functions = (serving.prefill, serving.decode) if isinstance(serving, Generation) else (serving.fn,)
+    for fn in (*functions, serving.preprocess, serving.postprocess):
         module = sys.modules.get(getattr(fn, "__module__", None) or "")
         path = getattr(module, "__file__", None)
         if module is None or path is None or module.__name__ == "__main__":
