@@ -86,6 +86,18 @@ def test_text_in_and_text_out_through_preprocess_and_postprocess(server):
     finally:
         client.stop_stream()
     assert b"".join(pieces) == expected_text("héllo", 5)
+    text = expected_text("héllo", 30)
+    stop = text[7:9].decode()
+    cut = text[:text.index(stop.encode())]
+    answer = server.infer_json("text", body(["héllo"], "BYTES", max_steps=30, stop=stop))[1]
+    assert "".join(answer["outputs"][0]["data"]).encode() == cut, "the text up to the stop sequence, left out"
+    steps = events(server, "text", body(["héllo"], "BYTES", max_steps=30, stop=stop))
+    assert "".join(event["outputs"][0]["data"][0] for event in steps).encode() == cut
+    answer = server.infer_json("text", body(["héllo"], "BYTES", max_steps=30, stop=text[:1].decode()))[1]
+    assert answer["outputs"][0]["shape"] == [0], "stopped before any text"
+    status, answer = server.infer_json("gen", body(max_steps=3, stop="x"))
+    assert status == 400 and answer["error"] == ("the 'stop' parameter: stop needs a generation whose postprocess "
+                                                 "gives text; this one gives its outputs as they are")
     status, answer = server.infer_json("text", body([1, 2], "INT32"))
     assert status == 400 and answer["error"] == "a text prompt is one string; got ndarray"
     status, answer = server.infer_json("text", body(["x" * 17], "BYTES"))

@@ -438,6 +438,25 @@ def test_text_in_and_out_through_preprocess_and_postprocess():
         assert whole.dtype == object and whole.tolist() == want
         assert list(js.generate_stream("gen-text", "héllo", max_steps=6)) == want
         assert asyncio.run(js.generate_async("gen-text", "héllo", max_steps=6)).tolist() == want
+        text = b"".join(piece(token) for token in expected(encode("héllo"), 30))
+        stop = text[7:9]  # across two pieces
+        cut = text[:text.index(stop)]
+        assert b"".join(js.generate("gen-text", "héllo", max_steps=30, stop=stop.decode())) == cut
+        assert b"".join(js.generate_stream("gen-text", "héllo", max_steps=30, stop=[b"\x00", stop])) == cut
+        assert b"".join(asyncio.run(js.generate_async("gen-text", "héllo", max_steps=30, stop=stop))) == cut
+        # a stop sequence that never comes: what was held back (the last piece, its first byte) goes out at the end
+        assert b"".join(js.generate("gen-text", "héllo", max_steps=30, stop=text[-1:] + b"\x00")) == text
+        assert js.generate("gen-text", "héllo", max_steps=30, stop=text[:1]).tolist() == []
+        for stop, message in [("", "stop must be a non-empty string or a list of them, got ''"),
+                              (7, "stop must be a non-empty string or a list of them, got 7")]:
+            with pytest.raises(js.OptionError) as info:
+                js.generate("gen-text", "héllo", max_steps=3, stop=stop)
+            assert str(info.value) == message
+    with js.serve(generation(), name="gen-no-text"):
+        with pytest.raises(js.OptionError) as info:
+            js.generate("gen-no-text", [1, 2], max_steps=3, stop="x")
+        assert str(info.value) == ("stop needs a generation whose postprocess gives text; this one gives its "
+                                   "outputs as they are")
     with pytest.raises(js.OptionError) as info:
         generation(postprocess="detokenize")
     assert str(info.value) == "postprocess must be a function or None, got str"

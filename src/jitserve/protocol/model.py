@@ -13,7 +13,7 @@ tuple); outputs likewise with ``output``. A :class:`GenerationSpec` describes a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 from .. import compilers
 from ..batch import Batch
 from ..errors import OptionError, ProtocolError
-from ..serving.generation import GenerationFront, Sampling, stacked
+from ..serving.generation import Delivery, GenerationFront, Sampling, stacked
 from ..serving.server import Server
 from ..template import Template, is_template
 from .codec import BYTES, DATATYPES, datatype_of
@@ -270,8 +270,9 @@ class GenerationSpec:
                 "parameters": {"slots": generation.slots, "max_length": generation.max_length}}
 
     def request(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
-                ) -> tuple[np.ndarray, int, Sampling]:
-        """A request's prompt, ``max_steps`` and sampling, checked (the prompt's length by the server)."""
+                ) -> tuple[np.ndarray, int, Sampling, Delivery]:
+        """A request's prompt, ``max_steps``, sampling and what its caller gets (its ``stop`` sequence, a
+        text generation's), checked (the prompt's length by the server)."""
         if set(tensors) != {"prompt"}:
             raise ProtocolError(f"model '{self.name}' takes one input, 'prompt' (INT32 or INT64 token ids); got "
                                 f"{', '.join(repr(name) for name in tensors) or 'none'}")
@@ -295,18 +296,24 @@ class GenerationSpec:
             sampling = Sampling(**{key: parameters[key] for key in self.SAMPLING if key in parameters})
         except OptionError as error:
             raise ProtocolError(f"a sampling parameter: {error}") from None
-        return prompt, steps, sampling
+        try:
+            delivery = Delivery(generation, parameters.get("stop"))
+        except OptionError as error:
+            raise ProtocolError(f"the 'stop' parameter: {error}") from None
+        return prompt, steps, sampling, delivery
 
     def generate(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
                  timeout: float | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """Check and queue the request now (on the running event loop: its errors raise here, before a
         response starts); its outputs as they come, one ``[("output", array)]`` per step."""
-        prompt, steps, sampling = self.request(tensors, parameters)
+        prompt, steps, sampling, delivery = self.request(tensors, parameters)
         request = self.server.submit(prompt, steps, asyncio.get_running_loop(), sampling)
-        return self._outputs(request, timeout)
+        return self._outputs(delivery.each_async(self.server.outputs_async(request, timeout)))
 
-    async def _outputs(self, request: Any, timeout: float | None
-                       ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
-        generation = self.server.generation
-        async for output in self.server.outputs_async(request, timeout):
-            yield [("output", stacked([generation.output_of(output)]))]
+    @staticmethod
+    async def _outputs(items: AsyncGenerator[Any, None]) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        try:
+            async for item in items:
+                yield [("output", stacked([item]))]
+        finally:
+            await items.aclose()

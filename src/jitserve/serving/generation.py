@@ -830,10 +830,99 @@ class _Dispatched(NamedTuple):
     step: bool
 
 
+class StopText:
+    """A request's stop sequences (OpenAI's and vLLM's ``stop``), applied by the caller to the text pieces a
+    ``postprocess`` gives: the text goes out up to the first stop sequence, which ends the request and is
+    left out; text that may be the start of one is held back until it is not."""
+
+    def __init__(self, stop: Any) -> None:
+        stops = [stop] if isinstance(stop, str | bytes) else list(stop) if isinstance(stop, list | tuple) else []
+        if not stops or not all(isinstance(one, str | bytes) and one for one in stops):
+            raise OptionError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        self.stops: list[Any] = stops
+        self.held: Any = None  # text not sent yet, as it may begin a stop sequence
+        self.ended = False
+
+    def feed(self, piece: Any) -> Any:
+        """The text that can go out once ``piece`` came (``ended`` once a stop sequence is reached)."""
+        if not isinstance(piece, str | bytes):
+            raise OptionError(f"stop needs a generation whose postprocess gives text (str or bytes); it gave "
+                              f"{type(piece).__name__}")
+        if self.held is None:  # the stop sequences in the type of the pieces, once
+            self.stops = [one.encode() if isinstance(piece, bytes) and isinstance(one, str) else
+                          one.decode() if isinstance(piece, str) and isinstance(one, bytes) else one
+                          for one in self.stops]
+            self.held = piece[:0]
+        text = self.held + piece
+        found = [at for at in (text.find(one) for one in self.stops) if at >= 0]
+        if found:
+            self.ended = True
+            return text[:min(found)]
+        keep = max((k for one in self.stops for k in range(1, len(one)) if text.endswith(one[:k])), default=0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+
+class Delivery:
+    """What one caller of a generation gets, in the caller: each output through ``postprocess``, and with
+    ``stop`` (text pieces only) the text cut at the first stop sequence (:class:`StopText`)."""
+
+    def __init__(self, generation: Generation, stop: Any = None) -> None:
+        if stop is not None and generation.postprocess is None:
+            raise OptionError("stop needs a generation whose postprocess gives text; this one gives its outputs "
+                              "as they are")
+        self.generation = generation
+        self.stop = None if stop is None else StopText(stop)
+
+    def of(self, output: Any) -> list[Any]:
+        """What the caller gets for ``output``: its piece; with stop sequences, the text that can go out."""
+        piece = self.generation.output_of(output)
+        if self.stop is None:
+            return [piece]
+        text = self.stop.feed(piece)
+        return [text] if text else []
+
+    @property
+    def done(self) -> bool:
+        """A stop sequence was reached: the caller stops reading, which frees the slot at the next step."""
+        return self.stop is not None and self.stop.ended
+
+    def rest(self) -> list[Any]:
+        """What was held back when the outputs ended without a stop sequence."""
+        held = None if self.stop is None else self.stop.held
+        return [held] if held else []
+
+    def each(self, outputs: Generator[Any, None, None]) -> Generator[Any, None, None]:
+        """What the caller gets from a request's ``outputs`` (a server's ``outputs``), one item at a time;
+        closed early, or at a stop sequence, it closes them: the request is cancelled now."""
+        try:
+            for output in outputs:
+                yield from self.of(output)
+                if self.done:
+                    return
+            yield from self.rest()
+        finally:
+            outputs.close()
+
+    async def each_async(self, outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+        """:meth:`each` for a server's ``outputs_async``."""
+        try:
+            async for output in outputs:
+                for item in self.of(output):
+                    yield item
+                if self.done:
+                    return
+            for item in self.rest():
+                yield item
+        finally:
+            await outputs.aclose()
+
+
 def stacked(outputs: Sequence[Any]) -> np.ndarray:
     """A request's outputs on a first axis: arrays stacked; text (bytes or str, from a ``postprocess``) as an
-    object array, every piece as it was (a fixed-size bytes array would drop trailing zero bytes)."""
-    if outputs and isinstance(outputs[0], bytes | str):
+    object array, every piece as it was (a fixed-size bytes array would drop trailing zero bytes); no
+    outputs (text cut at a stop sequence before any), an empty object array."""
+    if not outputs or isinstance(outputs[0], bytes | str):
         array = np.empty(len(outputs), object)
         array[:] = outputs
         return array

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
-from .generation import Generation, GenerationFront, GenerationServer, Sampling, stacked
+from .generation import Delivery, Generation, GenerationFront, GenerationServer, Sampling, stacked
 from .options import optional_seconds
 from .server import Server
 from .serving import Serving
@@ -171,48 +171,46 @@ async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout:
 
 
 def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
-             **sampling: Any) -> np.ndarray:
-    """Generate from ``prompt`` (1-D integer token ids) on generation server ``name``: every output, stacked
-    on a first axis; at most ``max_steps`` of them, ending right after one equal to the serving's ``eos``.
-    ``timeout``: give up if no slot frees within that many seconds. ``sampling``: ``temperature``,
-    ``top_k``, ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without)."""
-    return stacked(list(generate_stream(name, prompt, max_steps, timeout, **sampling)))
+             stop: Any = None, **sampling: Any) -> np.ndarray:
+    """Generate from ``prompt`` (1-D integer token ids, or what the generation's ``preprocess`` takes) on
+    generation server ``name``: every output, stacked on a first axis; at most ``max_steps`` of them,
+    ending right after one equal to the serving's ``eos``. ``timeout``: give up if no slot frees within
+    that many seconds. ``stop``: a string or a list of them that ends a text generation's request where
+    its text reaches one (left out; see :class:`StopText`). ``sampling``: ``temperature``, ``top_k``,
+    ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without)."""
+    return stacked(list(generate_stream(name, prompt, max_steps, timeout, stop, **sampling)))
 
 
 def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
-                    **sampling: Any) -> Iterator[Any]:
+                    stop: Any = None, **sampling: Any) -> Iterator[Any]:
     """:func:`generate` one output at a time, each as its step finishes; closing the iterator cancels the
     request and frees its slot at the next step."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
-    generation = server.generation
-    request = server.submit(generation.prompt_of(prompt), max_steps, sampling=Sampling(**sampling))
-    outputs = server.outputs(request, timeout)
-    try:
-        for output in outputs:
-            yield generation.output_of(output)
-    finally:
-        outputs.close()  # closed early: the request is cancelled now, not when the iterator is collected
+    delivery = Delivery(server.generation, stop)
+    request = server.submit(server.generation.prompt_of(prompt), max_steps, sampling=Sampling(**sampling))
+    yield from delivery.each(server.outputs(request, timeout))
 
 
 async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
-                         **sampling: Any) -> np.ndarray:
+                         stop: Any = None, **sampling: Any) -> np.ndarray:
     """:func:`generate` for asyncio callers."""
-    return stacked([output async for output in generate_stream_async(name, prompt, max_steps, timeout,
+    return stacked([output async for output in generate_stream_async(name, prompt, max_steps, timeout, stop,
                                                                      **sampling)])
 
 
 async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
-                                timeout: float | None = None, **sampling: Any) -> AsyncIterator[Any]:
+                                timeout: float | None = None, stop: Any = None, **sampling: Any
+                                ) -> AsyncIterator[Any]:
     """:func:`generate_stream` for asyncio callers (``async for``)."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
-    generation = server.generation
-    request = server.submit(generation.prompt_of(prompt), max_steps, asyncio.get_running_loop(),
+    delivery = Delivery(server.generation, stop)
+    request = server.submit(server.generation.prompt_of(prompt), max_steps, asyncio.get_running_loop(),
                             Sampling(**sampling))
-    outputs = server.outputs_async(request, timeout)
+    items = delivery.each_async(server.outputs_async(request, timeout))
     try:
-        async for output in outputs:
-            yield generation.output_of(output)
+        async for item in items:
+            yield item
     finally:
-        await outputs.aclose()
+        await items.aclose()  # closed early: the request is cancelled now, not when the stream is collected
