@@ -236,10 +236,11 @@ class GenerationSpec:
     ``prompt`` (a prompt's token ids, INT32 or INT64, shaped ``[n]`` or ``[1, n]``), and one output,
     ``output``, answered once per step (shaped ``[1, ...]``: the one sequence). The request's parameters
     say how long to go, ``max_steps`` (default ``DEFAULT_STEPS``, vLLM's), and how to pick tokens
-    (``temperature``, ``top_k``, ``top_p``, ``seed``; a ``logits=True`` generation). A generation with a
-    ``preprocess`` takes the prompt as it comes (a BYTES tensor of one element: that element, the text),
-    and one with a ``postprocess`` answers what it gives per output (BYTES for bytes or str), its datatype
-    and shape learnt at start from the ``postprocess`` of a zero output."""
+    (``temperature``, ``top_k``, ``top_p``, ``seed``; a ``logits=True`` generation) and where its text ends
+    (``stop``, one stop sequence; a text generation, see :class:`~jitserve.serving.generation.StopText`).
+    A generation with a ``preprocess`` takes the prompt as it comes (a BYTES tensor of one element: that
+    element, the text), and one with a ``postprocess`` answers what it gives per output (BYTES for bytes
+    or str), its datatype and shape learnt at start from the ``postprocess`` of a zero output."""
 
     DEFAULT_STEPS = 16
     SAMPLING = ("temperature", "top_k", "top_p", "seed")
