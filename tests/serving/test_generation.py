@@ -392,6 +392,10 @@ def test_update_params_swaps_the_weights_between_requests_under_load_without_a_c
         with pytest.raises(js.TemplateMismatchError) as info:
             server.update_params({"scale": np.float32(2)})
         assert str(info.value) == "params['scale']: expected int32(), got float32()"
+        with pytest.raises(js.OptionError) as info:
+            server.reload_params()
+        assert str(info.value) == ("server 'gen-swap' was given its weights as arrays, not as a file "
+                                   "(params=PATH), so there is no file to reload them from")
         assert js.generate("gen-swap", prompts[0], max_steps=9).tolist() == expected(prompts[0], 9, scale=3)
         assert server.stats()["compiles"] == compiles
     assert not failures and len(answers) > 24

@@ -136,6 +136,10 @@ def test_a_mismatched_update_names_the_leaf_and_the_old_weights_keep_serving():
             server.update_params(missing)
         assert str(info.value) == ("params: expected the structure of the serving's weights, got another "
                                    "(missing params['layers'][1]['b'])")
+        with pytest.raises(js.OptionError) as info:
+            server.reload_params()
+        assert str(info.value) == ("server 'params-mismatch' was given its weights as arrays, not as a file "
+                                   "(params=PATH), so there is no file to reload them from")
         np.testing.assert_allclose(js.batched_run("params-mismatch", js.Batch.concatenate([x])),
                                    dense_numpy(params, x), rtol=1e-5, atol=1e-6)
     plain = js.Serving(lambda x: x, batch_size=2)

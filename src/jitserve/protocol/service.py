@@ -407,8 +407,7 @@ class FixedModels:
             self.service.model(name)  # the unknown-model error
             return
         servers = [spec.server for spec in specs.values()]
-        if any((server.generation if isinstance(server, GenerationFront) else server.serving).params_source is None
-               for server in servers):
+        if any(server.params_source is None for server in servers):
             raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
                                 f"(params=PATH): there is nothing to reload")
         for server in servers:

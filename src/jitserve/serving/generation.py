@@ -433,14 +433,9 @@ class GenerationFront(Lifecycle):
         raise OptionError(f"generation server {self.name!r} runs its steps elsewhere; update the weights where "
                           f"it runs")
 
-    def reload_params(self) -> None:
-        """:meth:`update_params` with the weights read again from the file the generation was given
-        (``params=PATH``; replace the file, do not rewrite it in place: the served arrays may map it)."""
-        source = self.generation.params_source
-        if source is None:
-            raise OptionError(f"generation server {self.name!r} was given its weights as arrays, not as a file "
-                              f"(params=PATH), so there is no file to reload them from")
-        self.update_params(load_params(source))
+    @property
+    def params_source(self) -> str | None:
+        return self.generation.params_source
 
 
 class GenerationServer(GenerationFront):

@@ -48,13 +48,33 @@ log = logging.getLogger("jitserve.server")
 
 class Lifecycle:
     """What every kind of server shares with the registry and ``with`` blocks: ``stop``, the callbacks run
-    once it has stopped, and whether it is stopping."""
+    once it has stopped, and whether it is stopping; and how its weights are swapped (``update_params``)
+    and read again from the file they came from (``reload_params``)."""
 
+    name: str
     _stopping: bool
     _on_stop: list[Callable[[Any], None]]
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         raise NotImplementedError
+
+    def update_params(self, params: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def params_source(self) -> str | None:
+        """The file the weights were given as (``params=PATH``); None when they were given as arrays."""
+        raise NotImplementedError
+
+    def reload_params(self) -> None:
+        """:meth:`update_params` with the weights read again from the file they were given as
+        (``params=PATH``): replace that file (write a new one and rename it over the old, as
+        ``save_params`` does: the served arrays may map the old one) and reload, compiling nothing."""
+        source = self.params_source
+        if source is None:
+            raise OptionError(f"server {self.name!r} was given its weights as arrays, not as a file "
+                              f"(params=PATH), so there is no file to reload them from")
+        self.update_params(load_params(source))
 
     def on_stop(self, callback: Callable[[Any], None]) -> None:
         """Call ``callback(server)`` once the server has stopped (the registry forgets its name)."""
@@ -168,15 +188,9 @@ class Server(Corridor, BatchRunner, Lifecycle):
         given ``params``."""
         return self._swappable
 
-    def reload_params(self) -> None:
-        """:meth:`update_params` with the weights read again from the file the serving was given
-        (``params=PATH``): replace that file (write a new one and rename it over the old, as
-        ``save_params`` does) and reload, compiling nothing."""
-        source = self.serving.params_source
-        if source is None:
-            raise OptionError(f"server {self.name!r} was given its weights as arrays, not as a file "
-                              f"(params=PATH), so there is no file to reload them from")
-        self.update_params(load_params(source))
+    @property
+    def params_source(self) -> str | None:
+        return self.serving.params_source
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests and end the threads once the work left is done; returns when it is.
