@@ -33,6 +33,7 @@ from .errors import (
     WorkerCrashedError,
 )
 from .graph import Graph, trace
+from .models import from_pretrained
 from .params import load_params
 from .serving import (
     BatchReport,
@@ -97,6 +98,7 @@ __all__ = [
     "default_options",
     "defn",
     "devices",
+    "from_pretrained",
     "generate",
     "generate_async",
     "generate_stream",

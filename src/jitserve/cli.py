@@ -136,24 +136,36 @@ def _default_name(target: str) -> str:
 
 
 def load_servings(args: argparse.Namespace) -> dict[str, Any]:
-    """The target's servings (and generations) by name, with the command line's overrides applied."""
+    """The target's servings (and generations) by name, or the ``--hf`` checkpoints', with the command line's
+    overrides applied."""
+    from .models import from_pretrained
     from .serving import Generation, Serving
 
-    found = load_target(args.target)
+    if args.hf:
+        if args.name is not None and len(args.hf) > 1:
+            raise OptionError("--name names one model: leave it out with several --hf folders (each is named "
+                              "after its folder)")
+        found: Any = {args.name or Path(folder).resolve().name: from_pretrained(
+            folder, task=args.task, dtype=args.dtype, compiler=args.compiler) for folder in args.hf}
+    elif args.task is not None or args.dtype is not None:
+        raise OptionError("--task and --dtype apply to a checkpoint: give them with --hf DIR")
+    else:
+        found = load_target(args.target)
     if not isinstance(found, (dict, Serving, Generation)):
         raise OptionError(f"{args.target} is a {type(found).__name__}, not a jitserve.Serving or Generation or a "
                           f"dict of them")
     servings = _by_version(found) if isinstance(found, dict) else {args.name or _default_name(args.target): found}
-    changes = _overrides(args)
+    target = args.target or "--hf"
+    changes = {k: v for k, v in _overrides(args).items() if not (args.hf and k == "compiler")}  # --hf: given above
     for name, serving in servings.items():
         if isinstance(serving, Generation):
             if changes:
-                raise OptionError(f"{args.target}: '{name}' is a jitserve.Generation: "
+                raise OptionError(f"{target}: '{name}' is a jitserve.Generation: "
                                   f"{', '.join('--' + k.replace('_', '-') for k in changes)} apply to a Serving; set "
                                   f"a generation's options where it is made")
             continue
         if not isinstance(serving, Serving):
-            raise OptionError(f"{args.target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving "
+            raise OptionError(f"{target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving "
                               f"or Generation")
         servings[name] = serving.replace(**changes) if changes else serving
     return servings
@@ -220,8 +232,8 @@ def _logging(args: argparse.Namespace) -> None:
 def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
 
-    if (args.target is None) == (args.model_repository is None):
-        raise OptionError("serve takes a TARGET or --model-repository DIR, not both nor neither")
+    if [args.target is not None, bool(args.hf), args.model_repository is not None].count(True) != 1:
+        raise OptionError("serve takes one of a TARGET, --hf DIR or --model-repository DIR")
     if args.model_repository is not None:
         if args.ray is not None or args.name is not None or _overrides(args):
             raise OptionError("--model-repository serves each DIR/NAME/model.py as it is: --ray, --name, "
@@ -426,8 +438,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Serve a js.Serving or js.Generation, or a dict of name -> either, until SIGINT/SIGTERM.")
     serve_parser.add_argument("target", nargs="?", help="path/to/file.py:attr or package.module:attr (a Serving or "
                               "a dict); the working directory and the file's folder are importable")
+    serve_parser.add_argument("--hf", action="append", metavar="DIR", help="serve the Hugging Face checkpoint "
+                              "folder DIR (js.from_pretrained) as model DIR's name, instead of a TARGET "
+                              "(repeatable)")
+    serve_parser.add_argument("--task", choices=("generation", "classification", "embedding"),
+                              help="with --hf: what to serve the checkpoint as (default: its architecture's task)")
+    serve_parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                              help="with --hf: the weights' dtype (default: as stored)")
     serve_parser.add_argument("--model-repository", metavar="DIR", help="serve DIR/NAME/model.py (each defines "
-                              "'serving') as model NAME, instead of a TARGET")
+                              "'serving'), or DIR/NAME/config.json (a checkpoint), as model NAME, instead of a "
+                              "TARGET")
     serve_parser.add_argument("--model-control-mode", choices=("none", "explicit", "poll"), default="none",
                               help="as Triton's: none loads every model at start, explicit loads what load "
                               "requests (and --load-model) name, poll rescans DIR (default none)")

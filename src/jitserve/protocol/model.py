@@ -240,10 +240,18 @@ class GenerationSpec:
     (``stop``, one stop sequence; a text generation, see :class:`~jitserve.serving.generation.StopText`).
     A generation with a ``preprocess`` takes the prompt as it comes (a BYTES tensor of one element: that
     element, the text), and one with a ``postprocess`` answers what it gives per output (BYTES for bytes
-    or str), its datatype and shape learnt at start from the ``postprocess`` of a zero output."""
+    or str), its datatype and shape learnt at start from the ``postprocess`` of a zero output.
+
+    A text generation (one with a ``detokenizer``: a checkpoint's) speaks Triton's LLM convention, as
+    genai-perf and Triton's TensorRT-LLM and vLLM back ends do: input ``text_input`` (BYTES), output
+    ``text_output`` (BYTES: a piece per streamed response, the whole text otherwise), parameters
+    ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and ``stop``; any other is refused by
+    name."""
 
     DEFAULT_STEPS = 16
     SAMPLING = ("temperature", "top_k", "top_p", "seed")
+    TEXT_PARAMETERS = ("max_tokens", *SAMPLING, "stop")
+    PROTOCOL_PARAMETERS = ("binary_data_output", "priority", "timeout", "triton_enable_empty_final_response")
 
     def __init__(self, name: str, server: GenerationFront, version: str = "1") -> None:
         self.name = name
@@ -251,11 +259,14 @@ class GenerationSpec:
         self.server = server
         generation = server.generation
         output = server.output_template
-        self.inputs = [TensorSpec("prompt", "INT32" if generation.preprocess is None else BYTES, ())]
-        if generation.postprocess is not None:
-            sample = stacked([generation.output_of(output.zeros())])
+        self.text = generation.detokenizer is not None
+        self.input_name, self.output_name = ("text_input", "text_output") if self.text else ("prompt", "output")
+        self.steps_parameter = "max_tokens" if self.text else "max_steps"
+        self.inputs = [TensorSpec(self.input_name, "INT32" if generation.preprocess is None else BYTES, ())]
+        if generation.postprocess is not None or self.text:
+            sample = stacked(["" if self.text else generation.output_of(output.zeros())])
             output = Template(sample.shape[1:], sample.dtype)
-        self.outputs = [TensorSpec("output", datatype_of(output.dtype), output.shape)]
+        self.outputs = [TensorSpec(self.output_name, datatype_of(output.dtype), output.shape)]
 
     def metadata(self) -> dict[str, Any]:
         return {"name": self.name, "versions": [self.version], "platform": "jitserve",
@@ -274,10 +285,16 @@ class GenerationSpec:
                 ) -> tuple[np.ndarray, int, Sampling, Delivery]:
         """A request's prompt, ``max_steps``, sampling and what its caller gets (its ``stop`` sequence, a
         text generation's), checked (the prompt's length by the server)."""
-        if set(tensors) != {"prompt"}:
-            raise ProtocolError(f"model '{self.name}' takes one input, 'prompt' (INT32 or INT64 token ids); got "
+        if set(tensors) != {self.input_name}:
+            takes = "(BYTES: the prompt's text)" if self.text else "(INT32 or INT64 token ids)"
+            raise ProtocolError(f"model '{self.name}' takes one input, '{self.input_name}' {takes}; got "
                                 f"{', '.join(repr(name) for name in tensors) or 'none'}")
-        prompt = tensors["prompt"]
+        if self.text:
+            unknown = sorted(set(parameters) - {*self.TEXT_PARAMETERS, *self.PROTOCOL_PARAMETERS})
+            if unknown:
+                raise ProtocolError(f"model '{self.name}' does not take the parameter '{unknown[0]}'; a text "
+                                    f"generation takes {', '.join(self.TEXT_PARAMETERS)}")
+        prompt = tensors[self.input_name]
         generation = self.server.generation
         if generation.preprocess is not None:  # it checks the prompt, and the server its token ids
             prompt = generation.prompt_of(prompt.reshape(-1)[0] if prompt.dtype.kind == "O" and prompt.size == 1
@@ -290,15 +307,15 @@ class GenerationSpec:
         if generation.preprocess is None and prompt.ndim != 1:
             raise ProtocolError(f"input 'prompt' has shape {list(tensors['prompt'].shape)}; model '{self.name}' "
                                 f"takes one prompt per request, shaped [n] or [1, n]")
-        steps = parameters.get("max_steps", self.DEFAULT_STEPS)
+        steps = parameters.get(self.steps_parameter, self.DEFAULT_STEPS)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ProtocolError(f"the 'max_steps' parameter must be a positive integer, got {steps!r}")
+            raise ProtocolError(f"the '{self.steps_parameter}' parameter must be a positive integer, got {steps!r}")
         try:
             sampling = Sampling(**{key: parameters[key] for key in self.SAMPLING if key in parameters})
         except OptionError as error:
             raise ProtocolError(f"a sampling parameter: {error}") from None
         try:
-            delivery = Delivery(generation, parameters.get("stop"))
+            delivery = Delivery(generation, parameters.get("stop"), prompt)
         except OptionError as error:
             raise ProtocolError(f"the 'stop' parameter: {error}") from None
         return prompt, steps, sampling, delivery
@@ -311,10 +328,16 @@ class GenerationSpec:
         request = self.server.submit(prompt, steps, asyncio.get_running_loop(), sampling)
         return self._outputs(delivery.each_async(self.server.outputs_async(request, timeout)))
 
-    @staticmethod
-    async def _outputs(items: AsyncGenerator[Any, None]) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+    async def _outputs(self, items: AsyncGenerator[Any, None]) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         try:
             async for item in items:
-                yield [("output", stacked([item]))]
+                yield [(self.output_name, stacked([item]))]
         finally:
             await items.aclose()
+
+    def whole(self, steps: Sequence[list[tuple[str, np.ndarray]]]) -> list[tuple[str, np.ndarray]]:
+        """A request's answer at once: its outputs stacked; a text generation's text joined into one."""
+        outputs = [step[0][1] for step in steps]
+        if self.text:
+            return [(self.output_name, stacked(["".join(output[0] for output in outputs)]))]
+        return [(self.output_name, np.concatenate(outputs) if outputs else stacked([]))]

@@ -4,7 +4,9 @@ reloaded and unloaded by name while the others keep serving.
 Each ``DIR/NAME/model.py`` defines ``serving`` (a :class:`jitserve.Serving` or
 :class:`jitserve.Generation`), served as model ``NAME``, version 1. It runs as
 a module of its own each time it is loaded, with ``__file__`` set, so that it
-finds its weights beside it. The control modes are Triton's
+finds its weights beside it. A ``DIR/NAME/`` that holds a Hugging Face
+checkpoint (``config.json``) and no ``model.py`` is served as
+:func:`jitserve.from_pretrained` makes it, with its defaults. The control modes are Triton's
 ``--model-control-mode``:
 
 - ``none``: every model is loaded at start; load and unload requests are refused.
@@ -17,7 +19,8 @@ finds its weights beside it. The control modes are Triton's
 A load of a loaded model reloads it, atomically: the new one is built and
 warmed up beside the old one, then takes every new request while the old one
 finishes what it holds and stops; the load returns once the new one answers.
-When ``model.py`` is unchanged, byte for byte, and the serving (or generation)
+When ``model.py`` (or a checkpoint's config and tokenizer files) is unchanged,
+byte for byte, and the serving (or generation)
 has weights of unchanged structure, shapes and dtypes, a reload swaps the
 weights only (``Server.update_params``, ``GenerationServer.update_params``):
 nothing compiles. A model whose ``model.py`` fails keeps its old version
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OptionError, RepositoryError, UnknownServerError
+from ..models import from_pretrained
 from ..serving.generation import Generation, GenerationServer
 from ..serving.registry import unstarted_server
 from ..serving.server import Server
@@ -47,6 +51,9 @@ log = logging.getLogger("jitserve.repository")
 
 CONTROL_MODES = ("none", "explicit", "poll")
 MODEL_FILE = "model.py"
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "chat_template.jinja")  # a checkpoint folder's code: a change reloads it whole
+WEIGHTS = b"\0weights:"  # in a checkpoint's source, what follows is its weight files' names, sizes and times
 VERSION = "1"  # a repository model is served in one version
 _LOADS = itertools.count(1)  # each load's module gets a fresh name: nothing of an earlier load is reused
 
@@ -58,7 +65,7 @@ class _Model:
 
     state: str = "UNAVAILABLE"
     reason: str = ""
-    source: bytes | None = None  # the model.py that is serving; None when nothing is
+    source: bytes | None = None  # the model.py (or checkpoint files, see _source) serving; None when nothing is
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -113,7 +120,7 @@ class ModelRepository:
         unknown = sorted(set(parameters or ()) - set(ignored))
         if unknown:
             raise RepositoryError(f"model '{name}': {action} parameters ({', '.join(unknown)}) are not supported; "
-                                  f"jitserve {action}s {self.directory / name / MODEL_FILE} as it is")
+                                  f"jitserve {action}s the model's {MODEL_FILE} or checkpoint as it is")
 
     # lifecycle ---------------------------------------------------------------------------------
 
@@ -136,8 +143,8 @@ class ModelRepository:
             self._poller.join()
 
     def names(self) -> list[str]:
-        """The models of the directory: its subdirectories that hold a ``model.py``."""
-        return sorted(path.name for path in self.directory.iterdir() if (path / MODEL_FILE).is_file())
+        """The models of the directory: its subdirectories that hold a ``model.py`` or a ``config.json``."""
+        return sorted(path.name for path in self.directory.iterdir() if _model_folder(path))
 
     def _poll(self) -> None:
         while not self._stopped.wait(self.poll_seconds):
@@ -163,16 +170,26 @@ class ModelRepository:
             return self._models.setdefault(name, _Model())
 
     def _source(self, name: str) -> bytes | None:
+        """What the model is made from: its ``model.py``; for a checkpoint folder, its config and tokenizer
+        files, then (after ``WEIGHTS``) its weight files' names, sizes and modification times, so that a
+        poll sees new weights and a reload of the same files swaps the weights only."""
+        folder = self.directory / name
         try:
-            return (self.directory / name / MODEL_FILE).read_bytes()
+            if (folder / MODEL_FILE).is_file():
+                return (folder / MODEL_FILE).read_bytes()
+            code = b"".join(file.encode() + b"\0" + (folder / file).read_bytes() for file in CHECKPOINT_FILES
+                            if (folder / file).is_file())
+            weights = sorted(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in folder.iterdir()
+                             if p.name.endswith((".safetensors", ".safetensors.index.json")))
+            return code + WEIGHTS + "\n".join(weights).encode()
         except OSError:
             return None
 
     def _load(self, name: str) -> None:
-        missing = RepositoryError(f"model '{name}' is not in the repository: there is no "
-                                  f"{self.directory / name / MODEL_FILE}")
+        missing = RepositoryError(f"model '{name}' is not in the repository: its folder holds no {MODEL_FILE} "
+                                  f"and no config.json")
         # a name that is no model of the directory gets no entry: names clients make up must not pile up
-        if "/" in name or name in ("", ".", "..") or not (self.directory / name / MODEL_FILE).is_file():
+        if "/" in name or name in ("", ".", "..") or not _model_folder(self.directory / name):
             raise missing
         model = self._model(name)
         with model.lock:
@@ -185,7 +202,8 @@ class ModelRepository:
             try:
                 serving = self._run(name, source)
                 current = self.service.versions.get(name, {}).get(VERSION)
-                if current is not None and source == model.source and _weights_only(current.server, serving):
+                same_code = model.source is not None and source.split(WEIGHTS)[0] == model.source.split(WEIGHTS)[0]
+                if current is not None and same_code and _weights_only(current.server, serving):
                     current.server.update_params(serving.params)
                     log.info("model '%s' reloaded: new weights, nothing compiled", name)
                 else:
@@ -200,8 +218,10 @@ class ModelRepository:
             model.state, model.reason, model.source = "READY", "", source
 
     def _run(self, name: str, source: bytes) -> Serving | Generation:
-        """Run ``model.py`` as a fresh module; its ``serving``."""
+        """Run ``model.py`` as a fresh module; its ``serving``. A checkpoint folder: ``from_pretrained``."""
         path = self.directory / name / MODEL_FILE
+        if WEIGHTS in source and not path.is_file():
+            return from_pretrained(self.directory / name)
         module = types.ModuleType(f"jitserve_repository_{name}_{next(_LOADS)}")
         module.__file__ = str(path)
         exec(compile(source, str(path), "exec"), module.__dict__)
@@ -243,3 +263,8 @@ def _weights_only(server: Any, serving: Serving | Generation) -> bool:
         return isinstance(server, GenerationServer) and serving.params_template == server.generation.params_template
     return isinstance(server, Server) and server.swaps_weights \
         and serving.params is not None and serving.params_template == server.serving.params_template
+
+
+def _model_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a model: it holds a ``model.py``, or a checkpoint's ``config.json``."""
+    return (folder / MODEL_FILE).is_file() or (folder / "config.json").is_file()

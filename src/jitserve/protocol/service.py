@@ -31,7 +31,7 @@ from ..errors import (
     UnknownServerError,
     is_raised_by_model,
 )
-from ..serving.generation import GenerationFront, stacked
+from ..serving.generation import GenerationFront
 from ..serving.server import Server
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
@@ -275,9 +275,7 @@ class InferenceService:
         if isinstance(spec, GenerationSpec):
             with self._tallied(spec):
                 steps = [outputs async for outputs in self._generated(spec, tensors, parameters, priority)]
-            outputs = [step[0][1] for step in steps]  # none: text cut at a stop sequence before any
-            return spec.version, select_outputs([("output", np.concatenate(outputs) if outputs else stacked([]))],
-                                                requested, model)
+            return spec.version, select_outputs(spec.whole(steps), requested, model)
         value = spec.value(tensors)
         server = spec.server
         serving = server.serving

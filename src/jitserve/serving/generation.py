@@ -148,21 +148,29 @@ class Generation:
     module); a request's outputs do not depend on it, only when they arrive and how many steps a slot
     idles after its request ends mid-launch. ``preprocess(prompt)``: the token ids of a prompt as callers
     send it (a tokenizer); ``postprocess(output)``: what a caller gets for each output (a token's text);
-    both run in the caller."""
+    ``detokenizer(prompt_ids)``: instead of ``postprocess``, a new incremental decoder per request, whose
+    ``feed(token)`` gives the text that can go out and ``finish()`` what it still held at the end (a real
+    tokenizer's text, which one token alone cannot give); such a generation answers text, and
+    :func:`jitserve.generate` one string. All run in the caller."""
 
     def __init__(self, prefill: Callable[..., Any], decode: Callable[..., Any], *, params: Any, slots: int,
                  max_length: int, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
                  compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
                  steps_per_launch: int = 1, preprocess: Callable[[Any], Any] | None = None,
-                 postprocess: Callable[[Any], Any] | None = None, **compiler_options: Any) -> None:
+                 postprocess: Callable[[Any], Any] | None = None,
+                 detokenizer: Callable[[np.ndarray], Any] | None = None, **compiler_options: Any) -> None:
         if not callable(prefill) or not callable(decode):
             raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
                               "decode(params, state, last_outputs)")
-        for name, hook in (("preprocess", preprocess), ("postprocess", postprocess)):
+        for name, hook in (("preprocess", preprocess), ("postprocess", postprocess), ("detokenizer", detokenizer)):
             if hook is not None and not callable(hook):
                 raise OptionError(f"{name} must be a function or None, got {type(hook).__name__}")
+        if postprocess is not None and detokenizer is not None:
+            raise OptionError("give a Generation postprocess (a text per output) or detokenizer (a decoder per "
+                              "request), not both")
         self.preprocess = preprocess
         self.postprocess = postprocess
+        self.detokenizer = detokenizer
         self.prefill = prefill
         self.decode = decode
         self.params_source = os.fspath(params) if isinstance(params, str | os.PathLike) else None  # a reload reads it
@@ -862,16 +870,23 @@ class Delivery:
     """What one caller of a generation gets, in the caller: each output through ``postprocess``, and with
     ``stop`` (text pieces only) the text cut at the first stop sequence (:class:`StopText`)."""
 
-    def __init__(self, generation: Generation, stop: Any = None) -> None:
-        if stop is not None and generation.postprocess is None:
+    def __init__(self, generation: Generation, stop: Any = None, prompt: Any = None) -> None:
+        if stop is not None and generation.postprocess is None and generation.detokenizer is None:
             raise OptionError("stop needs a generation whose postprocess gives text; this one gives its outputs "
                               "as they are")
         self.generation = generation
         self.stop = None if stop is None else StopText(stop)
+        # a detokenizer's decoder for this request, which reads the prompt's token ids for context
+        self.text = None if generation.detokenizer is None else generation.detokenizer(np.asarray(prompt))
 
     def of(self, output: Any) -> list[Any]:
         """What the caller gets for ``output``: its piece; with stop sequences, the text that can go out."""
-        piece = self.generation.output_of(output)
+        if self.text is None:
+            return self._cut(self.generation.output_of(output))
+        text = self.text.feed(output)
+        return self._cut(text) if text else []
+
+    def _cut(self, piece: Any) -> list[Any]:
         if self.stop is None:
             return [piece]
         text = self.stop.feed(piece)
@@ -883,9 +898,12 @@ class Delivery:
         return self.stop is not None and self.stop.ended
 
     def rest(self) -> list[Any]:
-        """What was held back when the outputs ended without a stop sequence."""
-        held = None if self.stop is None else self.stop.held
-        return [held] if held else []
+        """What was held back when the outputs ended without a stop sequence: a decoder's unfinished text,
+        then text that might have begun a stop sequence."""
+        tail = "" if self.text is None else self.text.finish()
+        items = self._cut(tail) if tail else []
+        held = None if self.stop is None or self.stop.ended else self.stop.held
+        return [*items, held] if held else items
 
     def each(self, outputs: Generator[Any, None, None]) -> Generator[Any, None, None]:
         """What the caller gets from a request's ``outputs`` (a server's ``outputs``), one item at a time;

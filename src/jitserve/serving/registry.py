@@ -177,8 +177,9 @@ def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: 
     ending right after one equal to the serving's ``eos``. ``timeout``: give up if no slot frees within
     that many seconds. ``stop``: a string or a list of them that ends a text generation's request where
     its text reaches one (left out; see :class:`StopText`). ``sampling``: ``temperature``, ``top_k``,
-    ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without)."""
-    return stacked(list(generate_stream(name, prompt, max_steps, timeout, stop, **sampling)))
+    ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without). A generation
+    with a ``detokenizer`` (a checkpoint's, from :func:`jitserve.from_pretrained`) answers one string."""
+    return _answer(name, list(generate_stream(name, prompt, max_steps, timeout, stop, **sampling)))
 
 
 def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
@@ -187,16 +188,22 @@ def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, ti
     request and frees its slot at the next step."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
-    delivery = Delivery(server.generation, stop)
-    request = server.submit(server.generation.prompt_of(prompt), max_steps, sampling=Sampling(**sampling))
+    tokens = server.generation.prompt_of(prompt)
+    delivery = Delivery(server.generation, stop, tokens)
+    request = server.submit(tokens, max_steps, sampling=Sampling(**sampling))
     yield from delivery.each(server.outputs(request, timeout))
 
 
 async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
                          stop: Any = None, **sampling: Any) -> np.ndarray:
     """:func:`generate` for asyncio callers."""
-    return stacked([output async for output in generate_stream_async(name, prompt, max_steps, timeout, stop,
-                                                                     **sampling)])
+    return _answer(name, [output async for output in generate_stream_async(name, prompt, max_steps, timeout, stop,
+                                                                           **sampling)])
+
+
+def _answer(name: str | tuple[str, str], items: list[Any]) -> Any:
+    """A whole generation's answer: one string for a detokenizing generation, else its outputs stacked."""
+    return "".join(items) if _generating(name).generation.detokenizer is not None else stacked(items)
 
 
 async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
@@ -205,8 +212,9 @@ async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_st
     """:func:`generate_stream` for asyncio callers (``async for``)."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
-    delivery = Delivery(server.generation, stop)
-    request = server.submit(server.generation.prompt_of(prompt), max_steps, asyncio.get_running_loop(),
+    tokens = server.generation.prompt_of(prompt)
+    delivery = Delivery(server.generation, stop, tokens)
+    request = server.submit(tokens, max_steps, asyncio.get_running_loop(),
                             Sampling(**sampling))
     items = delivery.each_async(server.outputs_async(request, timeout))
     try:

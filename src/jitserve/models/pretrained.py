@@ -1,0 +1,169 @@
+"""``from_pretrained``: a local Hugging Face checkpoint folder as what ``js.serve`` and ``jitserve serve``
+take. A causal LM becomes a text :class:`~jitserve.Generation` (its tokenizer in and out, eos from the
+checkpoint), a BERT classifier or encoder a text :class:`~jitserve.Serving` (labels and probabilities,
+or one vector per text). The checkpoint is checked (config fields, then every weight's name and shape)
+before anything compiles; everything the model needs comes from ``config.json``."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..batch import Batch
+from ..errors import CheckpointError, ModelError, OptionError
+from ..serving.generation import Generation
+from ..serving.serving import Serving
+from ..template import template
+from . import layers
+from .bert import POOLINGS, Bert
+from .checkpoint import Checkpoint, check_dtype
+from .gpt2 import GPT2
+from .llama import Llama
+from .tokenizer import Tokenizer
+
+DEFAULT_MAX_LENGTH = 2048  # a generation's default room per sequence, where the context is longer
+SHORTEST_BUCKET = 16  # the shortest compiled prompt or text length
+
+# architecture -> (its family, built from (checkpoint, task, max_length); the config field of its context length;
+# its tasks, the default first)
+ARCHITECTURES: dict[str, tuple[Callable[..., Any], str, tuple[str, ...]]] = {
+    "GPT2LMHeadModel": (GPT2, "n_positions", ("generation",)),
+    "LlamaForCausalLM": (Llama, "max_position_embeddings", ("generation",)),
+    "MistralForCausalLM": (Llama, "max_position_embeddings", ("generation",)),
+    "Qwen2ForCausalLM": (Llama, "max_position_embeddings", ("generation",)),
+    "BertForSequenceClassification": (Bert, "max_position_embeddings", ("classification", "embedding")),
+    "BertModel": (Bert, "max_position_embeddings", ("embedding",)),
+}
+
+
+def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dtype: str | None = None,
+                    max_length: int | None = None, compiler: str | None = None, devices: Any = None,
+                    **options: Any) -> Generation | Serving:
+    """The checkpoint folder ``path`` as a served model (see the module). ``task``: ``generation``,
+    ``classification`` or ``embedding`` (default: the architecture's own); ``dtype``: ``float32``,
+    ``bfloat16`` or ``float16`` (default: as stored); ``max_length``: a generation's tokens per sequence
+    (default: the context, at most 2,048), a text's tokens for the encoders (default: the context);
+    ``options``: the serving's (``slots``, ``batch_size``, ``prefill_lengths``, ...; for an embedding
+    also ``pooling="mean"`` or ``"cls"`` and ``normalize=False``). Raises :class:`CheckpointError` naming
+    the field or weight that does not fit."""
+    if devices not in (None, 1):
+        raise OptionError(f"devices={devices!r}: serving one model across several devices (tensor parallel) is "
+                          f"not implemented yet; leave devices out to serve on one")
+    checkpoint = Checkpoint(path)
+    architecture = checkpoint.architecture
+    if architecture not in ARCHITECTURES:
+        raise CheckpointError(f"checkpoint {checkpoint.folder!r}: config.json's 'architectures' is "
+                              f"{checkpoint.config.get('architectures')!r}; jitserve serves "
+                              f"{', '.join(ARCHITECTURES)}")
+    family, context_field, tasks = ARCHITECTURES[architecture]
+    task = tasks[0] if task is None else task
+    if task not in tasks:
+        raise OptionError(f"task {task!r} is not one {architecture} can do; it does {', '.join(tasks)}")
+    context = checkpoint.count(context_field)
+    if max_length is None:
+        max_length = min(context, DEFAULT_MAX_LENGTH) if task == "generation" else context
+    elif isinstance(max_length, bool) or not isinstance(max_length, int) or not 1 <= max_length <= context:
+        raise CheckpointError(f"checkpoint {checkpoint.folder!r}: max_length={max_length!r} must be a positive "
+                              f"integer at most the model's context, config.json's {context_field!r} ({context})")
+    dtype = check_dtype(dtype)
+    model = family(checkpoint, task, max_length)
+    params = checkpoint.weights(model.weights(), model.ignored(), dtype)
+    tokenizer = Tokenizer(checkpoint)
+    options = {**({"compiler": compiler} if compiler else {}), **options}
+    if task == "generation":
+        return _generation(checkpoint, model, params, tokenizer, max_length, options)
+    return _encoder(model, params, tokenizer, task, max_length, options)
+
+
+def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Tokenizer, max_length: int,
+                options: dict[str, Any]) -> Generation:
+    def prompt_ids(prompt: Any) -> np.ndarray:
+        if isinstance(prompt, np.ndarray) and prompt.dtype.kind == "O" and prompt.size == 1:
+            prompt = prompt.reshape(-1)[0]
+        if not isinstance(prompt, str | bytes):
+            raise ModelError(f"a prompt is one text (str, or UTF-8 bytes); got {type(prompt).__name__}")
+        return tokenizer.encode(prompt)
+
+    options.setdefault("slots", 8)
+    return Generation(functools.partial(layers.prefill, model, max_length), functools.partial(layers.decode, model),
+                      params=params, max_length=max_length, eos=_eos(checkpoint, tokenizer), logits=True,
+                      preprocess=prompt_ids, detokenizer=tokenizer.stream, **options)
+
+
+def _eos(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int] | None:
+    """The ids that end a sequence: generation_config.json's ``eos_token_id`` (one or a list), else
+    config.json's, else the tokenizer's end token."""
+    found = (checkpoint.json("generation_config.json") or {}).get("eos_token_id")
+    if found is None:
+        found = checkpoint.config.get("eos_token_id")
+    if found is None:
+        return None if tokenizer.eos is None else [tokenizer.eos]
+    ids = found if isinstance(found, list) else [found]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"checkpoint {checkpoint.folder!r}: eos_token_id is {found!r}; expected a token id "
+                              f"or a list of them")
+    return ids
+
+
+def _encoder(model: Bert, params: Any, tokenizer: Tokenizer, task: str, max_length: int,
+             options: dict[str, Any]) -> Serving:
+    pooling = options.pop("pooling", "mean") if task == "embedding" else "mean"
+    normalize = bool(options.pop("normalize", False)) if task == "embedding" else False
+    if pooling not in POOLINGS:
+        raise OptionError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    buckets = sorted({*(n for n in _powers_of_two(SHORTEST_BUCKET, max_length)), max_length})
+
+    def run(params: Any, length: int, batch: dict[str, Any]) -> dict[str, Any]:
+        ids, mask, types = (batch[name][:, :length] for name in ("input_ids", "attention_mask", "token_type_ids"))
+        hidden = model.encode(params, ids, mask, types)
+        if task == "classification":
+            return {"logits": model.classify(params, hidden)}
+        return {"embedding": Bert.pool(hidden, mask, pooling, normalize)}
+
+    pad = tokenizer.pad or 0
+
+    def preprocess(texts: Any) -> Batch:
+        texts = [texts] if isinstance(texts, str | bytes) else list(np.asarray(texts, dtype=object).reshape(-1))
+        if not texts:
+            raise ModelError("send at least one text")
+        encoded = tokenizer.encode_many(texts)
+        longest = max(len(ids) for ids, _ in encoded)
+        if longest > max_length:
+            at = next(i for i, (ids, _) in enumerate(encoded) if len(ids) == longest)
+            raise ModelError(f"text {at} is {longest} tokens long; this model reads at most {max_length}")
+        arrays = {name: np.full((len(texts), max_length), fill, np.int32)
+                  for name, fill in (("input_ids", pad), ("attention_mask", 0), ("token_type_ids", 0))}
+        for row, (ids, types) in enumerate(encoded):
+            arrays["input_ids"][row, :len(ids)] = ids
+            arrays["attention_mask"][row, :len(ids)] = 1
+            arrays["token_type_ids"][row, :len(ids)] = types
+        return Batch.concatenate([arrays]).key(next(n for n in buckets if n >= longest))
+
+    def postprocess(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if task == "embedding":
+            return outputs
+        logits = np.asarray(outputs["logits"], np.float64)
+        if model.multi_label:
+            probabilities = 1 / (1 + np.exp(-logits))
+        else:
+            shifted = np.exp(logits - logits.max(-1, keepdims=True))
+            probabilities = shifted / shifted.sum(-1, keepdims=True)
+        labels = np.array([model.labels[i].encode() for i in probabilities.argmax(-1)], dtype=object)
+        return {"label": labels, "probabilities": probabilities.astype(np.float32)}
+
+    row = template((max_length,), "int32")
+    options = {"batch_size": 8, "batch_timeout": 0.002, **options}
+    return Serving(run, params=params, batch_keys=buckets, preprocess=preprocess, postprocess=postprocess,
+                   input_template={"input_ids": row, "attention_mask": row, "token_type_ids": row}, **options)
+
+
+def _powers_of_two(start: int, limit: int) -> list[int]:
+    found, n = [], start
+    while n < limit:
+        found.append(n)
+        n *= 2
+    return found

@@ -1,0 +1,165 @@
+"""A checkpoint's own tokenizer, through the ``tokenizers`` package (Hugging Face's Rust tokenizer;
+``transformers`` is not needed): ``tokenizer.json`` encodes as ``transformers`` does (its post-processor
+adds the special tokens; ``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token`` where it says
+so), :class:`TextStream` decodes a generation's tokens incrementally (a multi-byte character or a
+merged piece is never split or repeated), and the chat template (``chat_template.jinja`` or
+``tokenizer_config.json``'s ``chat_template``) renders chat messages with ``jinja2`` as ``transformers``
+does."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, ModelError
+from .checkpoint import Checkpoint
+
+CONTEXT_TOKENS = 6  # the prompt's last tokens a stream decodes with its first ones, for their leading space
+
+
+class Tokenizer:
+    """The tokenizer of a checkpoint folder."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        path = os.path.join(checkpoint.folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint {checkpoint.folder!r} has no tokenizer.json (a fast tokenizer, "
+                                  f"as transformers saves it); jitserve reads text with it")
+        try:
+            self.rust = RustTokenizer.from_file(path)
+        except Exception as error:  # noqa: BLE001 - the Rust side raises its own class for anything unreadable
+            raise CheckpointError(f"checkpoint {checkpoint.folder!r}: tokenizer.json is not readable: "
+                                  f"{error}") from None
+        settings = checkpoint.json("tokenizer_config.json") or {}
+        self.bos = self._special(settings.get("bos_token"))
+        self.eos = self._special(settings.get("eos_token"))
+        self.pad = self._special(settings.get("pad_token"))
+        # the end tokens tokenizer_config.json asks to add where tokenizer.json's post-processor does not
+        self.add_bos = self.bos if settings.get("add_bos_token") is True else None
+        self.add_eos = self.eos if settings.get("add_eos_token") is True else None
+        template_file = os.path.join(checkpoint.folder, "chat_template.jinja")
+        if os.path.isfile(template_file):
+            with open(template_file, encoding="utf-8") as file:
+                self.chat_template: str | None = file.read()
+        else:
+            template = settings.get("chat_template")
+            self.chat_template = template if isinstance(template, str) else None
+        self.bos_text = self._text(settings.get("bos_token"))
+        self.eos_text = self._text(settings.get("eos_token"))
+
+    @staticmethod
+    def _text(token: Any) -> str | None:
+        """A special token as tokenizer_config.json gives it: a string, or an object with its ``content``."""
+        token = token.get("content") if isinstance(token, dict) else token
+        return token if isinstance(token, str) else None
+
+    def _special(self, token: Any) -> int | None:
+        text = self._text(token)
+        return None if text is None else self.rust.token_to_id(text)
+
+    @property
+    def vocabulary(self) -> int:
+        return int(self.rust.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: Any) -> np.ndarray:
+        """One text's token ids (int32), special tokens added as ``transformers`` adds them."""
+        return self.encode_many([text])[0][0]
+
+    def encode_many(self, texts: Sequence[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each text's token ids and token type ids (int32)."""
+        decoded = [_as_text(text, i) for i, text in enumerate(texts)]
+        encoded = []
+        for encoding in self.rust.encode_batch(decoded, add_special_tokens=True):
+            ids, types = list(encoding.ids), list(encoding.type_ids)
+            if self.add_bos is not None and (not ids or ids[0] != self.add_bos):
+                ids, types = [self.add_bos, *ids], [0, *types]
+            if self.add_eos is not None and (not ids or ids[-1] != self.add_eos):
+                ids, types = [*ids, self.add_eos], [*types, 0]
+            encoded.append((np.array(ids, np.int32), np.array(types, np.int32)))
+        return encoded
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens left out."""
+        return str(self.rust.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def stream(self, prompt: Sequence[int] | np.ndarray) -> TextStream:
+        """A new incremental decoder for the tokens generated after ``prompt``."""
+        return TextStream(self, [int(i) for i in prompt[-CONTEXT_TOKENS:]])
+
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True, **variables: Any) -> str:
+        """Chat ``messages`` (``[{"role": ..., "content": ...}, ...]``) as the prompt text the checkpoint's
+        chat template makes of them, rendered as ``transformers`` renders it (a sandboxed ``jinja2``)."""
+        if self.chat_template is None:
+            raise ModelError("this model's tokenizer has no chat template (chat_template.jinja or "
+                             "tokenizer_config.json's chat_template); send a plain prompt instead")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ModelError(f"the chat template refused the messages: {message}")
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=["jinja2.ext.loopcontrols"])
+        environment.globals["raise_exception"] = raise_exception
+        environment.filters["tojson"] = _tojson
+        try:
+            return environment.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_text or "",
+                eos_token=self.eos_text or "", **variables)
+        except jinja2.TemplateError as error:
+            raise ModelError(f"the chat template failed on these messages: {error}") from None
+
+
+class TextStream:
+    """Decodes a generation's tokens to text as they come (the offsets of TGI's and vLLM's detokenizer):
+    text goes out only once it no longer ends in an unfinished character (U+FFFD), so a character split
+    across byte tokens arrives whole, and pieces that merge on decoding are sent once. The prompt's last
+    tokens lead, so a first token's leading space is kept as it reads after the prompt."""
+
+    __slots__ = ("tokenizer", "ids", "prefix", "read")
+
+    def __init__(self, tokenizer: Tokenizer, context: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = context
+        self.prefix = 0  # ids[prefix:read] were decoded and sent; they lead the next decoding
+        self.read = len(context)
+
+    def feed(self, token: Any) -> str:
+        """The new text once ``token`` came ("" while a character is unfinished)."""
+        self.ids.append(int(token))
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read])
+        text = decode(self.ids[self.prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def finish(self) -> str:
+        """What is still held when the tokens end (an unfinished character, as decoding shows it)."""
+        decode = self.tokenizer.decode
+        return decode(self.ids[self.prefix:])[len(decode(self.ids[self.prefix:self.read])):]
+
+
+def _as_text(text: Any, index: int) -> str:
+    if isinstance(text, np.generic):
+        text = text.item()
+    if isinstance(text, bytes):
+        try:
+            return text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ModelError(f"text {index} is not UTF-8: {error}") from None
+    if not isinstance(text, str):
+        raise ModelError(f"text {index} is {type(text).__name__}; expected a string (str, or UTF-8 bytes)")
+    return text
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False, indent=indent)

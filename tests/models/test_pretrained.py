@@ -1,0 +1,92 @@
+"""``js.from_pretrained`` against ``transformers`` on checkpoints ``transformers`` saved: the same token ids,
+the same logits, and the same greedy text from ``js.generate`` as from ``model.generate(do_sample=False)``
+decoded by the same tokenizer, for prompts of 1 to 200 tokens, alone and 8 at once."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from checkpoints import CORPUS, VARIANTS
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import jitserve as js
+from jitserve.models import layers
+
+NEW_TOKENS = 24
+PROMPTS = ["a", "Once upon a time", CORPUS[4], " ".join(CORPUS[:4])]  # 1 to about 200 tokens
+
+
+def reference(folder, dtype=None):
+    model = AutoModelForCausalLM.from_pretrained(folder, **({"dtype": dtype} if dtype else {})).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def expected_text(model, tokenizer, prompt):
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, attention_mask=torch.ones_like(ids))
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_the_prompts_span_1_to_200_tokens(made):
+    tokenizer = AutoTokenizer.from_pretrained(made("gpt2-8-heads"))
+    lengths = [len(tokenizer(p)["input_ids"]) for p in PROMPTS]
+    assert lengths[0] == 1 and 150 <= lengths[-1] <= 200, lengths
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "llama-bfloat16"])
+def test_greedy_text_equals_transformers_alone_and_eight_at_once(made, variant):
+    folder = made(variant)
+    model, tokenizer = reference(folder)
+    expected = [expected_text(model, tokenizer, prompt) for prompt in PROMPTS]
+    generation = js.from_pretrained(folder, slots=4)
+    assert [generation.prompt_of(p).tolist() for p in PROMPTS] == [tokenizer(p)["input_ids"] for p in PROMPTS]
+    with js.serve(generation, name=variant):
+        alone = [js.generate(variant, prompt, max_steps=NEW_TOKENS) for prompt in PROMPTS]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda p: js.generate(variant, p, max_steps=NEW_TOKENS), PROMPTS * 2))
+    assert alone == expected
+    assert together == expected * 2
+    assert len(set(expected[-1])) > 3, "random weights that repeat one token would prove little"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_equal_transformers(made, variant):
+    folder = made(variant)
+    model, tokenizer = reference(folder, torch.float32)
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    generation = js.from_pretrained(folder, dtype="float32")
+    family = generation.prefill.args[0]
+    got = np.asarray(layers.forward(family, generation.params, jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_a_bfloat16_checkpoint_computes_in_bfloat16_close_to_transformers(made):
+    folder = made("llama-bfloat16")
+    model, tokenizer = reference(folder, torch.bfloat16)
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float().numpy()
+    generation = js.from_pretrained(folder)
+    assert {leaf.dtype.name for leaf in js.params.flatten(generation.params).values()} == {"bfloat16"}
+    family = generation.prefill.args[0]
+    got = np.asarray(layers.forward(family, generation.params, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(got - expected).max() <= 0.05 * np.abs(expected).max()
+
+
+def test_streamed_pieces_join_to_the_text_and_stop_strings_cut_it(made):
+    folder = made("llama-gqa-llama3-rope")
+    generation = js.from_pretrained(folder, slots=2)
+    with js.serve(generation, name="stream"):
+        whole = js.generate("stream", PROMPTS[1], max_steps=NEW_TOKENS)
+        pieces = list(js.generate_stream("stream", PROMPTS[1], max_steps=NEW_TOKENS))
+        stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+        cut = js.generate("stream", PROMPTS[1], max_steps=NEW_TOKENS, stop=stop)
+    assert "".join(pieces) == whole and all(isinstance(p, str) and p for p in pieces)
+    assert cut == whole[:whole.find(stop)]

@@ -1,0 +1,131 @@
+"""Checkpoints behind the real ``jitserve serve``: ``--hf DIR`` answers tritonclient over HTTP and the gRPC
+stream with the text ``js.generate`` gives in process (Triton's LLM convention: ``text_input``,
+``text_output``, ``max_tokens``), refuses a parameter it does not know by name, exits with one line on a
+checkpoint that does not fit, and a repository of two checkpoint folders loads, reloads (weights only
+when only weights changed) and unloads them under load with no failed request. Loopback only."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from safetensors.numpy import load_file, save_file
+
+import jitserve as js
+from netutil import start_server, stop
+
+PROMPT = "Once upon a time"
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def expected(made):
+    """What js.generate gives in process for PROMPT, per checkpoint."""
+    answers = {}
+    for variant in ("llama-tied", "gpt2-8-heads"):
+        with js.serve(js.from_pretrained(made(variant), slots=2), name=f"in-process-{variant}"):
+            answers[variant] = js.generate(f"in-process-{variant}", PROMPT, max_steps=STEPS)
+    return answers
+
+
+def text_input(module, prompt=PROMPT):
+    tensor = module.InferInput("text_input", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+    return tensor
+
+
+def test_serve_hf_answers_tritonclient_over_http_and_the_grpc_stream_as_in_process(made, expected):
+    running = start_server(f"--hf={made('llama-tied')}", "--name", "llm")
+    try:
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}")
+        metadata = http.get_model_metadata("llm")
+        assert [(t["name"], t["datatype"]) for t in metadata["inputs"]] == [("text_input", "BYTES")]
+        assert [(t["name"], t["datatype"]) for t in metadata["outputs"]] == [("text_output", "BYTES")]
+        answer = http.infer("llm", [text_input(httpclient)], parameters={"max_tokens": STEPS})
+        assert answer.as_numpy("text_output")[0].decode() == expected["llama-tied"]
+
+        pieces: queue.Queue = queue.Queue()
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+        grpc.start_stream(callback=lambda result, error: pieces.put(error or result))
+        grpc.async_stream_infer("llm", [text_input(grpcclient)], parameters={"max_tokens": STEPS})
+        streamed = []
+        while "".join(streamed) != expected["llama-tied"]:
+            item = pieces.get(timeout=60)
+            assert not isinstance(item, Exception), item
+            streamed.append(item.as_numpy("text_output")[0].decode())
+        grpc.stop_stream()
+
+        status, refusal = running.infer_json("llm", json.dumps({"inputs": [
+            {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]}],
+            "parameters": {"max_tokens": 4, "beam_width": 2}}).encode())
+        assert status == 400 and "does not take the parameter 'beam_width'" in refusal["error"]
+    finally:
+        output = stop(running)
+    assert "Traceback" not in output
+
+
+def test_serve_hf_on_a_checkpoint_that_does_not_fit_exits_with_one_line(made, tmp_path):
+    folder = tmp_path / "bad"
+    shutil.copytree(made("llama-tied"), folder)
+    (path,) = folder.glob("*.safetensors")
+    weights = dict(load_file(path))
+    weights.pop("model.norm.weight")
+    save_file(weights, path)
+    done = subprocess.run([sys.executable, "-m", "jitserve", "serve", "--hf", str(folder)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"jitserve serve: checkpoint {str(folder)!r}: weight 'model.norm.weight' is missing; config.json implies "
+        f"it, shaped (64,)"]
+
+
+def test_a_repository_of_two_checkpoints_loads_reloads_and_unloads_them_under_load(made, expected, tmp_path):
+    for variant in ("llama-tied", "gpt2-8-heads"):
+        shutil.copytree(made(variant), tmp_path / variant)
+    running = start_server(f"--model-repository={tmp_path}", "--model-control-mode", "explicit")
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}")
+    failures, answers, stopping = [], [], threading.Event()
+
+    def call(model):
+        own = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}")  # a client per thread (gevent's)
+        while not stopping.is_set():
+            try:
+                result = own.infer(model, [text_input(httpclient)], parameters={"max_tokens": STEPS})
+                answers.append((model, result.as_numpy("text_output")[0].decode()))
+            except Exception as error:
+                failures.append(repr(error))
+
+    try:
+        for variant in ("llama-tied", "gpt2-8-heads"):
+            client.load_model(variant)
+        callers = [threading.Thread(target=call, args=(v,)) for v in ("llama-tied", "gpt2-8-heads") * 2]
+        for caller in callers:
+            caller.start()
+        (path,) = (tmp_path / "gpt2-8-heads").glob("*.safetensors")
+        weights = dict(load_file(path))
+        save_file({**weights, "transformer.ln_f.bias": weights["transformer.ln_f.bias"] + 1}, path)
+        client.load_model("gpt2-8-heads")  # new weights, same shapes: swapped, nothing compiles
+        before = len(answers)
+        while len(answers) < before + 4:
+            threading.Event().wait(0.05)
+        stopping.set()
+        for caller in callers:
+            caller.join(120)
+        client.unload_model("llama-tied")
+        assert not client.is_model_ready("llama-tied") and client.is_model_ready("gpt2-8-heads")
+    finally:
+        stopping.set()
+        output = stop(running)
+    assert failures == []
+    assert {text for model, text in answers if model == "llama-tied"} == {expected["llama-tied"]}
+    assert expected["gpt2-8-heads"] in {text for model, text in answers if model == "gpt2-8-heads"}
+    assert re.search(r"model 'gpt2-8-heads' reloaded: new weights, nothing compiled", output), output
