@@ -257,19 +257,17 @@ def running_servings() -> list[str]:
 
 
 def fingerprint(serving: Serving | Generation) -> str:
-    """What a serving computes, as a digest that another process computes alike: its functions' bytecode and
-    constants (closures included), its other options, and its weights' bytes. (A pickle is no such digest:
-    cloudpickle orders a function's globals by hash, which differs between processes.)"""
+    """What a serving computes, as a digest that another process computes alike: the fields it declares
+    (``fingerprint_fields``: its functions by their bytecode and constants, closures included, and its
+    options) and its weights' bytes. (A pickle is no such digest: cloudpickle orders a function's globals by
+    hash, which differs between processes.)"""
     digest = hashlib.sha256()
-    _digest(digest, {key: value for key, value in vars(serving).items() if key not in _NOT_COMPUTED})
+    _digest(digest, serving.fingerprint_fields())
     for leaf in jax.tree_util.tree_leaves(serving.params if serving.has_params else None):
         array = np.ascontiguousarray(leaf)
         digest.update(f"{array.dtype}{array.shape}".encode())
         digest.update(array.reshape(-1).view(np.uint8).data)
     return digest.hexdigest()[:16]
-
-
-_NOT_COMPUTED = {"params", "options", "policy", "_inline", "_inline_lock"}  # weights apart; the rest derived
 
 
 def _digest(digest: Any, value: Any, depth: int = 0) -> None:

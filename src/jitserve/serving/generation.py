@@ -214,6 +214,14 @@ class Generation:
         changed.params = params
         return changed
 
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """What identifies what this generation computes (see ``Serving.fingerprint_fields``): its functions,
+        its checked options, and its weights' templates and file, not their values (``params``)."""
+        names = ("prefill", "decode", "preprocess", "postprocess", "detokenizer", "params_source", "params_template",
+                 "slots", "max_length", "prefill_lengths", "prefill_batches", "eos", "logits", "steps_per_launch",
+                 "max_queue", "compiler_name", "compiler_options")
+        return {name: getattr(self, name) for name in names}
+
     def shapes(self) -> tuple[Any, Template, Template]:
         """The templates of a prompt's state row, of what ``prefill`` gives for it (an output, or logits),
         and of one output a caller gets per step (a token id, for ``logits=True``), which ``eos`` must be

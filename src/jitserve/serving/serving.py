@@ -360,6 +360,16 @@ class Serving:
             parts.append(executor.execute(chunk.pad_to(self.policy.padded_size(chunk.size)), params))
         return finish(self, concatenate_outputs(parts), info)
 
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """What identifies what this serving computes, for a digest another process computes alike (a cluster
+        adopts only replicas whose digest matches): its functions, its checked options, and its weights'
+        templates and file. The weights' values are not among them: a digest reads them from ``params``."""
+        names = ("fn", "preprocess", "postprocess", "params_source", "has_params", "params_template", "batch_size",
+                 "batch_sizes", "batch_timeout", "oversize", "partitions", "max_queue", "input_template", "streaming",
+                 "compiler_name", "compiler_options", "isolation", "batch_keys", "priority_levels", "default_priority",
+                 "priority_aging", "priority_queues", "adaptive", "isolate_failures", "labels")
+        return {name: getattr(self, name) for name in names}
+
     def __getstate__(self) -> dict[str, Any]:
         """What travels to another process (a cluster replica or client): the configuration, not the
         executables compiled here."""
