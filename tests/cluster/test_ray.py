@@ -1,8 +1,7 @@
 """Scale-out on a real two-raylet Ray cluster on loopback: reach by name from other processes, coalescing,
 weighted routing, replica and raylet death, graceful stop, full queues, network fronts, clear errors.
 
-Ray reads its settings when imported, so this module sets them first: its own RAY_TMPDIR (nothing left
-in /tmp/ray for other processes to join), token authentication, and the driver kept on loopback.
+Ray's settings (its own RAY_TMPDIR, token authentication) are set by this folder's conftest.py.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -23,14 +21,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-_TMP = tempfile.mkdtemp(prefix="jitserve-ray-")
-_TOKEN = Path(_TMP, "token")
-_TOKEN.write_text(secrets.token_hex(32))
-os.environ.update(RAY_TMPDIR=_TMP, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(_TOKEN),
-                  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 ray = pytest.importorskip("ray")
 import ray_models  # noqa: E402
@@ -60,7 +52,7 @@ def ray_cluster():
     yield local
     ray.shutdown()
     local.shutdown()
-    shutil.rmtree(_TMP, ignore_errors=True)
+    shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
 
 
 def _rows(n, seed=0):
