@@ -110,11 +110,11 @@ class Replica(Ownership):
         outputs = await self.server.call_async(Batch.concatenate([rows]).key(batch_key))
         return outputs, self.server.queue_depth
 
-    async def run_stream(self, rows: Any, batch_key: Any = None) -> AsyncIterator[Any]:
-        """Run one coalesced batch of a streaming serving: its steps as the serving yields them (one Ray
-        streaming call; a caller that cancels it stops the batch at its next step)."""
+    async def run_stream(self, rows: Any, batch_key: Any = None) -> AsyncIterator[tuple[Any, int]]:
+        """Run one coalesced batch of a streaming serving: its steps as the serving yields them, each with the
+        queue depth (one Ray streaming call; a caller that cancels it stops the batch at its next step)."""
         async for outputs in self.server.open_stream_async(Batch.concatenate([rows]).key(batch_key)):
-            yield outputs
+            yield outputs, self.server.queue_depth
 
     async def stats(self) -> dict[str, Any]:
         return self.server.stats()

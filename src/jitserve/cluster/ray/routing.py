@@ -14,13 +14,15 @@ flight there plus the replica's queue depth, carried back in every reply).
 Membership is read from Ray's named actors, again when a replica dies or
 stops and at least every ``REFRESH_S`` seconds.
 
-Failure: a batch whose replica died (``ActorDiedError``,
+Failure: calls, streams and generations follow one retry policy
+(:class:`Tries`). A request whose replica died (``ActorDiedError``,
 ``ActorUnavailableError``), is stopping, or did not answer within
-``call_timeout`` is sent to another replica, at most ``MAX_TRIES`` times;
-``QueueFullError`` tries the other choice. For pure functions this is
-at-least-once execution on a hard crash (the dead replica may have run the
-batch) and exactly-once on a graceful stop (a stopping replica answers only
-requests none of whose rows started, and finishes the others).
+``call_timeout`` is sent to another replica, at most ``MAX_TRIES`` times,
+until its first output has reached the caller; ``QueueFullError`` tries the
+other choice. For pure functions this is at-least-once execution on a hard
+crash (the dead replica may have run the batch) and exactly-once on a
+graceful stop (a stopping replica answers only requests none of whose rows
+started, and finishes the others).
 
 A generation's request is one Ray streaming call to the replica with the
 fewest prompts per slot of two drawn (:class:`RemoteGeneration`).
@@ -29,12 +31,13 @@ fewest prompts per slot of two drawn (:class:`RemoteGeneration`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
 import threading
 import time
-from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,6 +68,16 @@ def _cause(error: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
+@contextlib.contextmanager
+def _cancelled_at_exit(replies: Any) -> Iterator[Any]:
+    """A Ray streaming call, cancelled when the block ends: a caller that stops reading frees what it held
+    on the replica."""
+    try:
+        yield replies
+    finally:
+        ray.cancel(replies)
+
+
 class _Member:
     """What a router knows of one replica."""
 
@@ -84,7 +97,8 @@ class _Member:
 
 
 class Router:
-    """This process's view of one serving's replicas: membership, load, and sending a batch with retries."""
+    """This process's view of one serving's replicas: membership, load, and sending them calls and streaming
+    calls, tried again as :class:`Tries` says."""
 
     def __init__(self, name: str, call_timeout: float) -> None:
         self.name = name
@@ -145,82 +159,120 @@ class Router:
         self._refreshed = 0.0  # look again before the next choice
 
     def send(self, rows: Any, size: int, batch_key: Any = None) -> Any:
-        """Run ``size`` rows (a pytree of arrays, under ``batch_key``) on a replica; re-sent on a lost or
-        stopping replica."""
-        tried: set[str] = set()
-        full: set[str] = set()
-        too_large: dict[str, RequestTooLargeError] = {}  # replicas whose queue can never hold the batch
-        lost: list[str] = []
-        while len(lost) < MAX_TRIES:
-            member = self.choose(tried)
-            if member is None:
-                break
-            tried.add(member.name)
-            self.add_outstanding(member, size)
-            try:
+        """Run ``size`` rows (a pytree of arrays, under ``batch_key``) on a replica, tried elsewhere as
+        :class:`Tries` says."""
+        tries = Tries(self, size)
+        while True:
+            with tries.attempt() as member:
                 outputs, member.depth = ray.get(member.actor.run.remote(rows, batch_key), timeout=self.call_timeout)
                 return outputs
-            except BaseException as error:  # noqa: BLE001 - sorted below: retry, next choice, or the caller's
-                cause = _cause(error)
-                if isinstance(cause, (QueueFullError, RequestTooLargeError)):  # another replica may take it
-                    full.add(member.name)
-                    if isinstance(cause, RequestTooLargeError):
-                        too_large[member.name] = cause
-                    continue
-                if not isinstance(error, LOST) and not isinstance(cause, ServerStoppedError):
-                    raise cause from None
-                lost.append(f"{member.name}: {type(cause).__name__}")
-                log.warning("replica %s lost a batch of %d rows (%s); sending it elsewhere",
-                            member.name, size, type(cause).__name__)
-                self.forget(member)
-            finally:
-                self.add_outstanding(member, -size)
-        if full and not lost:
-            if set(too_large) == full:  # no replica could ever take it: not retryable
-                raise next(iter(too_large.values()))
-            raise QueueFullError(f"every replica of {self.name!r} has a full queue ({', '.join(sorted(full))})")
-        if lost and self._members:
-            raise ServerStoppedError(f"a batch of {size} rows for {self.name!r} was not answered after "
-                                     f"{len(lost)} tries ({'; '.join(lost)})")
-        raise UnknownServerError(f"no replica of {self.name!r} is running in the ray cluster")
 
-    def stream(self, rows: Any, size: int, batch_key: Any = None) -> Iterator[Any]:
-        """:meth:`send` for a streaming serving: one replica's steps of the batch, as they come. A lost or
-        stopping replica's batch is re-sent elsewhere only before its first step arrived (later, the steps
-        already delivered would come twice); closing the iterator cancels the replica's run."""
-        tried: set[str] = set()
+    def stream(self, rows: Any, size: int, batch_key: Any = None) -> Generator[Any, None, None]:
+        """:meth:`send` for a streaming serving: one replica's steps of the batch, as they come."""
+        return self.streamed(size, lambda actor: actor.run_stream.options(num_returns="streaming").remote(
+            rows, batch_key), self.call_timeout)
+
+    def streamed(self, size: int, call: Callable[[Any], Any], timeout: float | None) -> Generator[Any, None, None]:
+        """The outputs of one Ray streaming call, ``call(actor)``, whose every reply is an output and the
+        replica's load, each within ``timeout``; tried elsewhere as :class:`Tries` says. Closing the
+        generator cancels the call."""
+        tries = Tries(self, size)
         while True:
-            member = self.choose(tried)
-            if member is None:
-                raise UnknownServerError(f"no replica of {self.name!r} is running in the ray cluster") if not \
-                    tried else ServerStoppedError(f"a streaming batch for {self.name!r} was not answered by "
-                                                  f"{', '.join(sorted(tried))}")
-            tried.add(member.name)
-            self.add_outstanding(member, size)
-            steps = member.actor.run_stream.options(num_returns="streaming").remote(rows, batch_key)
-            produced, finished = 0, False
-            try:
-                for ref in steps:
-                    yield ray.get(ref, timeout=self.call_timeout)
-                    produced += 1
-                finished = True
+            with tries.attempt() as member, _cancelled_at_exit(call(member.actor)) as replies:
+                for ref in replies:
+                    yield tries.output(member, ray.get(ref, timeout=timeout))
                 return
-            except Exception as error:  # noqa: BLE001 - a lost replica before any step: next one; else the caller's
-                cause = _cause(error)
-                retry = isinstance(error, LOST) or isinstance(cause, (ServerStoppedError, QueueFullError))
-                if produced or not retry or len(tried) >= MAX_TRIES:
-                    raise cause from None
-                log.warning("replica %s lost a streaming batch of %d rows (%s) before its first step; sending it "
-                            "elsewhere", member.name, size, type(cause).__name__)
-                self.forget(member)
-            finally:
-                self.add_outstanding(member, -size)
-                if not finished:
-                    ray.cancel(steps)
+
+    async def streamed_async(self, size: int, call: Callable[[Any], Any]) -> AsyncGenerator[Any, None]:
+        """:meth:`streamed` for an asyncio caller, each reply waited for as long as it takes."""
+        tries = Tries(self, size)
+        while True:
+            with tries.attempt() as member, _cancelled_at_exit(call(member.actor)) as replies:
+                async for ref in replies:
+                    yield tries.output(member, await ref)
+                return
 
     def members(self) -> dict[str, Any]:
         with self._lock:
             return {name: member.actor for name, member in self._members.items()}
+
+
+class Tries:
+    """One request's tries on a router's replicas: the one retry policy of calls, streams and generations.
+
+    A replica that is lost (it died, is unreachable, or did not answer in time) or stopping (it answers
+    ``ServerStoppedError`` to what has not started there) is forgotten and another one tried, at most
+    ``MAX_TRIES`` lost in all, but only until the request's first output has reached its caller: outputs
+    delivered cannot be taken back, so a replica lost after them ends the request with
+    ``ServerStoppedError``. A replica whose queue is full, or too small ever to hold the request, is passed
+    over for another choice without counting as lost. Any other error is the caller's, as the replica
+    raised it."""
+
+    __slots__ = ("router", "size", "tried", "lost", "full", "produced")
+
+    def __init__(self, router: Router, size: int) -> None:
+        self.router = router
+        self.size = size  # what the request adds to a replica's outstanding load: rows, or one prompt
+        self.tried: set[str] = set()
+        self.lost: list[str] = []
+        self.full: dict[str, BaseException] = {}
+        self.produced = 0  # outputs delivered to the caller
+
+    def choose(self) -> _Member:
+        """The replica to try next, loaded with the request (until the end of the :meth:`attempt`); else raises
+        what ends the request."""
+        member = self.router.choose(self.tried) if len(self.lost) < MAX_TRIES else None
+        if member is None:
+            raise self._exhausted()
+        self.tried.add(member.name)
+        self.router.add_outstanding(member, self.size)
+        return member
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[_Member]:
+        """One try on the replica :meth:`choose` gives: an error in the block goes to :meth:`failed` (the block
+        ends for the next try, or raises what ends the request); the replica's load is released at its end."""
+        member = self.choose()
+        try:
+            yield member
+        except Exception as error:  # noqa: BLE001 - sorted by failed: another replica, or the caller's
+            self.failed(member, error)
+        finally:
+            self.router.add_outstanding(member, -self.size)
+
+    def output(self, member: _Member, reply: tuple[Any, int]) -> Any:
+        """The output of one reply of ``member``, whose load it carries; counted as reaching the caller."""
+        output, member.depth = reply
+        self.produced += 1
+        return output
+
+    def failed(self, member: _Member, error: BaseException) -> None:
+        """Return if the request may try another replica after ``error``, else raise what ends it."""
+        cause = _cause(error)
+        if isinstance(cause, (QueueFullError, RequestTooLargeError)):
+            self.full[member.name] = cause
+            return
+        if not isinstance(error, LOST) and not isinstance(cause, ServerStoppedError):
+            raise cause from None
+        self.router.forget(member)
+        if self.produced:
+            raise ServerStoppedError(f"replica {member.name} of {self.router.name!r} was lost after "
+                                     f"{self.produced} outputs ({type(cause).__name__})") from None
+        self.lost.append(f"{member.name}: {type(cause).__name__}")
+        log.warning("replica %s was lost (%s) before it answered; trying another one", member.name,
+                    type(cause).__name__)
+
+    def _exhausted(self) -> BaseException:
+        name = self.router.name
+        if self.full and not self.lost:
+            too_large = [cause for cause in self.full.values() if isinstance(cause, RequestTooLargeError)]
+            if len(too_large) == len(self.full):  # no replica could ever take it: not retryable
+                return too_large[0]
+            return QueueFullError(f"every replica of {name!r} has a full queue ({', '.join(sorted(self.full))})")
+        if self.lost and self.router.members():
+            return ServerStoppedError(f"no replica of {name!r} answered after {len(self.lost)} tries "
+                                      f"({'; '.join(self.lost)})")
+        return UnknownServerError(f"no replica of {name!r} is running in the ray cluster")
 
 
 class _Dispatch:
@@ -266,8 +318,8 @@ class RemoteGeneration(GenerationFront):
     """The local front of a generation on Ray. Each request is one streaming call to a replica, chosen by
     power of two choices on prompts held per slot (this process's requests in flight there, plus what the
     replica reported with its last output); closing the outputs cancels the call, which frees the slot. A
-    replica lost before a request's first output is replaced by another (at most ``MAX_TRIES``); one lost
-    after it ends the request with ``ServerStoppedError`` (its outputs cannot be taken back)."""
+    request is tried on other replicas as :class:`Tries` says: a replica lost before its first output is
+    replaced by another, one lost after it ends the request with ``ServerStoppedError``."""
 
     def __init__(self, router: Router, generation: Generation) -> None:
         self.router = router
@@ -284,60 +336,16 @@ class RemoteGeneration(GenerationFront):
             raise ServerStoppedError(f"the front of generation {self.name!r} is stopped")
         return self.generation.check_request(self.name, prompt, max_steps, sampling), max_steps, sampling or GREEDY
 
-    def _call(self, request: tuple[np.ndarray, int, Sampling], timeout: float | None, tried: set[str]
-              ) -> tuple[_Member, Any]:
-        member = self.router.choose(tried)
-        if member is None:
-            raise UnknownServerError(f"no replica of {self.name!r} is running in the ray cluster")
-        tried.add(member.name)
-        self.router.add_outstanding(member, 1)
-        return member, member.actor.generate.options(num_returns="streaming").remote(*request, timeout)
-
-    def _lost(self, member: _Member, error: BaseException, produced: int, tried: set[str]) -> None:
-        """Raise what ends the request, or return to try another replica."""
-        cause = _cause(error)
-        if not isinstance(error, LOST) and not isinstance(cause, ServerStoppedError):
-            raise cause from None
-        self.router.forget(member)
-        if produced or len(tried) >= MAX_TRIES:
-            raise ServerStoppedError(f"replica {member.name} of {self.name!r} was lost after {produced} outputs "
-                                     f"({type(cause).__name__})") from None
-        log.warning("replica %s lost a request before its first output (%s); sending it elsewhere", member.name,
-                    type(cause).__name__)
+    @staticmethod
+    def _generate(request: tuple[np.ndarray, int, Sampling], timeout: float | None) -> Callable[[Any], Any]:
+        """The streaming call of ``request`` on a replica's actor: its outputs, each with the replica's load."""
+        return lambda actor: actor.generate.options(num_returns="streaming").remote(*request, timeout)
 
     def outputs(self, request: Any, timeout: float | None) -> Generator[Any, None, None]:
-        tried: set[str] = set()
-        produced = 0
-        while True:
-            member, outputs = self._call(request, timeout, tried)
-            try:
-                for ref in outputs:
-                    output, member.depth = ray.get(ref)
-                    produced += 1
-                    yield output
-                return
-            except Exception as error:  # noqa: BLE001 - sorted by _lost: another replica, or the caller's
-                self._lost(member, error, produced, tried)
-            finally:
-                self.router.add_outstanding(member, -1)
-                ray.cancel(outputs)
+        return self.router.streamed(1, self._generate(request, timeout), None)
 
-    async def outputs_async(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
-        tried: set[str] = set()
-        produced = 0
-        while True:
-            member, outputs = self._call(request, timeout, tried)
-            try:
-                async for ref in outputs:
-                    output, member.depth = await ref
-                    produced += 1
-                    yield output
-                return
-            except Exception as error:  # noqa: BLE001 - sorted by _lost: another replica, or the caller's
-                self._lost(member, error, produced, tried)
-            finally:
-                self.router.add_outstanding(member, -1)
-                ray.cancel(outputs)
+    def outputs_async(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
+        return self.router.streamed_async(1, self._generate(request, timeout))
 
     def stats(self) -> dict[str, Any]:
         """The replicas' stats, summed."""
