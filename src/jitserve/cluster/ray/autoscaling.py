@@ -1,5 +1,6 @@
-"""Autoscaling a serving on Ray: the policy (:class:`Autoscaling`) and the thread of the deploying process
-that reads the replicas' counters and scales by it (:class:`Autoscaler`)."""
+"""Autoscaling a serving on Ray: the policy (:class:`Autoscaling`), the decision it makes from a reading of the
+replicas' load (:func:`decide`, a pure function), and the thread of the deploying process that takes the
+readings and scales as decided (:class:`Autoscaler`)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,63 @@ class Autoscaling:
                 raise OptionError(f"{name} must be a finite number of seconds >= 0, got {getattr(self, name)!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """The replicas' load over one period of an autoscaler, from their counters at its two ends: when it
+    ended (``at``, seconds of ``time.monotonic``), the replicas, the rows waiting per replica (``depth``), the
+    mean wait of the rows run in it (``wait_s``), and the share of it each replica spent running batches, on
+    average (``busy``)."""
+
+    at: float
+    replicas: int
+    depth: float
+    wait_s: float
+    busy: float
+
+    @classmethod
+    def between(cls, then: float, before: dict[str, Any], now: float, after: dict[str, Any], replicas: int
+                ) -> Reading:
+        """The reading of the period from ``then`` to ``now``, given the replicas' stats summed at each end."""
+        rows = after["rows"] - before["rows"]
+        wait = (after["queue_wait_s"] - before["queue_wait_s"]) / rows if rows > 0 else 0.0
+        busy = max(after["execution_s"] - before["execution_s"], 0.0) / max(now - then, 1e-9) / replicas
+        return cls(now, replicas, after["queue_depth"] / replicas, wait, busy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What :func:`decide` concluded: the replicas wanted (the reading's own number: no change) and why, and
+    since when the load has been high or low (None: it is not), which the next decision goes on from."""
+
+    replicas: int
+    why: str = ""
+    high_since: float | None = None
+    low_since: float | None = None
+
+
+def decide(policy: Autoscaling, target: float, reading: Reading, last: Decision | None = None) -> Decision:
+    """The replicas ``policy`` wants after ``reading``, ``target`` being the rows waiting per replica it
+    aims at and ``last`` the decision after the reading before (None: none since the last change). High
+    load (at least ``target`` waiting, or waits over ``target_wait_s``) held for ``upscale_delay_s`` goes up,
+    to as many as bring the queue to the target; low load held for ``downscale_delay_s`` goes down, to as
+    few as stay under ``busy_after_down``; a change starts the next decision afresh. Pure: no clock, no
+    cluster."""
+    replicas, depth, wait, busy, now = reading.replicas, reading.depth, reading.wait_s, reading.busy, reading.at
+    high = depth >= target or (policy.target_wait_s is not None and wait > policy.target_wait_s)
+    low = depth <= target / 2 and busy * replicas / max(replicas - 1, 1) < policy.busy_after_down \
+        and (policy.target_wait_s is None or wait <= policy.target_wait_s / 2)
+    last = last or Decision(replicas)
+    high_since = (now if last.high_since is None else last.high_since) if high else None
+    low_since = (now if last.low_since is None else last.low_since) if low else None
+    if high_since is not None and now - high_since >= policy.upscale_delay_s and replicas < policy.max_replicas:
+        wanted = min(policy.max_replicas, max(replicas + 1, math.ceil(replicas * depth / target)))
+        return Decision(wanted, f"{depth:.1f} rows waiting per replica, {wait * 1000:.0f} ms waits")
+    if low_since is not None and now - low_since >= policy.downscale_delay_s and replicas > policy.min_replicas:
+        wanted = max(policy.min_replicas, math.ceil(busy * replicas / policy.busy_after_down))
+        return Decision(min(wanted, replicas - 1), f"idle: {depth:.1f} rows waiting, {busy:.0%} busy")
+    return Decision(replicas, "", high_since, low_since)
+
+
 class Scalable(Protocol):
     """What an autoscaler scales: a serving's replicas on Ray (``RayServing``)."""
 
@@ -67,8 +125,9 @@ class Scalable(Protocol):
 
 
 class Autoscaler:
-    """Scales a :class:`RayServing` by its :class:`Autoscaling` on a thread of the deploying process;
-    ``events`` records each decision: (seconds since start, replicas before, after, why)."""
+    """Scales a deployment (``RayServing``) by its :class:`Autoscaling` on a thread of the deploying process:
+    every ``period_s`` it reads the replicas' counters and scales as :func:`decide` says. ``events`` records
+    each change: (seconds since start, replicas before, after, why)."""
 
     def __init__(self, handle: Scalable, policy: Autoscaling, batch_size: int) -> None:
         self.handle = handle
@@ -85,10 +144,9 @@ class Autoscaler:
         self._thread.join()
 
     def _watch(self) -> None:
-        policy = self.policy
-        last = None
-        high_since = low_since = None
-        while not self._stopped.wait(policy.period_s):
+        last = None  # the time and summed stats the next reading starts from
+        decision = None
+        while not self._stopped.wait(self.policy.period_s):
             try:
                 now, totals = time.monotonic(), total(self.handle.stats()["replicas"].values())
             except Exception:  # noqa: BLE001 - a replica restarting: look again next period
@@ -97,26 +155,11 @@ class Autoscaler:
             if last is None or replicas == 0:
                 last = (now, totals)
                 continue
-            (then, before), last = last, (now, totals)
-            rows = totals["rows"] - before["rows"]
-            wait = (totals["queue_wait_s"] - before["queue_wait_s"]) / rows if rows > 0 else 0.0
-            busy = max(totals["execution_s"] - before["execution_s"], 0.0) / max(now - then, 1e-9) / replicas
-            depth = totals["queue_depth"] / replicas
-            high = depth >= self.target or (policy.target_wait_s is not None and wait > policy.target_wait_s)
-            low = depth <= self.target / 2 and busy * replicas / max(replicas - 1, 1) < policy.busy_after_down \
-                and (policy.target_wait_s is None or wait <= policy.target_wait_s / 2)
-            high_since = (high_since or now) if high else None
-            low_since = (low_since or now) if low else None
-            if high_since is not None and now - high_since >= policy.upscale_delay_s \
-                    and replicas < policy.max_replicas:
-                wanted = min(policy.max_replicas, max(replicas + 1, math.ceil(replicas * depth / self.target)))
-                self._scale(replicas, wanted, f"{depth:.1f} rows waiting per replica, {wait * 1000:.0f} ms waits")
-                high_since = last = None
-            elif low_since is not None and now - low_since >= policy.downscale_delay_s \
-                    and replicas > policy.min_replicas:
-                wanted = max(policy.min_replicas, math.ceil(busy * replicas / policy.busy_after_down))
-                self._scale(replicas, min(wanted, replicas - 1), f"idle: {depth:.1f} rows waiting, {busy:.0%} busy")
-                low_since = last = None
+            decision = decide(self.policy, self.target, Reading.between(*last, now, totals, replicas), decision)
+            last = (now, totals)
+            if decision.replicas != replicas:
+                self._scale(replicas, decision.replicas, decision.why)
+                last = None  # the next reading starts once the new replicas serve
 
     def _scale(self, replicas: int, wanted: int, why: str) -> None:
         """Decide (the event's time), then scale: returns once new replicas are warm."""
