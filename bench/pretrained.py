@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import jitserve as js
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
-import checkpoints  # noqa: E402 - the tests' checkpoint maker
+import checkpoints
 
 SIZES = {"small": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
          "medium": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8}}
