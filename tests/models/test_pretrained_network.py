@@ -129,3 +129,30 @@ def test_a_repository_of_two_checkpoints_loads_reloads_and_unloads_them_under_lo
     assert {text for model, text in answers if model == "llama-tied"} == {expected["llama-tied"]}
     assert expected["gpt2-8-heads"] in {text for model, text in answers if model == "gpt2-8-heads"}
     assert re.search(r"model 'gpt2-8-heads' reloaded: new weights, nothing compiled", output), output
+
+
+def test_serve_hf_classifier_lists_its_text_input_and_answers_labels(tmp_path):
+    from checkpoints import bert
+
+    folder = bert(tmp_path / "classifier", "classification")
+    expected = js.from_pretrained(folder).run(["a great film", "terrible"])
+    running = start_server(f"--hf={folder}", "--name", "bert")
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}")
+        metadata = client.get_model_metadata("bert")
+        assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["inputs"]] == [("text", "BYTES", [-1])]
+        assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["outputs"]] == [
+            ("label", "BYTES", [-1]), ("probabilities", "FP32", [-1, 3])]
+        text = httpclient.InferInput("text", [2], "BYTES")
+        text.set_data_from_numpy(np.array([b"a great film", b"terrible"], dtype=object))
+        top = httpclient.InferRequestedOutput("probabilities", class_count=1)
+        answer = client.infer("bert", [text], outputs=[httpclient.InferRequestedOutput("label"), top])
+        assert answer.as_numpy("label").tolist() == expected["label"].tolist()
+        assert [row[0].decode().rsplit(":", 1)[1] for row in answer.as_numpy("probabilities")] == \
+            [label.decode() for label in expected["label"]]
+        status, refusal = running.infer_json("bert", json.dumps({"inputs": [
+            {"name": "foo", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}).encode())
+        assert status == 400 and "unknown input 'foo' for model 'bert'; expected: text" in refusal["error"]
+    finally:
+        output = stop(running)
+    assert "Traceback" not in output

@@ -156,9 +156,14 @@ def _encoder(model: Bert, params: Any, tokenizer: Tokenizer, task: str, max_leng
         return {"label": labels, "probabilities": probabilities.astype(np.float32)}
 
     row = template((max_length,), "int32")
+    outputs = {"label": ("BYTES", ()), "probabilities": ("FP32", (len(model.labels),))} \
+        if task == "classification" else {"embedding": ("FP32", (model.width,))}
     options = {"batch_size": 8, "batch_timeout": 0.002, **options}
+    if task == "classification":  # Triton's classification extension names each class by its label
+        options.setdefault("labels", {"probabilities": model.labels})
     return Serving(run, params=params, batch_keys=buckets, preprocess=preprocess, postprocess=postprocess,
-                   input_template={"input_ids": row, "attention_mask": row, "token_type_ids": row}, **options)
+                   input_template={"input_ids": row, "attention_mask": row, "token_type_ids": row},
+                   wire={"inputs": {"text": ("BYTES", ())}, "outputs": outputs}, **options)
 
 
 def _powers_of_two(start: int, limit: int) -> list[int]:

@@ -26,7 +26,7 @@ from ..errors import OptionError, ProtocolError
 from ..serving.generation import Delivery, GenerationFront, Sampling, stacked
 from ..serving.server import Server
 from ..template import Template, is_template
-from .codec import BYTES, DATATYPES, datatype_of
+from .codec import BYTES, datatype_of, dtype_of
 
 
 def _tensor_names(tree: Any, prefix: str) -> list[str]:
@@ -82,9 +82,12 @@ class ModelSpec:
             leaves, self._input_tree = jax.tree_util.tree_flatten(serving.input_template)
             self.inputs = [TensorSpec(n, datatype_of(_computed_dtype(serving, t.dtype)), t.shape)
                            for n, t in zip(_tensor_names(serving.input_template, "input"), leaves)]
-        self._expected = {t.name: (t, DATATYPES[t.datatype]) for t in self.inputs}
+        declared = serving.wire  # what a preprocess and postprocess take and give, as the serving says
+        self.inputs = [TensorSpec(n, *spec) for n, spec in declared.get("inputs", {}).items()] or self.inputs
+        self._expected = {t.name: (t, dtype_of(t.name, t.datatype)) for t in self.inputs}
         self._one_array = self._input_tree is not None and self._input_tree.num_nodes == 1  # no pytree to build
-        self._outputs: list[TensorSpec] | None = None
+        self._outputs: list[TensorSpec] | None = [TensorSpec(n, *spec) for n, spec in
+                                                  declared.get("outputs", {}).items()] or None
         self._output_names: dict[Any, list[str]] = {}  # output structure -> its leaves' names
 
     @property
@@ -131,6 +134,8 @@ class ModelSpec:
             return self.to_batch(tensors)
         if not tensors:
             raise ProtocolError(f"the request has no inputs; model '{self.name}' expects at least one")
+        if self._expected and tensors.keys() != self._expected.keys():
+            self._refuse_names(tensors)
         return next(iter(tensors.values())) if len(tensors) == 1 else dict(tensors)
 
     def to_batch(self, tensors: Mapping[str, np.ndarray]) -> Batch:

@@ -60,6 +60,21 @@ def check_labels(labels: Any) -> dict[str, tuple[str, ...]]:
     return {name: tuple(names) for name, names in labels.items()}
 
 
+def check_wire(wire: Any) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+    """``wire`` ({"inputs": {name: (datatype, per-row shape)}, "outputs": {...}}) with tuples, else an
+    OptionError."""
+    if wire is None:
+        return {}
+    try:
+        if set(wire) - {"inputs", "outputs"}:
+            raise TypeError
+        return {side: {str(name): (str(datatype), tuple(int(n) for n in shape))
+                       for name, (datatype, shape) in tensors.items()} for side, tensors in wire.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise OptionError(f"wire must map 'inputs' and 'outputs' to {{name: (datatype, per-row shape)}}, e.g. "
+                          f"{{'inputs': {{'text': ('BYTES', ())}}}}; got {wire!r:.80}") from None
+
+
 def optional_count(name: str, value: Any) -> int | None:
     """None, or ``value`` checked by :func:`count_option`."""
     return None if value is None else count_option(name, value, or_none=True)
@@ -129,6 +144,7 @@ class ServingOptions:
     streaming: bool
     isolate_failures: bool
     labels: Mapping[str, Sequence[str]] | None
+    wire: Mapping[str, Any] | None
     compiler_options: Mapping[str, Any]
 
     def arguments(self) -> dict[str, Any]:

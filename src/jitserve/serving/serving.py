@@ -35,6 +35,7 @@ from .options import (
     ServingOptions,
     check_batch_sizes,
     check_labels,
+    check_wire,
     count_option,
     optional_count,
     queue_policy,
@@ -203,12 +204,13 @@ class Serving:
         streaming: bool = False,
         isolate_failures: bool = True,
         labels: Mapping[str, Sequence[str]] | None = None,
+        wire: Mapping[str, Any] | None = None,
         **compiler_options: Any,
     ) -> None:
         self.options = ServingOptions(
             fn, params, batch_size, batch_timeout, batch_sizes, oversize, partitions, max_queue, input_template,
             preprocess, postprocess, compiler, isolation, batch_keys, priority_levels, default_priority,
-            priority_aging, priority_queues, adaptive, streaming, isolate_failures, labels,
+            priority_aging, priority_queues, adaptive, streaming, isolate_failures, labels, wire,
             types.MappingProxyType(compiler_options))
         if not callable(fn):
             raise OptionError(f"a Serving needs a function to serve, got {type(fn).__name__} {fn!r:.80}")
@@ -258,6 +260,8 @@ class Serving:
         self.adaptive = bool(adaptive)
         self.isolate_failures = bool(isolate_failures)
         self.labels = check_labels(labels)  # by output name: what Triton's classification adds to each class
+        # the tensors clients send and get where preprocess and postprocess change them: what metadata lists
+        self.wire = check_wire(wire)
         self._inline: tuple[Executor, Any] | None = None
         self._inline_lock = threading.Lock()
 
@@ -367,7 +371,7 @@ class Serving:
         names = ("fn", "preprocess", "postprocess", "params_source", "has_params", "params_template", "batch_size",
                  "batch_sizes", "batch_timeout", "oversize", "partitions", "max_queue", "input_template", "streaming",
                  "compiler_name", "compiler_options", "isolation", "batch_keys", "priority_levels", "default_priority",
-                 "priority_aging", "priority_queues", "adaptive", "isolate_failures", "labels")
+                 "priority_aging", "priority_queues", "adaptive", "isolate_failures", "labels", "wire")
         return {name: getattr(self, name) for name in names}
 
     def __getstate__(self) -> dict[str, Any]:
