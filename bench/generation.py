@@ -1,7 +1,8 @@
 """Continuous batching (js.Generation) against request-level batching and one request at a time.
 
-The model is ``examples/gpt2.py`` (the small config unless ``JITSERVE_GPT2=full``): greedy decoding
-with its KV cache. 64 requests (``--requests``), each with a random prompt of 1..32 tokens and an
+The model is ``examples/gpt2.py``'s checkpoint (the small config unless ``JITSERVE_GPT2=full``), its
+``prefill`` and ``decode`` as ``js.from_pretrained`` gives them, over token ids (no tokenizer, no end
+token, so that each request runs its length): greedy decoding with its KV cache. 64 requests (``--requests``), each with a random prompt of 1..32 tokens and an
 output length drawn uniformly from 1..256 (fixed seed), arrive in a Poisson stream. Three servers, the
 same slots / batch size (``--slots``), all warm before the clock starts:
 
@@ -37,6 +38,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -50,13 +53,16 @@ from jitserve.packed import PackedLayout
 from jitserve.template import templates_of
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CONTEXT = 32  # the longest prompt, and the longest prefill length
 
 
-def gpt2():
+def gpt2() -> js.Generation:
+    """``examples/gpt2.py``'s generation (its folder importable, for its sibling ``make_checkpoint``)."""
+    sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location("example_gpt2", EXAMPLES / "gpt2.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return module.generation
 
 
 def workload(requests: int, rate: float, vocab: int, context: int, seed: int = 0):
@@ -67,9 +73,9 @@ def workload(requests: int, rate: float, vocab: int, context: int, seed: int = 0
              int(rng.integers(1, 257))) for at in arrivals]
 
 
-def greedy_programs(module, layout: PackedLayout | None = None, per_launch: int = 1):
-    """The example's prefill (over a batch of prompts) and decode, jitted, each picking the most likely token
-    (the example's functions give logits), decode's state donated; with a ``layout``, they take the weights
+def greedy_programs(model: js.Generation, layout: PackedLayout | None = None, per_launch: int = 1):
+    """The model's prefill (over a batch of prompts) and decode, jitted, each picking the most likely token
+    (the model's functions give logits), decode's state donated; with a ``layout``, they take the weights
     packed as it lays them out (as js.Generation's programs do), else as the example's tree of arrays; decode
     runs ``per_launch`` steps per call, unrolled (as js.Generation(..., steps_per_launch=...) does)."""
     def greedy(step, steps=1):
@@ -81,11 +87,11 @@ def greedy_programs(module, layout: PackedLayout | None = None, per_launch: int 
             return state, *arguments
         return picked
 
-    return (jax.jit(greedy(jax.vmap(module.prefill, in_axes=(None, 0, 0)))),
-            jax.jit(greedy(module.decode, per_launch), donate_argnums=1))
+    return (jax.jit(greedy(jax.vmap(model.prefill, in_axes=(None, 0, 0)))),
+            jax.jit(greedy(model.decode, per_launch), donate_argnums=1))
 
 
-def device_step_ms(module, params, slots: int, packed: bool, per_launch: int = 1,
+def device_step_ms(model: js.Generation, params, slots: int, packed: bool, per_launch: int = 1,
                    steps: int = 200) -> tuple[float, float, int]:
     """The floor of a decode step: ``steps`` greedy steps of ``slots`` prompts queued back to back with no
     host work between them, ``per_launch`` per call, ms per step, and the part of it the host spent inside
@@ -95,8 +101,8 @@ def device_step_ms(module, params, slots: int, packed: bool, per_launch: int = 1
     layout = PackedLayout(templates_of(params)) if packed else None
     if layout is not None:
         params = jax.device_put(layout.pack(params))
-    many_prefill, decode = greedy_programs(module, layout, per_launch)
-    tokens = np.ones((slots, module.CONTEXT), np.int32)
+    many_prefill, decode = greedy_programs(model, layout, per_launch)
+    tokens = np.ones((slots, CONTEXT), np.int32)
     state, last = many_prefill(params, tokens, np.full(slots, 4, np.int32))
     times, launches = [], []
     for _ in range(4):  # the first compiles
@@ -112,10 +118,10 @@ def device_step_ms(module, params, slots: int, packed: bool, per_launch: int = 1
     return float(np.median(times[1:])), float(np.median(launches[1:])), len(jax.tree_util.tree_leaves(params))
 
 
-def streaming_serving(module, params, slots: int, steps: list[int]) -> js.Serving:
+def streaming_serving(model: js.Generation, params, slots: int, steps: list[int]) -> js.Serving:
     """Request-level batching: a generator over one batch of prompts, decoding until its longest is done
     (its decode steps counted in ``steps[0]``); ``params`` on the device."""
-    many_prefill, decode = greedy_programs(module)
+    many_prefill, decode = greedy_programs(model)
 
     def generate(entry):
         state, tokens = many_prefill(params, jnp.asarray(entry["tokens"]), jnp.asarray(entry["length"]))
@@ -201,12 +207,13 @@ def main() -> None:
     parser.add_argument("--steps-per-launch", type=int, default=4,
                         help="an arm of js.Generation(..., steps_per_launch=N) beside the default one (1: none)")
     args = parser.parse_args()
-    module = gpt2()
+    model = gpt2()
+    vocab = model.params["transformer"]["wte"]["weight"].shape[0]
     streaming_steps = [0]
 
     def generation_arm(name: str, slots: int, stack: contextlib.ExitStack, steps_per_launch: int = 1):
-        generation = js.Generation(module.prefill, module.decode, params=module.load(), slots=slots,
-                                   max_length=module.MAX_LENGTH, prefill_lengths=[16, module.CONTEXT], logits=True,
+        generation = js.Generation(model.prefill, model.decode, params=model.params, slots=slots,
+                                   max_length=model.max_length, prefill_lengths=[16, CONTEXT], logits=True,
                                    steps_per_launch=steps_per_launch)
         server = stack.enter_context(js.serve(generation, name=name))
 
@@ -217,7 +224,7 @@ def main() -> None:
         return call, lambda: server.stats()["steps"]
 
     def call_streaming(prompt, steps, record):
-        tokens = np.zeros((1, module.CONTEXT), np.int32)
+        tokens = np.zeros((1, CONTEXT), np.int32)
         tokens[0, :prompt.size] = prompt
         entry = {"tokens": tokens, "length": np.array([prompt.size], np.int32), "steps": np.array([steps])}
         stream = js.batched_stream("bench-streaming", js.Batch.concatenate([entry]))
@@ -227,8 +234,8 @@ def main() -> None:
         stream.close()
 
     with contextlib.ExitStack() as stack:
-        resident = jax.device_put(module.load())
-        stack.enter_context(js.serve(streaming_serving(module, resident, args.slots, streaming_steps),
+        resident = jax.device_put(model.params)
+        stack.enter_context(js.serve(streaming_serving(model, resident, args.slots, streaming_steps),
                                      name="bench-streaming"))
         call_streaming(np.ones(4, np.int32), 2, lambda _: None)  # compiles its prefill and decode
         launches = args.steps_per_launch
@@ -237,19 +244,20 @@ def main() -> None:
                     "bench-launches", args.slots, stack, launches)} if launches > 1 else {}),
                 "streaming": (call_streaming, lambda: streaming_steps[0]),
                 "one at a time": generation_arm("bench-one", 1, stack)}
-        setting = (f"GPT-2 example ({module.SIZE} config), {args.requests} requests, outputs 1..256, {args.slots} "
+        size = os.environ.get("JITSERVE_GPT2", "small")
+        setting = (f"GPT-2 example ({size} config), {args.requests} requests, outputs 1..256, {args.slots} "
                    f"slots / batch size, XLA on {jax.devices()[0].device_kind}, median of {args.rounds} rounds")
-        requests = workload(args.requests, args.rate, module.CONFIG["vocab_size"], module.CONTEXT)
+        requests = workload(args.requests, args.rate, vocab, CONTEXT)
         flood = measure(arms, requests, args.rounds)
         report(f"{setting}; flood: Poisson {args.rate:g}/s", flood)
         outputs_per_request = np.mean([steps for _, _, steps in requests])
         capacity = np.median([r["outputs_per_s"] for r in flood["generation"]]) / outputs_per_request
         busy_rate = args.load * capacity
-        busy = measure(arms, workload(args.requests, busy_rate, module.CONFIG["vocab_size"], module.CONTEXT),
+        busy = measure(arms, workload(args.requests, busy_rate, vocab, CONTEXT),
                        args.rounds)
         report(f"{setting}; busy: Poisson {busy_rate:.1f}/s ({args.load:g} of generation's capacity, "
                f"{capacity:.1f} requests/s)", busy)
-        floors = [(slots, packed, per_launch, *device_step_ms(module, resident, slots, packed, per_launch))
+        floors = [(slots, packed, per_launch, *device_step_ms(model, resident, slots, packed, per_launch))
                   for slots, packed, per_launch in [(args.slots, False, 1), (args.slots, True, 1),
                                                     *([(args.slots, True, launches)] if launches > 1 else []),
                                                     (1, True, 1)]]

@@ -1,171 +1,180 @@
-"""The real architectures of examples/ against the reference implementations no one here wrote: Hugging
-Face ``transformers``' PyTorch ``GPT2LMHeadModel`` and ``BertForSequenceClassification``, built from a config
-and loaded with the same ``.safetensors`` weights (small configs; the README has a full-size run)."""
+"""The examples against the reference implementations no one here wrote: ``transformers`` loads the same
+checkpoint folders that ``examples/make_checkpoint.py`` made without it (``AutoModelForCausalLM``,
+``AutoModelForSequenceClassification``, ``AutoModel``, ``AutoTokenizer``), every weight by its name, and
+gives the same token ids, the same greedy text and the same probabilities and vectors as the examples'
+``js.from_pretrained`` servings, on XLA and on IREE (small configs)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
-import threading
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import jitserve as js
 from jitserve.params import flatten
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+NEW_TOKENS = 24
 
 
 def example(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """``examples/NAME.py`` loaded as ``jitserve serve`` loads it: its folder importable, for its sibling
+    ``make_checkpoint``."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLES))
     return module
 
 
 @pytest.fixture(autouse=True, scope="module")
 def full_float32():
-    """A GPU multiplies float32 matrices in TF32 unless told otherwise (GPT-2's logits then differ from
-    transformers' by up to 4e-3 at the small config); the comparisons need float32 there, as on a CPU,
-    where this changes nothing. Set process-wide: servers compile on threads of their own."""
+    """A GPU multiplies float32 matrices in TF32 unless told otherwise; the comparisons need float32 there,
+    as on a CPU, where this changes nothing. Set process-wide: servers compile on threads of their own."""
     before = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "highest")
     yield
     jax.config.update("jax_default_matmul_precision", before)
 
 
-def loaded(model, params):
-    """``model`` with ``params`` (the example's tree, as saved) loaded; every parameter must be set."""
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in flatten(params).items()},
-                                                strict=False)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # lm_head is tied to wte
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
-def gpt2():
-    module = example("gpt2")
-    c = module.CONFIG
-    config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["n_positions"], n_embd=c["n_embd"],
-                        n_layer=c["n_layer"], n_head=c["n_head"], activation_function="gelu_new",
-                        layer_norm_epsilon=module.LAYER_NORM_EPS, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-                        bos_token_id=None, eos_token_id=None)  # no end token: plain greedy, as js.Generation's
-    return module, loaded(GPT2LMHeadModel(config), module.load())
+def examples():
+    return {name: example(name) for name in ("gpt2", "llama", "bert")}
 
 
-@pytest.fixture(scope="module")
-def bert():
-    module = example("bert")
-    config = BertConfig(**module.CONFIG, num_labels=len(module.LABELS), hidden_act="gelu", hidden_dropout_prob=0,
-                        attention_probs_dropout_prob=0, layer_norm_eps=module.LAYER_NORM_EPS)
-    return module, loaded(BertForSequenceClassification(config), module.load())
+def folder_of(name) -> Path:
+    """The checkpoint folder example ``name`` serves (examples/weights/NAME-SIZE, made on first use)."""
+    return getattr(sys.modules["make_checkpoint"], name)()
+
+
+def prompts():
+    """Prompts of 1 token to over a hundred, from the text the tokenizers learnt and from outside it."""
+    text = sys.modules["make_checkpoint"].TEXT
+    return ["a", "Once upon a time", "héllo, wörld ✓", " ".join(text.splitlines()[:4])]
+
+
+def test_the_examples_load_with_neither_torch_nor_transformers(examples):
+    """What the examples need at run time is jitserve's core: each loads as ``jitserve serve FILE:NAME``
+    loads it, in a process where importing torch or transformers fails."""
+    code = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None\n"
+            "from jitserve.cli import load_target\n"
+            "for target in ('gpt2.py:generation', 'llama.py:generation', 'bert.py:serving', 'bert.py:embedding'):\n"
+            "    print(type(load_target('examples/' + target)).__name__)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Generation", "Generation", "Serving", "Serving"]
+
+
+@pytest.mark.parametrize("name, reference", [("gpt2", AutoModelForCausalLM), ("llama", AutoModelForCausalLM),
+                                             ("bert", AutoModelForSequenceClassification)])
+def test_transformers_loads_every_weight_and_tokenizes_alike(examples, name, reference):
+    folder = folder_of(name)
+    _, loading = reference.from_pretrained(folder, output_loading_info=True)
+    assert not any(loading.values()), loading  # no missing, unexpected or misshaped key
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    served = examples[name].serving if name == "bert" else examples[name].generation
+    for prompt in prompts():
+        ours = served.prompt_of(prompt) if name != "bert" else served.preprocess([prompt]).materialize()
+        expected = tokenizer(prompt)["input_ids"]
+        got = ours.tolist() if name != "bert" else ours["input_ids"][0, :len(expected)].tolist()
+        assert got == expected, prompt
+
+
+def greedy_texts(folder):
+    """transformers' greedy ``generate`` of each prompt, decoded by the same tokenizer."""
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    texts = []
+    for prompt in prompts():
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS)
+        texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert len(set(texts[-1])) > 3, "random weights that repeat one token would prove little"
+    return texts
+
+
+def generated(generation, name, together=True):
+    """Each prompt's text from ``generation``: one at a time, and every prompt twice at once."""
+    with js.serve(generation, name=name) as server:
+        alone = [js.generate(name, prompt, max_steps=NEW_TOKENS) for prompt in prompts()]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            both = list(pool.map(lambda p: js.generate(name, p, max_steps=NEW_TOKENS), prompts() * 2))
+        assert server.stats()["max_slots_busy"] > 1
+    return alone, both
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_generation_is_transformers_greedy_text_alone_and_together(examples, name):
+    expected = greedy_texts(folder_of(name))
+    alone, together = generated(examples[name].generation, f"example-{name}")
+    assert alone == expected
+    assert together == expected * 2
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_generation_on_iree_is_transformers_greedy_text(examples, name):
+    """The same checkpoint on IREE, with fewer slots and prefill lengths than the example's (fewer programs
+    to compile: 10 to 20 s each on this 2-core CPU)."""
+    folder = folder_of(name)
+    expected = greedy_texts(folder)
+    on_iree = js.from_pretrained(folder, compiler="iree", slots=4, prefill_lengths=[16, 128])
+    alone, together = generated(on_iree, f"example-{name}-iree")
+    assert alone == expected
+    assert together == expected * 2
 
 
 @pytest.mark.parametrize("compiler", ["xla", "iree"])
-def test_gpt2_served_agrees_with_transformers(gpt2, compiler):
-    module, reference = gpt2
-    rng = np.random.default_rng(7)
-    tokens = rng.integers(0, module.CONFIG["vocab_size"], (5, module.CONTEXT)).astype(np.int32)
-    lengths = np.array([1, 5, 17, 31, 32], np.int32)
+def test_the_classifier_answers_transformers_labels_and_probabilities(examples, compiler):
+    folder = folder_of("bert")
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = [*prompts(), "What a great film", "a terrible, slow and boring afternoon"]
     with torch.no_grad():
-        expected = np.stack([reference(torch.from_numpy(tokens[i:i + 1, :n]).long()).logits[0, -1].numpy()
-                             for i, n in enumerate(lengths)])
-    name = f"gpt2-{compiler}"
-    with js.serve(module.serving.replace(compiler=compiler), name=name):
-        served = js.batched_run(name, js.Batch.concatenate([{"tokens": tokens, "length": lengths}]))
-    np.testing.assert_allclose(served["logits"], expected, rtol=1e-4, atol=1e-4)
-    assert served["next_token"].tolist() == expected.argmax(-1).tolist()
+        logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+    expected = torch.softmax(logits, -1).numpy()
+    serving = examples["bert"].serving if compiler == "xla" else js.from_pretrained(folder, compiler="iree",
+                                                                                     batch_size=2)
+    with js.serve(serving, name=f"example-bert-{compiler}"):
+        served = js.batched_run(f"example-bert-{compiler}", texts)
+    np.testing.assert_allclose(served["probabilities"], expected, atol=1e-5)
+    assert served["label"].tolist() == [model.config.id2label[i].encode() for i in expected.argmax(-1)]
+    assert np.ptp(expected, axis=0).max() > 0.02, "random weights blind to the text would prove little"
 
 
-@pytest.mark.parametrize("compiler", ["xla", "iree"])
-def test_bert_served_from_text_agrees_with_transformers(bert, compiler):
-    module, reference = bert
-    texts = ["a great film", "terrible, just terrible", "ok", "é ünïcode 文字", "x" * 200]
-    tokens = module.tokenize(texts)
+def test_the_embedding_is_transformers_hidden_states_mean_pooled(examples):
+    folder = folder_of("bert")
+    model, tokenizer = AutoModel.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    texts = prompts()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
-        logits = reference(input_ids=torch.from_numpy(tokens["input_ids"]).long(),
-                           attention_mask=torch.from_numpy(tokens["attention_mask"]).long()).logits.numpy()
-    expected = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
-    name = f"bert-{compiler}"
-    with js.serve(module.serving.replace(compiler=compiler), name=name):
-        served = js.batched_run(name, texts)
-    np.testing.assert_allclose(served["probabilities"], expected, rtol=1e-4, atol=1e-5)
-    assert served["label"].tolist() == [module.LABELS[i].encode() for i in logits.argmax(-1)]
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    expected = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+    with js.serve(examples["bert"].embedding, name="example-embedding"):
+        served = js.batched_run("example-embedding", texts)
+    np.testing.assert_allclose(served["embedding"], expected, rtol=1e-4, atol=1e-5)
 
 
-def greedy_reference(gpt2, lengths, steps=24):
-    """Prompts of ``lengths`` drawn from a fixed seed, and transformers' greedy ``generate`` of each."""
-    module, reference = gpt2
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(1, module.CONFIG["vocab_size"], n).astype(np.int32) for n in lengths]
-    with torch.no_grad():
-        expected = [reference.generate(torch.from_numpy(p[None]).long(), max_new_tokens=steps,
-                                       do_sample=False)[0, len(p):].tolist() for p in prompts]
-    assert len({tuple(tokens) for tokens in expected}) == len(prompts) and len(set(expected[0])) > 3, \
-        "the weights generate varied tokens, so that agreement means something"
-    return prompts, expected
-
-
-def generated_together(name, prompts, steps=24):
-    """The tokens of each prompt from generation server ``name``, every prompt sent at once."""
-    results = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-        i, js.generate(name, prompts[i], max_steps=steps).tolist())) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return [results.get(i) for i in range(len(prompts))]
-
-
-def test_gpt2_generation_is_transformers_greedy_generate(gpt2):
-    """js.Generation over the example's KV-cache prefill and decode: the tokens of GPT2LMHeadModel.generate
-    (greedy), alone and with the prompts sharing the decode steps."""
-    module, _ = gpt2
-    prompts, expected = greedy_reference(gpt2, (1, 4, 9, 16, 17, 32))
-    with js.serve(module.generation, name="gpt2-generate") as server:
-        assert [js.generate("gpt2-generate", p, max_steps=24).tolist() for p in prompts] == expected
-        assert generated_together("gpt2-generate", prompts) == expected
-        assert server.stats()["max_slots_busy"] > 1
-
-
-def test_gpt2_generation_on_iree_is_transformers_greedy_generate(gpt2):
-    """The same on IREE, whose decode writes each slot's keys and values at its own position (a scatter
-    that jitserve puts in the form IREE compiles), the prompts sharing the decode steps."""
-    module, _ = gpt2
-    prompts, expected = greedy_reference(gpt2, (3, 16, 21))
-    on_iree = js.Generation(module.prefill, module.decode, params=module.generation.params, slots=4,
-                            max_length=module.MAX_LENGTH, prefill_lengths=[16, module.CONTEXT], logits=True,
-                            compiler="iree")
-    with js.serve(on_iree, name="gpt2-iree") as server:
-        assert generated_together("gpt2-iree", prompts) == expected
-        assert server.stats()["max_slots_busy"] > 1
-
-
-def test_gpt2_text_generation_is_transformers_greedy_generate_on_ascii(gpt2):
-    """Text in, text out: the example's byte-level tokenizer and the pieces it answers, against
-    GPT2LMHeadModel.generate with every token that is not an ASCII byte suppressed."""
-    module, reference = gpt2
-    texts = ["héllo, wörld", "jitserve"]
-    with torch.no_grad():
-        expected = [bytes(reference.generate(torch.from_numpy(module.encode(text)[None]).long(), max_new_tokens=12,
-                                             do_sample=False, suppress_tokens=list(range(128, 512)))[0, len(
-                                                 text.encode()):].tolist()) for text in texts]
-    assert len(set(expected[0])) > 3, "the weights generate varied text, so that agreement means something"
-    with js.serve(module.text_generation, name="gpt2-text"):
-        assert [b"".join(js.generate("gpt2-text", text, max_steps=12)) for text in texts] == expected
-        assert b"".join(js.generate_stream("gpt2-text", texts[0].encode(), max_steps=12)) == expected[0]
-
-
-def test_a_checkpoint_that_transformers_shards_loads_whole(gpt2, tmp_path):
+def test_a_checkpoint_that_transformers_shards_loads_whole(examples, tmp_path):
     """``save_pretrained`` with a small ``max_shard_size`` writes shards and their index, as the checkpoints
     of large models come: ``js.load_params`` of the folder is every array of the model's state dict."""
-    _, reference = gpt2
-    reference.save_pretrained(tmp_path, max_shard_size="200KB", safe_serialization=True)
+    reference = AutoModelForCausalLM.from_pretrained(folder_of("gpt2"))
+    reference.save_pretrained(tmp_path, max_shard_size="200KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
     loaded = flatten(js.load_params(tmp_path))
     state = {name: tensor.numpy() for name, tensor in reference.state_dict().items() if name != "lm_head.weight"}
