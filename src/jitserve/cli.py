@@ -141,13 +141,14 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     from .models import from_pretrained
     from .serving import Generation, Serving
 
-    if args.hf:
-        if args.name is not None and len(args.hf) > 1:
+    hf, task, dtype = (getattr(args, name, None) for name in ("hf", "task", "dtype"))  # serve's, not bench's
+    if hf:
+        if args.name is not None and len(hf) > 1:
             raise OptionError("--name names one model: leave it out with several --hf folders (each is named "
                               "after its folder)")
         found: Any = {args.name or Path(folder).resolve().name: from_pretrained(
-            folder, task=args.task, dtype=args.dtype, compiler=args.compiler) for folder in args.hf}
-    elif args.task is not None or args.dtype is not None:
+            folder, task=task, dtype=dtype, compiler=args.compiler) for folder in hf}
+    elif task is not None or dtype is not None:
         raise OptionError("--task and --dtype apply to a checkpoint: give them with --hf DIR")
     else:
         found = load_target(args.target)
@@ -156,7 +157,7 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
                           f"dict of them")
     servings = _by_version(found) if isinstance(found, dict) else {args.name or _default_name(args.target): found}
     target = args.target or "--hf"
-    changes = {k: v for k, v in _overrides(args).items() if not (args.hf and k == "compiler")}  # --hf: given above
+    changes = {k: v for k, v in _overrides(args).items() if not (hf and k == "compiler")}  # --hf: given above
     for name, serving in servings.items():
         if isinstance(serving, Generation):
             if changes:

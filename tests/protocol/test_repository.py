@@ -222,8 +222,8 @@ def test_a_bad_repository_is_one_line(tmp_path, capsys):
     assert re.fullmatch(r"jitserve serve: --model-repository '.*missing' is not a directory\n",
                         capsys.readouterr().err)
     assert main(["serve"]) == 2
-    assert capsys.readouterr().err == "jitserve serve: serve takes a TARGET or --model-repository DIR, not both " \
-                                      "nor neither\n"
+    assert capsys.readouterr().err == "jitserve serve: serve takes one of a TARGET, --hf DIR or --model-repository " \
+                                      "DIR\n"
 
 
 COUNTER = """
