@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import jitserve as js
-import jitserve.serving.generation as generation_server
 from jitserve import compilers
 from jitserve.compilers.xla import XlaCompiler
 from jitserve.packed import PACKED_ELEMENTS, PackedLayout
+from jitserve.serving.generation import programs
+from jitserve.serving.generation import server as generation_server
 from jitserve.template import templates_of
 
 VOCAB = 97
@@ -605,8 +606,8 @@ def test_only_steps_with_a_sampled_request_run_the_sampling_program(monkeypatch)
         traced.append(arguments[0].shape)
         return real(*arguments)
 
-    real = generation_server.sample_tokens
-    monkeypatch.setattr(generation_server, "sample_tokens", sample_tokens)
+    real = programs.sample_tokens
+    monkeypatch.setattr(programs, "sample_tokens", sample_tokens)
     prompt = np.array([3, 1, 4], np.int32)
     with js.serve(sampled("eager", slots=2), name="host-picks"):
         assert js.generate("host-picks", prompt, max_steps=6).tolist() == expected(prompt, 6)
