@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # from_pretrained (models/: checkpoints checked key by key, real tokenizers, GPT-2, Llama-family and BERT);
 # 9,980 when cluster/ray.py became a package of five rooms (their own imports, a protocol for what the
 # autoscaler scales, the autoscaling decision's reading and result as records) and Serving and Generation
-# declared their fingerprint fields; 10,000 when a Serving declared its tensors on the wire (wire=)
-LINE_BUDGET = 10_000
+# declared their fingerprint fields; 10,000 when a Serving declared its tensors on the wire (wire=); 10,130 when
+# the generation became a package of rooms with a scheduler on plain data (its plans, its imports per module)
+LINE_BUDGET = 10_130
 SOURCE = ROOT / "src" / "jitserve"
 
 

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import jitserve as js
-import jitserve.serving.generation as generation_server
 from jitserve import compilers
 from jitserve.compilers.xla import XlaCompiler
 from jitserve.packed import PACKED_ELEMENTS, PackedLayout
+from jitserve.serving.generation import delivery, programs
+from jitserve.serving.generation import server as generation_server
 from jitserve.template import templates_of
 
 VOCAB = 97
@@ -316,51 +317,60 @@ def slow_decode(params, state, last):
     return {"position": state["position"] + 1, "total": state["total"] + 1}, np.asarray(last) + 0
 
 
-def test_a_short_request_that_arrives_later_finishes_before_the_long_ones():
-    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=4, max_length=512, prefill_lengths=[8],
-                         compiler="eager")
-    finished: dict[str, float] = {}
-    with js.serve(slow, name="gen-slow") as server:
-        def call(label, steps):
-            js.generate("gen-slow", [1, 2], max_steps=steps)
-            finished[label] = time.monotonic()
+def paced(permits: threading.Semaphore, slots: int, **options) -> js.Generation:
+    """A generation run as written (eager) whose decode steps once per permit: a test decides how many steps
+    run before what it checks, whatever the machine's speed. Each output repeats the prompt's sum."""
+    def paced_decode(params, state, last):
+        assert permits.acquire(timeout=60), "no permit for a step"
+        return {"position": state["position"] + 1, "total": state["total"] + 1}, np.asarray(last) + 0
 
-        long_ones = [threading.Thread(target=call, args=(f"long{i}", 60)) for i in range(3)]
-        for thread in long_ones:
-            thread.start()
-        time.sleep(0.2)  # the long ones are decoding
-        short = threading.Thread(target=call, args=("short", 3))
-        short.start()
-        for thread in [*long_ones, short]:
-            thread.join(30)
+    return js.Generation(prefill, paced_decode, params=PARAMS, slots=slots, max_length=512, prefill_lengths=[8],
+                         compiler="eager", **options)
+
+
+def test_a_short_request_that_arrives_later_finishes_before_the_long_ones():
+    """Three long requests are decoding when a short one arrives: it takes a free slot at the next step and
+    ends while they go on. The steps it needs are allowed, far fewer than the long ones need."""
+    permits = threading.Semaphore(3)  # the long ones' first outputs, whether admitted together or not
+    with js.serve(paced(permits, slots=4), name="gen-slow") as server:
+        long_ones = [server.outputs(server.submit(np.array([1, 2], np.int32), 60), None) for _ in range(3)]
+        assert [int(next(stream)) for stream in long_ones] == [3] * 3, "the long ones are decoding"
+        short = server.outputs(server.submit(np.array([4], np.int32), 3), None)
+        permits.release(10)  # the step running now, the short one's 2 steps, and the one queued before delivery
+        assert [int(output) for output in short] == [4] * 3
+        assert server.stats()["slots_busy"] == 3, "the long ones go on"
+        permits.release(1000)
+        assert [len(list(stream)) for stream in long_ones] == [59] * 3
         assert server.stats()["compiles"] == 0
-    assert all(finished["short"] < finished[f"long{i}"] for i in range(3)), finished
 
 
 def test_a_closed_stream_frees_its_slot_at_the_next_step():
-    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=1, max_length=512, prefill_lengths=[8],
-                         compiler="eager")
-    with js.serve(slow, name="gen-cancel") as server:
+    """Two steps give the stream its first two outputs (a step is queued before the one before it is
+    delivered); closed then, its request runs at most the step queued meanwhile (the third, which waits for
+    a permit until the stream is closed), and the next prompt takes the slot."""
+    permits = threading.Semaphore(2)
+    with js.serve(paced(permits, slots=1), name="gen-cancel") as server:
         stream = js.generate_stream("gen-cancel", [1], max_steps=400)
-        next(stream)
-        next(stream)
+        assert [int(next(stream)) for _ in range(2)] == [1, 1]
         stream.close()
-        started = time.monotonic()
-        assert len(js.generate("gen-cancel", [5], max_steps=2)) == 2, "the one slot was free again"
-        assert time.monotonic() - started < 5
-        assert server.stats()["cancelled"] == 1
+        permits.release(1000)
+        assert js.generate("gen-cancel", [5], max_steps=2).tolist() == [5, 5], "the one slot was free again"
+    stats = server.stats()
+    assert stats["cancelled"] == 1 and stats["steps"] in (2 + 1, 3 + 1), "2 or 3 of the closed request, 1 next"
 
 
 def test_a_closed_stream_frees_its_slot_at_the_next_launch_of_several_steps():
-    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=1, max_length=512, prefill_lengths=[8],
-                         compiler="eager", steps_per_launch=4)
-    with js.serve(slow, name="gen-cancel-launch") as server:
+    """Launches of 4 steps: 6 outputs are delivered once 3 launches are queued; closed then, the request
+    runs at most the launch queued meanwhile, and the next prompt takes the slot."""
+    permits = threading.Semaphore(3 * 4)
+    with js.serve(paced(permits, slots=1, steps_per_launch=4), name="gen-cancel-launch") as server:
         stream = js.generate_stream("gen-cancel-launch", [1], max_steps=400)
         assert [int(next(stream)) for _ in range(6)] == [1] * 6
         stream.close()
+        permits.release(1000)
         assert js.generate("gen-cancel-launch", [5], max_steps=6).tolist() == [5] * 6
-        stats = server.stats()
-    assert stats["cancelled"] == 1 and stats["steps"] % 4 == 0 and stats["steps"] < 40
+    stats = server.stats()
+    assert stats["cancelled"] == 1 and stats["steps"] in (3 * 4 + 2 * 4, 4 * 4 + 2 * 4), "3 or 4 launches, 2 next"
 
 
 def test_update_params_swaps_the_weights_between_requests_under_load_without_a_compile():
@@ -467,18 +477,19 @@ def test_text_in_and_out_through_preprocess_and_postprocess():
 
 
 def test_a_closed_async_stream_frees_its_slot_at_the_next_step():
-    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=1, max_length=512, prefill_lengths=[8],
-                         compiler="eager")
+    permits = threading.Semaphore(2)  # as test_a_closed_stream_frees_its_slot_at_the_next_step
 
     async def main():
         stream = js.generate_stream_async("gen-cancel-async", [1], max_steps=400)
         assert [int(await anext(stream)) for _ in range(2)] == [1, 1]
         await stream.aclose()
-        return await asyncio.wait_for(js.generate_async("gen-cancel-async", [5], max_steps=2), 5)
+        permits.release(1000)
+        return await js.generate_async("gen-cancel-async", [5], max_steps=2)
 
-    with js.serve(slow, name="gen-cancel-async") as server:
+    with js.serve(paced(permits, slots=1), name="gen-cancel-async") as server:
         assert asyncio.run(main()).tolist() == [5, 5], "the one slot was free again"
-        assert server.stats()["cancelled"] == 1
+    stats = server.stats()
+    assert stats["cancelled"] == 1 and stats["steps"] in (2 + 1, 3 + 1)
 
 
 def test_async_forms():
@@ -493,27 +504,49 @@ def test_async_forms():
     assert first == streamed == expected([4, 4], 5)
 
 
-def test_the_asyncio_streams_of_one_loop_get_each_step_in_one_wake_up():
-    """A network front's event loop holds every caller's stream: a step's outputs reach all of them in one
-    ``call_soon_threadsafe``, not one per stream (each is a write to the loop's wake-up pipe)."""
-    async def main():
+def test_the_asyncio_streams_of_one_loop_get_each_step_in_one_wake_up(monkeypatch):
+    """A network front's event loop holds every caller's stream: each hand-over of a launch's outputs reaches
+    all the streams of one loop in one ``call_soon_threadsafe`` (each is a write to the loop's wake-up pipe),
+    not one per stream. Counted per hand-over, on the server's side: how the steps and the callers interleave
+    does not matter. Decode waits until the four requests are in, so that later steps carry all four."""
+    everyone_in = threading.Event()
+    hand_overs = []  # per hand-over: the streams it feeds, the items, the loop's wake-ups it made
+    wake_ups = [0]
+    put_all = delivery.put_all
+
+    def counted_put_all(deliveries):
+        before = wake_ups[0]
+        put_all(deliveries)
+        hand_overs.append((len({id(stream) for stream, _ in deliveries}), len(deliveries), wake_ups[0] - before))
+
+    def waiting_decode(params, state, last):
+        assert everyone_in.wait(60)
+        return decode(params, state, last)
+
+    async def main(server):
         loop = asyncio.get_running_loop()
-        handed = []
         call_soon_threadsafe = loop.call_soon_threadsafe
 
         def counted(callback, *args, **kwargs):
-            handed.append(len(args[0]) if args and isinstance(args[0], list) else None)
+            wake_ups[0] += 1
             return call_soon_threadsafe(callback, *args, **kwargs)
 
         loop.call_soon_threadsafe = counted
-        outputs = await asyncio.gather(*[js.generate_async("gen-wake", [i + 1], max_steps=20) for i in range(4)])
-        return outputs, [count for count in handed if count is not None]
+        calls = [asyncio.ensure_future(js.generate_async("gen-wake", [i + 1], max_steps=20)) for i in range(4)]
+        while server.stats()["requests"] < 4:
+            await asyncio.sleep(0.001)
+        everyone_in.set()
+        return await asyncio.gather(*calls)
 
-    with js.serve(generation(), name="gen-wake"):
-        outputs, handed = asyncio.run(main())
+    monkeypatch.setattr(delivery, "put_all", counted_put_all)
+    waiting = js.Generation(prefill, waiting_decode, params=PARAMS, slots=4, max_length=64, prefill_lengths=[8],
+                            compiler="eager")
+    with js.serve(waiting, name="gen-wake") as server:
+        outputs = asyncio.run(main(server))
     assert [o.tolist() for o in outputs] == [expected([i + 1], 20) for i in range(4)]
-    assert sum(handed) == 4 * 21  # 20 outputs and the end of each stream
-    assert len(handed) < 30, f"{len(handed)} wake-ups for 4 streams of 20 outputs"
+    assert sum(items for _, items, _ in hand_overs) == 4 * 21  # 20 outputs and the end of each stream
+    assert all(calls == (1 if items else 0) for _, items, calls in hand_overs), hand_overs
+    assert max(streams for streams, _, _ in hand_overs) == 4, "a step's hand-over carries all four streams"
 
 
 def test_bad_input_is_a_clear_error_and_the_server_keeps_generating():
@@ -605,8 +638,8 @@ def test_only_steps_with_a_sampled_request_run_the_sampling_program(monkeypatch)
         traced.append(arguments[0].shape)
         return real(*arguments)
 
-    real = generation_server.sample_tokens
-    monkeypatch.setattr(generation_server, "sample_tokens", sample_tokens)
+    real = programs.sample_tokens
+    monkeypatch.setattr(programs, "sample_tokens", sample_tokens)
     prompt = np.array([3, 1, 4], np.int32)
     with js.serve(sampled("eager", slots=2), name="host-picks"):
         assert js.generate("host-picks", prompt, max_steps=6).tolist() == expected(prompt, 6)

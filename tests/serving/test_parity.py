@@ -313,13 +313,16 @@ def test_a_request_of_a_serving_that_yields_steps_is_never_split_across_batches(
 
 
 def test_a_streaming_batch_stops_at_its_next_step_once_nobody_reads_it():
+    """Each step takes a permit, so the test decides how far the generator can run before the stream closes:
+    its first step, then the one it is in when the stream closes, and no more."""
     steps_run = []
     closed = threading.Event()
+    permits = threading.Semaphore(1)
 
     def generate(x):
         try:
             for step in range(40):
-                time.sleep(0.05)
+                assert permits.acquire(timeout=60), "no permit for a step"
                 steps_run.append(step)
                 yield x + step
         finally:
@@ -331,8 +334,9 @@ def test_a_streaming_batch_stops_at_its_next_step_once_nobody_reads_it():
         stream = js.batched_stream("left", rows(1.0))
         assert next(stream).tolist() == [[1.0]]
         stream.close()
-        assert closed.wait(10), "the generator was not closed once its only reader left"
-        assert len(steps_run) <= 3, f"{len(steps_run)} of 40 steps ran for nobody"
+        permits.release(100)
+        assert closed.wait(60), "the generator was not closed once its only reader left"
+        assert steps_run == [0, 1], f"{len(steps_run)} of 40 steps ran"
         assert [step.tolist() for step in js.batched_run("left", rows(5.0))][:2] == [[[5.0]], [[6.0]]]
         assert server.stats()["cancelled"] == 1
 
@@ -341,10 +345,11 @@ def test_asyncio_streams_and_a_caller_that_stops_early_frees_its_queued_rows():
     import asyncio
 
     ran = []
+    permits = threading.Semaphore(3)  # the two rows of the first stream, the first of the second
 
     def fn(x):
+        assert permits.acquire(timeout=60), "no permit for a batch"
         ran.extend(np.asarray(x)[:, 0].tolist())
-        time.sleep(0.05)
         return x + 1
 
     serving = js.Serving(fn, batch_size=1, batch_timeout=0, compiler="eager", input_template=js.template((1,), "float32"))
@@ -358,8 +363,10 @@ def test_asyncio_streams_and_a_caller_that_stops_early_frees_its_queued_rows():
             return first
 
         assert asyncio.run(main()).tolist() == [[11.0]]
-        time.sleep(0.3)
-        assert len([v for v in ran if v >= 10]) <= 3, "rows of a stream nobody reads any more do not run"
+        permits.release(100)
+        js.batched_run("async-stream", rows(100.0))  # runs after the batches started before it, on one partition
+        assert [v for v in ran if 10 <= v < 100] in ([10.0], [10.0, 11.0]), \
+            "rows of a stream nobody reads any more do not run, but the one started when it closed"
         assert server.stats()["cancelled"] == 1
 
 

@@ -1,0 +1,34 @@
+"""Generation: continuous batching of decode loops, the decode state of every slot resident on the device.
+
+The user writes two functions in ``jax.numpy`` (JetStream's engine contract,
+made small): ``prefill(params, tokens, length) -> (state_row, first_output)``
+for one prompt padded with zeros to a compiled length, and ``decode(params,
+state, last_outputs) -> (state, outputs)`` for one step of every slot at once
+(the state rows stacked on a first slot axis). A :class:`GenerationServer`
+owns ``slots`` rows of that state on its device. Between two decode launches
+it admits waiting requests into free slots (their prompts prefilled together,
+padded to the same compiled length, and written into their slots by a
+compiled update that leaves the other rows in place), and it frees a slot the
+moment its request ends: after ``max_steps`` outputs, right after an output
+equal to ``eos`` (or to one of a list of them), at ``max_length``, or when
+its caller stops reading.
+
+The package is in rooms, each importing only from those above it in this list:
+
+- ``spec``: :class:`Generation`, :class:`Sampling`, the checks of a request;
+- ``scheduler``: slots and requests as plain data, a plan per launch;
+- ``programs``: the compiled prefills, slot updates and decode launches, and
+  how they pick tokens;
+- ``delivery``: outputs handed over to the callers' streams, and what each
+  caller makes of them (:class:`Delivery`, :class:`StopText`, :func:`stacked`);
+- ``server``: :class:`GenerationServer`'s loop (plan -> programs -> deliver)
+  and lifecycle, and :class:`GenerationFront`, what callers of a generation
+  server see.
+"""
+
+from .delivery import Delivery, StopText, stacked
+from .server import GenerationFront, GenerationServer
+from .spec import GREEDY, Generation, Sampling
+
+__all__ = ["GREEDY", "Delivery", "Generation", "GenerationFront", "GenerationServer", "Sampling", "StopText",
+           "stacked"]

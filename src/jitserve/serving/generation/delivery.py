@@ -1,0 +1,217 @@
+"""Outputs on their way to a generation's callers, from the loop's hand-over to what each caller reads.
+
+On the loop's side, :func:`hand_over` gives each request its next outputs of a
+launch, in step order, then the end once it needs no more (or reached ``eos``),
+in one hand-over for all the streams of one asyncio event loop. On the caller's
+side, :func:`read` and :func:`read_async` read a request's stream, and
+:class:`Delivery` makes what the caller gets of each output (``postprocess``,
+or the text of a request's own incremental ``detokenizer``, cut at a stop
+sequence: :class:`StopText`); :func:`stacked` puts a whole request's outputs
+on one axis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue as thread_queue
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import OptionError
+from ..request import END, Stream, put_all
+from .scheduler import SlotRequest
+from .spec import Generation, Sampling
+
+
+class GenerationRequest(SlotRequest):
+    """One prompt in flight: its outputs go to ``stream`` as they come, then END (or an exception);
+    ``admitted`` is set once it has a slot; ``submitted``: when it was queued."""
+
+    __slots__ = ("stream", "admitted", "submitted")
+
+    def __init__(self, prompt: np.ndarray, max_steps: int, sampling: Sampling, max_length: int,
+                 loop: asyncio.AbstractEventLoop | None) -> None:
+        super().__init__(prompt, max_steps, sampling, max_length)
+        self.stream = Stream(loop)
+        self.admitted = threading.Event()
+        self.submitted = time.perf_counter()
+
+
+def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], outputs: np.ndarray,
+              eos: np.ndarray | None) -> tuple[int, list[GenerationRequest]]:
+    """Each of ``requests`` gets its next outputs from row ``rows[i]`` of ``outputs`` (steps, rows, ...), in
+    step order, all in one :func:`~jitserve.serving.request.put_all`; a request that is done (its outputs
+    needed, or one of ``eos``) gets END and ends, and what was computed for it after is dropped, as for one
+    that ended or was cancelled before. Returns the outputs handed over and the requests that ended."""
+    steps, count = outputs.shape[:2]
+    # which outputs are an eos, at once: comparing row by row costs more than the rest of the delivery
+    at_eos = None if eos is None else (outputs[:, :, None] == eos).reshape(
+        steps, count, len(eos), -1).all(axis=3).any(axis=2)
+    finished = []
+    deliveries: list[tuple[Stream, Any]] = []
+    for request, row in zip(requests, rows):
+        for step in range(steps):
+            if request.ended or request.cancelled:
+                break
+            request.produced += 1
+            deliveries.append((request.stream, outputs[step, row]))
+            if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]):
+                deliveries.append((request.stream, END))
+                request.ended = True
+                finished.append(request)
+    put_all(deliveries)
+    return len(deliveries) - len(finished), finished
+
+
+def read(request: GenerationRequest, timeout: float | None, expire: Callable[[], None],
+         cancel: Callable[[], None]) -> Generator[Any, None, None]:
+    """The request's outputs as they come, for a thread: ``expire()`` once ``timeout`` passes before it has
+    a slot (it raises TimeoutError if the request still waits), ``cancel()`` once the caller stops reading."""
+    items = request.stream.items
+    try:
+        while True:
+            try:
+                item = items.get(timeout=None if request.admitted.is_set() else timeout)
+            except thread_queue.Empty:
+                expire()
+                continue
+            if item is END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancel()
+
+
+async def read_async(request: GenerationRequest, timeout: float | None, expire: Callable[[], None],
+                     cancel: Callable[[], None]) -> AsyncGenerator[Any, None]:
+    """:func:`read` for a request submitted with its event loop."""
+    items = request.stream.items
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(items.get(), None if request.admitted.is_set() else timeout)
+            except TimeoutError:
+                expire()
+                continue
+            if item is END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancel()
+
+
+class StopText:
+    """A request's stop sequences (OpenAI's and vLLM's ``stop``), applied by the caller to the text pieces a
+    ``postprocess`` gives: the text goes out up to the first stop sequence, which ends the request and is
+    left out; text that may be the start of one is held back until it is not."""
+
+    def __init__(self, stop: Any) -> None:
+        stops = [stop] if isinstance(stop, str | bytes) else list(stop) if isinstance(stop, list | tuple) else []
+        if not stops or not all(isinstance(one, str | bytes) and one for one in stops):
+            raise OptionError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        self.stops: list[Any] = stops
+        self.held: Any = None  # text not sent yet, as it may begin a stop sequence
+        self.ended = False
+
+    def feed(self, piece: Any) -> Any:
+        """The text that can go out once ``piece`` came (``ended`` once a stop sequence is reached)."""
+        if not isinstance(piece, str | bytes):
+            raise OptionError(f"stop needs a generation whose postprocess gives text (str or bytes); it gave "
+                              f"{type(piece).__name__}")
+        if self.held is None:  # the stop sequences in the type of the pieces, once
+            self.stops = [one.encode() if isinstance(piece, bytes) and isinstance(one, str) else
+                          one.decode() if isinstance(piece, str) and isinstance(one, bytes) else one
+                          for one in self.stops]
+            self.held = piece[:0]
+        text = self.held + piece
+        found = [at for at in (text.find(one) for one in self.stops) if at >= 0]
+        if found:
+            self.ended = True
+            return text[:min(found)]
+        keep = max((k for one in self.stops for k in range(1, len(one)) if text.endswith(one[:k])), default=0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+
+class Delivery:
+    """What one caller of a generation gets, in the caller: each output through ``postprocess``, and with
+    ``stop`` (text pieces only) the text cut at the first stop sequence (:class:`StopText`)."""
+
+    def __init__(self, generation: Generation, stop: Any = None, prompt: Any = None) -> None:
+        if stop is not None and generation.postprocess is None and generation.detokenizer is None:
+            raise OptionError("stop needs a generation whose postprocess gives text; this one gives its outputs "
+                              "as they are")
+        self.generation = generation
+        self.stop = None if stop is None else StopText(stop)
+        # a detokenizer's decoder for this request, which reads the prompt's token ids for context
+        self.text = None if generation.detokenizer is None else generation.detokenizer(np.asarray(prompt))
+
+    def of(self, output: Any) -> list[Any]:
+        """What the caller gets for ``output``: its piece; with stop sequences, the text that can go out."""
+        if self.text is None:
+            return self._cut(self.generation.output_of(output))
+        text = self.text.feed(output)
+        return self._cut(text) if text else []
+
+    def _cut(self, piece: Any) -> list[Any]:
+        if self.stop is None:
+            return [piece]
+        text = self.stop.feed(piece)
+        return [text] if text else []
+
+    @property
+    def done(self) -> bool:
+        """A stop sequence was reached: the caller stops reading, which frees the slot at the next step."""
+        return self.stop is not None and self.stop.ended
+
+    def rest(self) -> list[Any]:
+        """What was held back when the outputs ended without a stop sequence: a decoder's unfinished text,
+        then text that might have begun a stop sequence."""
+        tail = "" if self.text is None else self.text.finish()
+        items = self._cut(tail) if tail else []
+        held = None if self.stop is None or self.stop.ended else self.stop.held
+        return [*items, held] if held else items
+
+    def each(self, outputs: Generator[Any, None, None]) -> Generator[Any, None, None]:
+        """What the caller gets from a request's ``outputs`` (a server's ``outputs``), one item at a time;
+        closed early, or at a stop sequence, it closes them: the request is cancelled now."""
+        try:
+            for output in outputs:
+                yield from self.of(output)
+                if self.done:
+                    return
+            yield from self.rest()
+        finally:
+            outputs.close()
+
+    async def each_async(self, outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+        """:meth:`each` for a server's ``outputs_async``."""
+        try:
+            async for output in outputs:
+                for item in self.of(output):
+                    yield item
+                if self.done:
+                    return
+            for item in self.rest():
+                yield item
+        finally:
+            await outputs.aclose()
+
+
+def stacked(outputs: Sequence[Any]) -> np.ndarray:
+    """A request's outputs on a first axis: arrays stacked; text (bytes or str, from a ``postprocess``) as an
+    object array, every piece as it was (a fixed-size bytes array would drop trailing zero bytes); no
+    outputs (text cut at a stop sequence before any), an empty object array."""
+    if not outputs or isinstance(outputs[0], bytes | str):
+        array = np.empty(len(outputs), object)
+        array[:] = outputs
+        return array
+    return np.stack(outputs)

@@ -1,0 +1,333 @@
+"""A running generation server: one loop thread that plans, launches and delivers, and its lifecycle.
+
+Each turn, the loop asks its :class:`~.scheduler.Scheduler` for a plan (under
+the server's lock), queues the plan's prefills and decode launch on its
+:class:`~.programs.Programs`, then delivers what the turn before queued: the
+device does not wait for the host between steps (JetStream's pipeline). A
+request never waits for another to finish (Orca's iteration-level scheduling);
+when no slot is busy, no step runs. With ``steps_per_launch`` above 1 (vLLM's
+multi-step scheduling) one program runs that many decode steps back to back,
+unrolled, so the host's work of queueing a step (on a GPU, launching it) is
+paid once per so many steps; requests are then admitted and freed between
+launches, and outputs reach their callers a launch at a time. Around the loop:
+warm-up (``start``), ``stop``, weights swapped between requests
+(``update_params``), statistics and listeners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Generator
+from typing import Any, NamedTuple, Self
+
+from ... import compilers
+from ...errors import OptionError, QueueFullError, ServerStoppedError, raised_by_model
+from ...template import Template, check_params
+from ..options import optional_seconds
+from ..server import Lifecycle
+from ..serving import owned_host_array
+from .delivery import GenerationRequest, hand_over, read, read_async
+from .programs import Programs, to_host
+from .scheduler import Plan, Scheduler
+from .spec import GREEDY, Generation, Sampling, stop_outputs
+
+log = logging.getLogger("jitserve.generation")
+
+
+class GenerationFront(Lifecycle):
+    """What ``js.generate`` and the network front call: a :class:`GenerationServer` in this process, or a
+    cluster's front of generation replicas (``jitserve.cluster.ray``). ``submit`` checks and queues a
+    request; ``outputs`` / ``outputs_async`` give its outputs as they come (closing them cancels it)."""
+
+    generation: Generation
+    name: str
+    output_template: Template  # what each step gives one request
+
+    def submit(self, prompt: Any, max_steps: int, loop: asyncio.AbstractEventLoop | None = None,
+               sampling: Sampling | None = None) -> Any:
+        raise NotImplementedError
+
+    def outputs(self, request: Any, timeout: float | None) -> Generator[Any, None, None]:
+        raise NotImplementedError
+
+    def outputs_async(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def update_params(self, params: Any) -> None:
+        """Generate with new weights (see :meth:`GenerationServer.update_params`)."""
+        raise OptionError(f"generation server {self.name!r} runs its steps elsewhere; update the weights where "
+                          f"it runs")
+
+    @property
+    def params_source(self) -> str | None:
+        return self.generation.params_source
+
+
+class _Dispatched(NamedTuple):
+    """Outputs queued on the device, for ``requests[i]`` in row ``rows[i]``: ``step``: a launch of decode
+    steps, its outputs (steps, slots, ...), queued at ``started``; else the first outputs of admitted
+    prompts, one row each."""
+
+    requests: list[GenerationRequest]
+    rows: list[int]
+    outputs: Any
+    started: float
+    step: bool
+
+
+class GenerationServer(GenerationFront):
+    """A named, running generation server: one loop thread that admits, prefills and steps its slots."""
+
+    def __init__(self, generation: Generation, name: str) -> None:
+        self.generation = generation
+        self.name = name
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        g = generation
+        self._scheduler: Scheduler[GenerationRequest] = Scheduler(g.slots, g.prefill_lengths, g.prefill_batches,
+                                                                  g.steps_per_launch, g.max_queue)
+        self._stopping = False
+        self._stats: dict[str, Any] = {"requests": 0, "outputs": 0, "steps": 0, "prefills": 0, "compiles": 0,
+                                       "errors": 0, "cancelled": 0, "timeouts": 0, "rejected": 0,
+                                       "first_output_s": 0.0, "step_s": 0.0, "max_slots_busy": 0}
+        options = compilers.get(generation.compiler_name).partitions(generation.compiler_options)[0]
+        self._programs = Programs(generation, options, self._count_compile)
+        self._params = self._programs.place(generation.params)
+        self._new_params: Any = None  # weights given to update_params, live once no slot runs with the old ones
+        self._update_lock = threading.Lock()
+        self._carry: Any = None
+        self._ready = 0.0  # when the outputs delivered last were on the host
+        self._thread = threading.Thread(target=self._loop, name=f"jitserve-{name}-generation", daemon=True)
+        self._on_stop: list[Callable[[Any], None]] = []
+        self._listeners: list[Callable[[str, float], None]] = []
+        self.output_template = self._programs.output_template
+        self._eos = None if generation.eos is None else stop_outputs(generation.eos, self.output_template)
+
+    def add_listener(self, listener: Callable[[str, float], None]) -> None:
+        """Call ``listener(kind, seconds)`` for each ``"first_output"`` (a request's time from submission to
+        its first output) and each ``"step"`` (one decode step of every busy slot), on the loop thread."""
+        self._listeners.append(listener)
+
+    def _tell(self, kind: str, seconds: float) -> None:
+        for listener in self._listeners:
+            try:
+                listener(kind, seconds)
+            except Exception:
+                log.exception("generation server %s: listener %r failed", self.name, listener)
+
+    def update_params(self, params: Any) -> None:
+        """Generate with new weights, compiling nothing: ``params`` must have the structure, shapes and
+        dtypes of the generation's (else a TemplateMismatchError naming the leaf, and the old weights keep
+        generating). A request's state is computed by one set of weights, so every request is generated
+        entirely by the old or entirely by the new ones: prompts stay queued while the requests already in
+        slots finish with the old weights, then the new ones go live and those prompts are admitted. Returns
+        once they are live. Concurrent updates apply one at a time."""
+        placed = self._programs.place(check_params(params, self.generation.params_template))
+        with self._update_lock, self._lock:
+            if self._stopping:
+                raise ServerStoppedError(f"generation server {self.name!r} is stopped; its weights stay as they were")
+            self._new_params = placed
+            self._wake.notify_all()
+            while self._new_params is placed:
+                self._wake.wait()
+            if self._params is not placed:
+                raise ServerStoppedError(f"generation server {self.name!r} stopped before its new weights went live")
+
+    def _count_compile(self) -> None:
+        with self._lock:
+            self._stats["compiles"] += 1
+
+    # lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> Self:
+        """Compile every prefill bucket, every slot update and the step, and run each once where a first run
+        costs extra (a GPU); then start the loop."""
+        programs = self._programs
+        programs.compile_all()
+        if programs.compiler.first_run_costs(programs.options):
+            programs.run_each_once(self._params)
+        self._carry = programs.zeros()
+        self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; ``drain``: finish what runs and what waits (for at most ``timeout`` s),
+        else end them now with ServerStoppedError."""
+        optional_seconds("timeout", timeout)
+        with self._lock:
+            first = not self._stopping
+            self._stopping = True
+            if not drain:
+                self._end_all("stopped before this request finished")
+            self._wake.notify_all()
+        self._thread.join(timeout)
+        with self._lock:
+            self._end_all(f"stopped (its drain timeout of {timeout}s ran out) before this request finished")
+            self._wake.notify_all()
+        self._thread.join()
+        with self._lock:
+            self._new_params = None  # an update still waiting never goes live
+            self._wake.notify_all()
+        if first:
+            for callback in self._on_stop:
+                callback(self)
+
+    def _end_all(self, reason: str) -> None:
+        """Under the lock: every waiting and running request ends with ServerStoppedError."""
+        self._end([*self._scheduler.take_waiting(), *self._scheduler.take_running()],
+                  ServerStoppedError(f"generation server {self.name!r} {reason}"))
+
+    @staticmethod
+    def _end(requests: list[GenerationRequest], error: BaseException) -> None:
+        """Each of ``requests`` not ended yet ends with ``error``; outputs computed for it later are dropped."""
+        for request in requests:
+            if not request.ended:
+                request.ended = True
+                request.stream.put(error)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            stats = dict(self._stats)
+            stats["slots"] = self.generation.slots
+            stats["slots_busy"] = len(self._scheduler.running)
+            stats["queue_depth"] = len(self._scheduler.waiting)
+        return stats
+
+    # callers ---------------------------------------------------------------------------------------
+
+    def submit(self, prompt: Any, max_steps: int, loop: asyncio.AbstractEventLoop | None = None,
+               sampling: Sampling | None = None) -> GenerationRequest:
+        """Queue a prompt for at most ``max_steps`` outputs, its tokens picked as ``sampling`` says (a
+        ``logits=True`` generation; None: greedy); its outputs arrive on the request's stream."""
+        g = self.generation
+        request = GenerationRequest(g.check_request(self.name, prompt, max_steps, sampling), int(max_steps),
+                                    sampling or GREEDY, g.max_length, loop)
+        with self._lock:
+            if self._stopping:
+                raise ServerStoppedError(f"generation server {self.name!r} is stopped and takes no new requests")
+            if self._scheduler.full:
+                self._stats["rejected"] += 1
+                raise QueueFullError(f"generation server {self.name!r} queue is full: "
+                                     f"{len(self._scheduler.waiting)} prompts wait for a slot, max_queue is "
+                                     f"{g.max_queue}")
+            self._stats["requests"] += 1
+            self._scheduler.submit(request)
+            self._wake.notify()
+        return request
+
+    def cancel(self, request: GenerationRequest) -> None:
+        """The caller stopped reading: a waiting request leaves the queue, a running one frees its slot
+        before the next step."""
+        with self._lock:
+            if self._scheduler.cancel(request):
+                self._stats["cancelled"] += 1
+
+    def _expire(self, request: GenerationRequest, timeout: float | None) -> None:
+        """A request not admitted within ``timeout``: taken off the queue with TimeoutError."""
+        with self._lock:
+            if not self._scheduler.expire(request):
+                return
+            self._stats["timeouts"] += 1
+        raise TimeoutError(f"request to generation server {self.name!r} timed out after {timeout}s waiting "
+                           f"for a free slot")
+
+    def outputs(self, request: GenerationRequest, timeout: float | None) -> Generator[Any, None, None]:
+        """The request's outputs as they come; closing the iterator cancels the request."""
+        return read(request, timeout, lambda: self._expire(request, timeout), lambda: self.cancel(request))
+
+    def outputs_async(self, request: GenerationRequest, timeout: float | None) -> AsyncGenerator[Any, None]:
+        """:meth:`outputs` for a request submitted with its event loop."""
+        return read_async(request, timeout, lambda: self._expire(request, timeout), lambda: self.cancel(request))
+
+    # the loop --------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """Plan, launch, deliver, in a pipeline: what a turn launches is delivered by the next one, after it
+        has launched its own work, so that the device never waits for the host (JetStream's design). A
+        request that ends at ``eos`` is seen a launch late, and what was computed for it meanwhile is
+        dropped."""
+        scheduler = self._scheduler
+        in_flight: list[_Dispatched] = []  # queued on the device, not delivered yet
+        while True:
+            with self._lock:
+                while not (scheduler.running or scheduler.waiting or in_flight or self._stopping
+                           or self._new_params is not None):
+                    self._wake.wait()
+                if self._stopping and not (scheduler.running or scheduler.waiting or in_flight):
+                    return
+                self._stats["cancelled"] += scheduler.release_cancelled()
+                if self._new_params is not None and not scheduler.running:  # no slot runs with the old weights
+                    self._params, self._new_params = self._new_params, None
+                    self._wake.notify_all()
+                # while new weights wait, nothing is admitted: the slots run empty of the old weights' requests
+                plan = scheduler.plan(admit=self._new_params is None)
+                for prefill in plan.prefills:
+                    for request in prefill.requests:
+                        request.admitted.set()
+                self._stats["prefills"] += len(plan.prefills)
+                self._stats["max_slots_busy"] = max(self._stats["max_slots_busy"], plan.busy)
+            dispatched: list[_Dispatched] = []
+            try:
+                self._launch(plan, dispatched)
+                for item in in_flight:
+                    self._deliver(item)
+                in_flight = dispatched
+            except Exception as error:  # every running request gets it; the loop goes on
+                raised_by_model(error)  # prefill or decode, or their compiled code: a 500 over the network
+                log.exception("generation server %s: a step failed", self.name)
+                with self._lock:
+                    self._stats["errors"] += 1
+                    self._end([*scheduler.take_running(), *plan.requests,
+                               *(r for item in [*in_flight, *dispatched] for r in item.requests)], error)
+                    self._carry = self._programs.zeros()
+                in_flight = []
+
+    def _launch(self, plan: Plan[GenerationRequest], dispatched: list[_Dispatched]) -> None:
+        """Queue the plan on the device: each prefill and the write of its rows into their slots, then the
+        decode launch; each adds its outputs, on their way to the host, to ``dispatched``."""
+        programs = self._programs
+        for prefill in plan.prefills:
+            padded = prefill.padded
+            started = time.perf_counter()
+            self._carry, first = programs.admit(self._params, self._carry, prefill.length,
+                                                [r.prompt for r in padded], [r.slot for r in padded],
+                                                [r.sampling for r in padded])
+            dispatched.append(_Dispatched(prefill.requests, list(range(len(prefill.requests))), to_host(first),
+                                          started, False))
+        step = plan.step
+        if step is not None:
+            started = time.perf_counter()
+            self._carry, outputs = programs.step(self._params, self._carry, step.samplings, step.positions)
+            dispatched.append(_Dispatched(step.requests, step.slots, to_host(outputs), started, True))
+
+    def _deliver(self, item: _Dispatched) -> None:
+        """Once ``item`` is computed, its outputs to their requests (:func:`~.delivery.hand_over`); a request
+        that ended frees its slot; then the statistics and the listeners."""
+        outputs = owned_host_array(item.outputs)
+        if not item.step:
+            outputs = outputs[None]  # prefills give one output per prompt: as one step
+        now = time.perf_counter()
+        delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos)
+        elapsed = now - max(item.started, self._ready)  # from when the device could start it
+        self._ready = now
+        steps = outputs.shape[0]
+        with self._lock:
+            self._stats["outputs"] += delivered
+            if item.step:
+                self._stats["steps"] += steps
+                self._stats["step_s"] += elapsed
+            else:
+                self._stats["first_output_s"] += sum(now - r.submitted for r in item.requests)
+            self._scheduler.release(finished)
+        if item.step:
+            for _ in range(steps):
+                self._tell("step", elapsed / steps)
+        else:
+            for request in item.requests:
+                self._tell("first_output", now - request.submitted)

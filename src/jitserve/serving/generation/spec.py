@@ -1,0 +1,208 @@
+"""What a generation is and what a request to it may ask, checked before anything runs.
+
+:class:`Generation` holds the user's ``prefill`` and ``decode``, the weights, the
+slots and the compiled prompt lengths; :class:`Sampling` is how one request of
+a ``logits=True`` generation picks its tokens. The checks of a request, of a
+prompt and of ``eos`` live here, so that a server, the network front and a
+cluster replica all refuse the same things with the same words.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ...defn import resolve_options
+from ...errors import BatchError, OptionError, PromptTooLongError
+from ...params import load_params
+from ...template import Template, is_template, params_template, templates_of
+from ..options import count_option, finite_number, optional_count
+from ..request import model_code
+
+
+def _powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
+    sizes = [size for size in (1 << k for k in range(limit.bit_length() + 1)) if start <= size < limit]
+    return [*sizes, limit]
+
+
+def _whole(name: str, value: Any, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value < limit:
+        raise OptionError(f"{name} must be an integer in [0, {limit}), got {value!r}")
+    return int(value)
+
+
+class Sampling:
+    """How one request of a ``logits=True`` generation picks its tokens: greedy (``temperature`` 0, the
+    default), or drawn at ``temperature`` from the ``top_k`` most likely tokens (0: all of them) that make up
+    ``top_p`` of the probability (HF's order: top-k, then top-p), from a generator seeded with ``seed`` (None:
+    a fresh one; a seed gives the same tokens whatever else runs)."""
+
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
+        if not finite_number(temperature) or temperature < 0:
+            raise OptionError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        if not finite_number(top_p) or not 0 < top_p <= 1:
+            raise OptionError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        self.temperature = float(temperature)
+        self.top_k = _whole("top_k (0: no limit)", top_k, 2**31)
+        self.top_p = float(top_p)
+        self.seed = secrets.randbits(32) if seed is None else _whole("seed", seed, 2**32)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling(seed=0)
+
+
+class Generation:
+    """A generation serving: ``prefill`` and ``decode`` (see :mod:`jitserve.serving.generation`), its weights
+    (``params``: a tree of arrays, or a file that :func:`jitserve.load_params` reads, remembered for
+    ``reload_params``), and its slots. With ``logits=True`` both return logits (a vector per sequence)
+    instead of outputs: the server picks each token on the device, greedy or sampled per request
+    (:class:`Sampling`), and gives it to the caller and to the next ``decode``. ``steps_per_launch``: the
+    decode steps each launch runs (see :mod:`~jitserve.serving.generation.server`); a request's outputs do
+    not depend on it, only when they arrive and how many steps a slot idles after its request ends
+    mid-launch. ``preprocess(prompt)``: the token ids of a prompt as callers send it (a tokenizer);
+    ``postprocess(output)``: what a caller gets for each output (a token's text); ``detokenizer(prompt_ids)``:
+    instead of ``postprocess``, a new incremental decoder per request, whose ``feed(token)`` gives the text
+    that can go out and ``finish()`` what it still held at the end (a real tokenizer's text, which one token
+    alone cannot give); such a generation answers text, and :func:`jitserve.generate` one string. All run in
+    the caller."""
+
+    def __init__(self, prefill: Callable[..., Any], decode: Callable[..., Any], *, params: Any, slots: int,
+                 max_length: int, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
+                 compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
+                 steps_per_launch: int = 1, preprocess: Callable[[Any], Any] | None = None,
+                 postprocess: Callable[[Any], Any] | None = None,
+                 detokenizer: Callable[[np.ndarray], Any] | None = None, **compiler_options: Any) -> None:
+        if not callable(prefill) or not callable(decode):
+            raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
+                              "decode(params, state, last_outputs)")
+        for name, hook in (("preprocess", preprocess), ("postprocess", postprocess), ("detokenizer", detokenizer)):
+            if hook is not None and not callable(hook):
+                raise OptionError(f"{name} must be a function or None, got {type(hook).__name__}")
+        if postprocess is not None and detokenizer is not None:
+            raise OptionError("give a Generation postprocess (a text per output) or detokenizer (a decoder per "
+                              "request), not both")
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        self.detokenizer = detokenizer
+        self.prefill = prefill
+        self.decode = decode
+        self.params_source = os.fspath(params) if isinstance(params, str | os.PathLike) else None  # a reload reads it
+        self.params = params if self.params_source is None else load_params(self.params_source)
+        self.params_template = params_template(self.params)
+        self.slots = count_option("slots", slots)
+        self.max_length = count_option("max_length", max_length)
+        lengths = _powers_of_two_up_to(self.max_length, 16) if prefill_lengths is None else \
+            sorted({count_option(f"each of prefill_lengths {list(prefill_lengths)}", n) for n in prefill_lengths})
+        if not lengths or lengths[-1] > self.max_length:
+            raise OptionError(f"prefill_lengths must be positive and at most max_length ({self.max_length}), "
+                              f"got {list(prefill_lengths or [])}")
+        self.prefill_lengths = lengths
+        self.prefill_batches = _powers_of_two_up_to(self.slots)  # prompts prefilled together, padded to these
+        self.eos = eos
+        self.logits = bool(logits)
+        self.steps_per_launch = count_option("steps_per_launch", steps_per_launch)
+        self.max_queue = optional_count("max_queue", max_queue)
+        chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
+                                                         **compiler_options})
+        self.compiler_name = chosen.name
+
+    def prompt_of(self, prompt: Any) -> Any:
+        """The token ids of a caller's prompt: ``preprocess(prompt)`` where given (a tokenizer; run by the
+        caller), else the prompt itself."""
+        return prompt if self.preprocess is None else model_code(self.preprocess, prompt)
+
+    def output_of(self, output: Any) -> Any:
+        """What the caller gets for one output: ``postprocess(output)`` where given (the text of a token, say;
+        run by the caller), else the output itself."""
+        return output if self.postprocess is None else model_code(self.postprocess, output)
+
+    @property
+    def has_params(self) -> bool:
+        """False only for a copy made to travel without its weights (``with_params(None)``)."""
+        return self.params is not None
+
+    def with_params(self, params: Any) -> Generation:
+        """This generation with other weights of the same shapes (None: without them, to travel light)."""
+        changed = copy.copy(self)
+        changed.params = params
+        return changed
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """What identifies what this generation computes (see ``Serving.fingerprint_fields``): its functions,
+        its checked options, and its weights' templates and file, not their values (``params``)."""
+        names = ("prefill", "decode", "preprocess", "postprocess", "detokenizer", "params_source", "params_template",
+                 "slots", "max_length", "prefill_lengths", "prefill_batches", "eos", "logits", "steps_per_launch",
+                 "max_queue", "compiler_name", "compiler_options")
+        return {name: getattr(self, name) for name in names}
+
+    def shapes(self) -> tuple[Any, Template, Template]:
+        """The templates of a prompt's state row, of what ``prefill`` gives for it (an output, or logits),
+        and of one output a caller gets per step (a token id, for ``logits=True``), which ``eos`` must be
+        (or a list of them)."""
+        row, first = jax.eval_shape(self.prefill, *jax.tree_util.tree_map(
+            lambda t: t.abstract(), (self.params_template, Template((self.prefill_lengths[0],), np.int32),
+                                     Template((), np.int32)), is_leaf=is_template))
+        first = templates_of(first)
+        if self.logits and (len(first.shape) != 1 or first.dtype.kind != "f"):
+            raise OptionError(f"a logits=True generation's prefill must return a vector of float logits per "
+                              f"prompt; it returned {first}")
+        output = Template((), np.int32) if self.logits else first
+        if self.eos is not None:
+            stop_outputs(self.eos, output)
+        return templates_of(row), first, output
+
+    def check_request(self, name: str, prompt: Any, max_steps: int, sampling: Sampling | None) -> np.ndarray:
+        """A request's prompt (see :meth:`check_prompt`) once its ``max_steps`` and ``sampling`` are checked
+        for generation server ``name``."""
+        count_option("max_steps", max_steps)
+        if sampling is not None and not sampling.greedy and not self.logits:
+            raise OptionError(f"generation server {name!r} cannot sample: its decode returns outputs, not "
+                              f"logits (serve it with js.Generation(..., logits=True) to sample per request)")
+        return self.check_prompt(prompt)
+
+    def check_prompt(self, prompt: Any) -> np.ndarray:
+        """The prompt as a 1-D int32 array of token ids, else a clear error naming what is wrong."""
+        array = np.asarray(prompt)
+        if array.size == 0:
+            raise BatchError("the prompt is empty; send at least one token")
+        if array.dtype.kind not in "iu" or array.ndim != 1:
+            got = f"; got {Template(array.shape, array.dtype)}" if array.dtype.kind in "biufc" else ""
+            raise BatchError(f"a prompt must be a 1-D array of integer token ids{got}")
+        longest = self.prefill_lengths[-1]
+        if array.size > longest:
+            raise PromptTooLongError(f"the prompt has {array.size} tokens, more than the longest prefill length "
+                                     f"({longest}; max_length is {self.max_length})")
+        if array.dtype != np.int32:
+            if array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max:
+                raise BatchError("the prompt's token ids do not fit int32")
+            array = array.astype(np.int32)
+        return array
+
+    def __repr__(self) -> str:
+        return (f"Generation({getattr(self.prefill, '__name__', self.prefill)!r}, "
+                f"{getattr(self.decode, '__name__', self.decode)!r}, slots={self.slots}, "
+                f"max_length={self.max_length}, compiler={self.compiler_name!r})")
+
+
+def stop_outputs(eos: Any, output: Template) -> np.ndarray:
+    """``eos`` as the outputs that end a request, stacked (n, *output shape): one output of the shape of
+    ``output``, or several (a list of token ids, as models with more than one end token have), in values
+    its dtype holds; else a clear error, as an ``eos`` that no output can equal would never stop a request."""
+    array = np.asarray(eos)
+    if output.shape not in (array.shape, array.shape[1:]) or array.size == 0 or array.dtype.kind not in "biuf" or \
+            not np.array_equal(array.astype(output.dtype), array):
+        raise OptionError(f"eos must be one output of this generation, {output}, or a list of them; got "
+                          f"{eos!r} ({Template(array.shape, array.dtype)})")
+    return array.astype(output.dtype).reshape(-1, *output.shape)
