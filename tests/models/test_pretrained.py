@@ -90,3 +90,15 @@ def test_streamed_pieces_join_to_the_text_and_stop_strings_cut_it(made):
         cut = js.generate("stream", PROMPTS[1], max_steps=NEW_TOKENS, stop=stop)
     assert "".join(pieces) == whole and all(isinstance(p, str) and p for p in pieces)
     assert cut == whole[:whole.find(stop)]
+
+
+def test_sampling_is_reproducible_by_seed_and_bad_prompts_are_refused_by_name(made):
+    generation = js.from_pretrained(made("llama-tied"), slots=2, max_length=64, prefill_lengths=[16, 64])
+    with js.serve(generation, name="edges"):
+        sampled = [js.generate("edges", "Once", max_steps=8, temperature=0.9, seed=3, top_k=20) for _ in range(2)]
+        assert sampled[0] == sampled[1] and isinstance(sampled[0], str)
+        with pytest.raises(js.PromptTooLongError, match=r"the prompt has \d+ tokens, more than the longest prefill "
+                                                        r"length \(64; max_length is 64\)"):
+            js.generate("edges", "word " * 80, max_steps=4)
+        with pytest.raises(js.ModelError, match=r"a prompt is one text \(str, or UTF-8 bytes\); got int"):
+            js.generate("edges", 123, max_steps=4)
