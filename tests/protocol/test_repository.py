@@ -272,3 +272,69 @@ def test_names_clients_make_up_leave_no_trace(repository):
             models.unload(name, None)
     models.unload("doubler", None)  # in the directory, never loaded: nothing to do
     assert models._models == {}, "no entry for a name that was never loaded"
+
+
+EXITING = """
+import sys
+
+sys.exit(3)
+"""
+
+
+def test_a_model_that_exits_or_interrupts_is_a_failed_load_and_every_front_keeps_serving(repository):
+    """``sys.exit()`` or ``KeyboardInterrupt`` in a model.py is that model's failed load, over gRPC and HTTP
+    alike, and at start: the server, its gRPC front included, keeps serving the others."""
+    write_model(repository, "exiting", EXITING)
+    write_model(repository, "interrupting", "raise KeyboardInterrupt('from model.py')\n")
+    running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit",
+                           "--load-model", "exiting", "--load-model", "doubler")
+    try:
+        grpc = Client("grpc", running)
+        http = Client("http", running)
+        with pytest.raises(InferenceServerException, match=r"model 'exiting' failed to load: model.py raised "
+                                                            r"SystemExit\(3\) while it ran"):
+            grpc.client.load_model("exiting")
+        with pytest.raises(InferenceServerException, match=r"model 'interrupting' failed to load: model.py raised "
+                                                            r"KeyboardInterrupt\(from model.py\)"):
+            http.client.load_model("interrupting")
+        assert grpc.index()["exiting"]["state"] == "UNAVAILABLE"
+        x = np.ones((1, 4), np.float32)
+        assert grpc.infer("doubler", x).tolist() == http.infer("doubler", x).tolist() == [[2.0] * 4]
+    finally:
+        output = stop(running)
+    assert "model 'exiting' failed to load: model.py raised SystemExit(3)" in output
+
+
+def test_polling_outlives_the_directory_going_away_for_a_moment(repository, tmp_path_factory):
+    from jitserve.protocol.repository import ModelRepository
+    from jitserve.protocol.service import InferenceService
+
+    service = InferenceService({})
+    polled = ModelRepository(repository, service, "poll", poll_seconds=0.05)
+    polled.start()
+    try:
+        assert "doubler" in service.models
+        aside = tmp_path_factory.mktemp("aside") / "repository"
+        repository.rename(aside)
+        time.sleep(0.3)  # polls that find no directory
+        aside.rename(repository)
+        write_model(repository, "doubler2", DOUBLER.format(timeout=0.001))
+        deadline = time.monotonic() + 60
+        while "doubler2" not in service.models and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "doubler2" in service.models, "a model added after the directory came back is loaded"
+    finally:
+        polled.stop()
+        for name in list(service.models):
+            for server in service.remove(name):
+                server.stop()
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan", "1e30"])
+def test_a_poll_interval_that_would_spin_or_overflow_is_refused(repository, capsys, seconds):
+    from jitserve.cli import main
+
+    assert main(["serve", f"--model-repository={repository}", "--model-control-mode", "poll",
+                 f"--repository-poll-secs={seconds}"]) == 2
+    assert capsys.readouterr().err.startswith("jitserve serve: --repository-poll-secs must be a number of seconds "
+                                              "from 0.01 to 31,536,000, got ")

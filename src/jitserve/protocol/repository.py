@@ -55,6 +55,7 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "
                     "chat_template.jinja")  # a checkpoint folder's code: a change reloads it whole
 WEIGHTS = b"\0weights:"  # in a checkpoint's source, what follows is its weight files' names, sizes and times
 VERSION = "1"  # a repository model is served in one version
+MAX_POLL_SECONDS = 86_400 * 365  # a year: beyond it a wait's timeout overflows
 _LOADS = itertools.count(1)  # each load's module gets a fresh name: nothing of an earlier load is reused
 
 
@@ -81,9 +82,13 @@ class ModelRepository:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise OptionError(f"--model-repository {str(directory)!r} is not a directory")
+        if isinstance(poll_seconds, bool) or not isinstance(poll_seconds, int | float) \
+                or not 0.01 <= poll_seconds <= MAX_POLL_SECONDS:
+            raise OptionError(f"--repository-poll-secs must be a number of seconds from 0.01 to {MAX_POLL_SECONDS:,}, "
+                              f"got {poll_seconds!r}")
         self.service = service
         self.mode = mode
-        self.poll_seconds = poll_seconds
+        self.poll_seconds = float(poll_seconds)
         self._models: dict[str, _Model] = {}
         self._guard = threading.Lock()  # over _models
         self._stopped = threading.Event()
@@ -148,14 +153,20 @@ class ModelRepository:
 
     def _poll(self) -> None:
         while not self._stopped.wait(self.poll_seconds):
-            present = set(self.names())
-            for name in sorted(present):
-                source = self._source(name)
-                if source is not None and source != self._model(name).source:
-                    self._load_logged(name)
-            for name, model in list(self._models.items()):
-                if name not in present and model.source is not None:
-                    self._unload(name)
+            try:
+                self._poll_once()
+            except OSError as error:  # the directory went (a moment, or for good): the next poll looks again
+                log.error("model repository %s cannot be read: %s; polling goes on", self.directory, error)
+
+    def _poll_once(self) -> None:
+        present = set(self.names())
+        for name in sorted(present):
+            source = self._source(name)
+            if source is not None and source != self._model(name).source:
+                self._load_logged(name)
+        for name, model in list(self._models.items()):
+            if name not in present and model.source is not None:
+                self._unload(name)
 
     def _load_logged(self, name: str) -> None:
         try:
@@ -224,7 +235,11 @@ class ModelRepository:
             return from_pretrained(self.directory / name)
         module = types.ModuleType(f"jitserve_repository_{name}_{next(_LOADS)}")
         module.__file__ = str(path)
-        exec(compile(source, str(path), "exec"), module.__dict__)
+        try:
+            exec(compile(source, str(path), "exec"), module.__dict__)
+        except (SystemExit, KeyboardInterrupt) as stop:  # a model's, not this process's: a failed load
+            raise RepositoryError(f"{MODEL_FILE} raised {type(stop).__name__}({stop}) while it ran; a model "
+                                  f"must define 'serving', not stop the server") from None
         serving = getattr(module, "serving", None)
         if not isinstance(serving, (Serving, Generation)):
             raise RepositoryError(f"{path} must define serving = js.Serving(...) or js.Generation(...); its "
