@@ -338,3 +338,17 @@ def test_a_poll_interval_that_would_spin_or_overflow_is_refused(repository, caps
                  f"--repository-poll-secs={seconds}"]) == 2
     assert capsys.readouterr().err.startswith("jitserve serve: --repository-poll-secs must be a number of seconds "
                                               "from 0.01 to 31,536,000, got ")
+
+
+def test_a_name_too_long_for_the_filesystem_is_not_in_the_repository_and_is_quoted_short(repository):
+    from jitserve.protocol.repository import ModelRepository
+    from jitserve.protocol.service import InferenceService
+
+    models = ModelRepository(repository, InferenceService({}), "explicit")
+    for name in ("x" * 256, "é" * 200, "y" * 20_000, "nul\0byte"):
+        with pytest.raises(js.RepositoryError, match=r"is not in the repository") as raised:
+            models.load(name, None)
+        assert len(str(raised.value)) < 200 and str(repository) not in str(raised.value)
+        with pytest.raises(js.UnknownServerError, match=r"characters\)|nul"):
+            models.unload(name, None)
+    assert models._models == {}

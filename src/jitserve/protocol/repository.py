@@ -120,12 +120,12 @@ class ModelRepository:
     def _check_request(self, action: str, name: str, parameters: Mapping[str, Any] | None,
                        ignored: Iterable[str]) -> None:
         if self.mode != "explicit":
-            raise RepositoryError(f"model '{name}': {action} requests are refused under --model-control-mode "
+            raise RepositoryError(f"model '{_shown(name)}': {action} requests are refused under --model-control-mode "
                                   f"{self.mode}; start with --model-control-mode explicit to {action} models")
         unknown = sorted(set(parameters or ()) - set(ignored))
         if unknown:
-            raise RepositoryError(f"model '{name}': {action} parameters ({', '.join(unknown)}) are not supported; "
-                                  f"jitserve {action}s the model's {MODEL_FILE} or checkpoint as it is")
+            raise RepositoryError(f"model '{_shown(name)}': {action} parameters ({', '.join(unknown)}) are not "
+                                  f"supported; jitserve {action}s the model's {MODEL_FILE} or checkpoint as it is")
 
     # lifecycle ---------------------------------------------------------------------------------
 
@@ -197,10 +197,10 @@ class ModelRepository:
             return None
 
     def _load(self, name: str) -> None:
-        missing = RepositoryError(f"model '{name}' is not in the repository: its folder holds no {MODEL_FILE} "
-                                  f"and no config.json")
+        missing = RepositoryError(f"model '{_shown(name)}' is not in the repository: its folder holds no "
+                                  f"{MODEL_FILE} and no config.json")
         # a name that is no model of the directory gets no entry: names clients make up must not pile up
-        if "/" in name or name in ("", ".", "..") or not _model_folder(self.directory / name):
+        if not _folder_name(name) or not _model_folder(self.directory / name):
             raise missing
         model = self._model(name)
         with model.lock:
@@ -258,7 +258,8 @@ class ModelRepository:
     def _unload(self, name: str) -> None:
         if name not in self._models and name not in self.service.models:  # no entry for made-up names
             if name not in self.names():
-                raise UnknownServerError(f"unknown model '{name}': it is not in the repository and not loaded")
+                raise UnknownServerError(f"unknown model '{_shown(name)}': it is not in the repository and not "
+                                         f"loaded")
             return  # never loaded: nothing to do, as Triton answers
         model = self._model(name)
         with model.lock:
@@ -283,3 +284,14 @@ def _weights_only(server: Any, serving: Serving | Generation) -> bool:
 def _model_folder(folder: Path) -> bool:
     """Whether ``folder`` is a model: it holds a ``model.py``, or a checkpoint's ``config.json``."""
     return (folder / MODEL_FILE).is_file() or (folder / "config.json").is_file()
+
+
+def _folder_name(name: str) -> bool:
+    """Whether ``name`` can be a folder of the repository: one path part the filesystem takes (at most 255
+    bytes, no NUL), not ``.`` or ``..``."""
+    return "/" not in name and "\0" not in name and name not in ("", ".", "..") and len(name.encode()) <= 255
+
+
+def _shown(name: str) -> str:
+    """A client's model name as errors quote it: cut to 64 characters, so a long name is not sent back."""
+    return name if len(name) <= 64 else f"{name[:64]}... ({len(name):,} characters)"
