@@ -140,6 +140,7 @@ def _npz_member(path: str, archive: zipfile.ZipFile, raw: Any, member: zipfile.Z
     raw.seek(member.header_offset)
     header = _ZIP_LOCAL_HEADER.unpack(raw.read(_ZIP_LOCAL_HEADER.size))
     raw.seek(header[-2] + header[-1], os.SEEK_CUR)  # past the member's name and extra field: the .npy file
+    npy_start = raw.tell()
     read_header = _NPY_HEADERS.get(np.lib.format.read_magic(raw))
     if read_header is None:  # a newer .npy version than numpy's public readers know: read it whole
         with archive.open(member) as stream:
@@ -147,6 +148,10 @@ def _npz_member(path: str, archive: zipfile.ZipFile, raw: Any, member: zipfile.Z
     shape, fortran_order, dtype = read_header(raw)
     if dtype.hasobject:
         raise CheckpointError(f"{path!r}: {member.filename} holds Python objects, not numbers; it is not loaded")
+    stored = member.file_size - (raw.tell() - npy_start)  # the bytes after its header
+    if any(n < 0 for n in shape) or math.prod(shape) * dtype.itemsize != stored:
+        raise CheckpointError(f"{path!r}: {member.filename} declares shape {tuple(shape)} of {dtype}, "
+                              f"{math.prod(shape) * dtype.itemsize:,} bytes, but holds {stored:,}")
     return np.ndarray(shape, dtype, buffer=_mapping(path), offset=raw.tell(), order="F" if fortran_order else "C")
 
 

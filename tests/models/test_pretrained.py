@@ -102,3 +102,13 @@ def test_sampling_is_reproducible_by_seed_and_bad_prompts_are_refused_by_name(ma
             js.generate("edges", "word " * 80, max_steps=4)
         with pytest.raises(js.ModelError, match=r"a prompt is one text \(str, or UTF-8 bytes\); got int"):
             js.generate("edges", 123, max_steps=4)
+
+
+def test_stop_sequences_are_bounded_so_matching_them_stays_cheap(made):
+    generation = js.from_pretrained(made("llama-tied"), slots=1, max_length=32, prefill_lengths=[16])
+    with js.serve(generation, name="stops"):
+        for stop in ("x" * 300_000, ["a"] * 17):
+            with pytest.raises(js.OptionError, match=r"stop takes at most 16 sequences of at most 256 characters "
+                                                     r"each; got \d+, the longest [\d,]+ long"):
+                js.generate("stops", "Once", max_steps=4, stop=stop)
+        assert isinstance(js.generate("stops", "Once", max_steps=4, stop=["z" * 256] * 16), str)

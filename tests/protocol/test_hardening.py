@@ -347,3 +347,22 @@ def test_classification_as_triton_answers_it(server):
     assert status == 200 and body["outputs"][0] == {"name": "output", "datatype": "BYTES", "shape": [1, 2],
                                                     "data": ["0.900000:1:dog", "0.750000:3:owl"]}
     assert "classification" in json.loads(server.request("GET", "/v2")[2])["extensions"]
+
+
+@pytest.mark.parametrize("shape", [[30_000_000], [2_147_483_647], [2**31 - 1, 2**31 - 1]])
+def test_a_bytes_shape_larger_than_its_data_is_refused_before_memory_is_spent(shape):
+    """Each BYTES element carries at least its 4-byte length: a shape that the binary data cannot hold is a
+    400 before a slot per element is allocated (it cost 229 MiB for [30000000] on a 4-byte body)."""
+    import tracemalloc
+
+    from jitserve.errors import ProtocolError
+    from jitserve.protocol.codec import decode_raw
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match=r"input 't': shape .* BYTES elements, each at least a 4-byte "
+                                                   r"length, but the binary data has 4 bytes"):
+            decode_raw("t", "BYTES", shape, b"\0\0\0\0")
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()

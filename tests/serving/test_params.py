@@ -501,3 +501,19 @@ def test_a_streaming_serving_takes_its_params_first_and_swaps_them_between_batch
         assert [s.tolist() for s in js.batched_stream("params-streaming", batch)] == [[[2.0]], [[3.0]], [[4.0]]]
         server.update_params({"scale": np.float32(10)})
         assert [s.tolist() for s in js.batched_stream("params-streaming", batch)] == [[[10.0]], [[11.0]], [[12.0]]]
+
+
+@pytest.mark.parametrize(("declared", "message"), [
+    (b"'shape': (9,), }", r"w.npy declares shape \(9,\) of float32, 36 bytes, but holds 16"),
+    (b"'shape': (-1,),}", r"w.npy declares shape \(-1,\) of float32, -4 bytes, but holds 16"),
+])
+def test_an_npz_member_whose_header_disagrees_with_its_bytes_is_refused(tmp_path, declared, message):
+    """A stored .npz member's declared shape must match the bytes it holds: too large was a bare TypeError,
+    and -1 mapped the zip's own directory bytes as weights."""
+    path = tmp_path / "model.npz"
+    np.savez(path, w=np.arange(4, dtype=np.float32))
+    data = path.read_bytes()
+    assert data.count(b"'shape': (4,), }") == 1
+    path.write_bytes(data.replace(b"'shape': (4,), }", declared))
+    with pytest.raises(js.CheckpointError, match=message):
+        js.load_params(path)

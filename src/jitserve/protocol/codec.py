@@ -70,6 +70,9 @@ def _decode_bytes(tensor: str, dims: tuple[int, ...], raw: bytes | memoryview) -
     """A BYTES tensor from its binary contents (4-byte little-endian lengths, each before its element)."""
     view = memoryview(raw)
     count = math.prod(dims)
+    if count * _LENGTH.itemsize > len(view):  # checked before a slot per element is allocated
+        raise ProtocolError(f"input '{tensor}': shape {list(dims)} holds {count:,} BYTES elements, each at least "
+                            f"a 4-byte length, but the binary data has {len(view):,} bytes")
     elements = np.empty(count, dtype=object)
     at = 0
     for index in range(count):

@@ -111,12 +111,20 @@ async def read_async(request: GenerationRequest, timeout: float | None, expire: 
 class StopText:
     """A request's stop sequences (OpenAI's and vLLM's ``stop``), applied by the caller to the text pieces a
     ``postprocess`` gives: the text goes out up to the first stop sequence, which ends the request and is
-    left out; text that may be the start of one is held back until it is not."""
+    left out; text that may be the start of one is held back until it is not. At most ``MAX_STOPS``
+    sequences of at most ``MAX_STOP_LENGTH`` characters each: matching costs their lengths' squares per
+    piece, on the caller's event loop over the network."""
+
+    MAX_STOPS = 16
+    MAX_STOP_LENGTH = 256
 
     def __init__(self, stop: Any) -> None:
         stops = [stop] if isinstance(stop, str | bytes) else list(stop) if isinstance(stop, list | tuple) else []
         if not stops or not all(isinstance(one, str | bytes) and one for one in stops):
-            raise OptionError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+            raise OptionError(f"stop must be a non-empty string or a list of them, got {stop!r:.80}")
+        if len(stops) > self.MAX_STOPS or max(map(len, stops)) > self.MAX_STOP_LENGTH:
+            raise OptionError(f"stop takes at most {self.MAX_STOPS} sequences of at most {self.MAX_STOP_LENGTH} "
+                              f"characters each; got {len(stops)}, the longest {max(map(len, stops)):,} long")
         self.stops: list[Any] = stops
         self.held: Any = None  # text not sent yet, as it may begin a stop sequence
         self.ended = False
