@@ -9,6 +9,8 @@ import collections
 import http.client
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -205,3 +207,25 @@ def resident(server: Running, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no {field} in /proc")
+
+
+def test_the_largest_limits_start_a_server_and_one_beyond_is_one_line():
+    """Every limit at its largest (32-bit counts, seconds as 32-bit milliseconds) starts and serves over
+    HTTP and gRPC; one beyond is refused at start with one line, never an OverflowError traceback."""
+    import tritonclient.grpc as grpcclient
+
+
+    largest = ["--read-timeout", "2147483", "--write-timeout", "2147483", "--idle-timeout", "2147483",
+               "--max-body-bytes", "2147483647", "--max-grpc-calls", "2147483647", "--max-connections", "2147483647",
+               "--max-grpc-connections", "2147483647", "--stream-buffer-bytes", "2147483647"]
+    running = start_server(MODELS, *largest)
+    try:
+        assert grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}").is_server_ready()
+    finally:
+        output = stop(running)
+    assert "Traceback" not in output
+    for flag, value in (("--idle-timeout", "2592000"), ("--max-body-bytes", "3000000000")):
+        done = subprocess.run([sys.executable, "-m", "jitserve", "serve", MODELS, flag, value, "--port", "0"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert "must be at most" in done.stderr

@@ -16,6 +16,8 @@ from ..errors import OptionError
 from ..serving.options import finite_number
 
 MiB = 2**20
+MAX_COUNT = 2**31 - 1  # gRPC's and uvicorn's settings are 32-bit integers
+MAX_SECONDS = MAX_COUNT // 1000  # gRPC takes times in 32-bit milliseconds: about 24.8 days
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,10 @@ class Limits:
             value = getattr(self, field.name)
             if not finite_number(value) or value <= 0:
                 raise OptionError(f"limit {field.name} must be a finite positive number, got {value!r}")
+            largest = MAX_SECONDS if field.type == "float" else MAX_COUNT
+            if value > largest:
+                raise OptionError(f"limit {field.name} must be at most {largest:,}"
+                                  f"{' seconds' if field.type == 'float' else ''}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
