@@ -352,3 +352,41 @@ def test_a_name_too_long_for_the_filesystem_is_not_in_the_repository_and_is_quot
         with pytest.raises(js.UnknownServerError, match=r"characters\)|nul"):
             models.unload(name, None)
     assert models._models == {}
+
+
+GATED = """
+import time
+from pathlib import Path
+
+import jitserve as js
+
+while not (Path(__file__).parent / "open").exists():  # a load that lasts until the test opens the gate
+    time.sleep(0.02)
+serving = js.Serving(lambda x: x * 2, batch_size=2, batch_timeout=0.001, input_template=js.template((4,), "float32"))
+"""
+
+
+def test_many_slow_loads_hold_no_shared_pool_and_sigterm_during_a_load_exits(repository):
+    """40 loads of a model whose model.py does not return leave the server free: another model loads, a
+    request body of over 1 MiB (decoded off the event loop) is answered; and SIGTERM while they hang
+    exits (each load runs on a daemon thread of its own, not in the event loop's shared pool)."""
+    write_model(repository, "gated", GATED)
+    running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit",
+                           "--drain-timeout", "2")
+    pending = []
+    try:
+        for _ in range(40):
+            thread = threading.Thread(target=running.request, args=("POST", "/v2/repository/models/gated/load",
+                                                                    b"{}"), kwargs={"timeout": 120}, daemon=True)
+            thread.start()
+            pending.append(thread)
+        assert running.request("POST", "/v2/repository/models/doubler/load", b"{}")[0] == 200
+        big = np.ones((2**16 + 1, 4), np.float32)  # over 1 MiB as JSON
+        status, answer = running.infer_json("doubler", {"inputs": [{"name": "input", "datatype": "FP32",
+                                                                    "shape": list(big.shape),
+                                                                    "data": big.ravel().tolist()}]})
+        assert status == 200 and answer["outputs"][0]["data"][:4] == [2.0] * 4
+        assert all(thread.is_alive() for thread in pending), "the gated loads are still loading"
+    finally:
+        output = stop(running)  # SIGTERM with the gated loads still running; stop() asserts exit code 0
+    assert "Traceback" not in output

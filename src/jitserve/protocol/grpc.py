@@ -121,16 +121,15 @@ class GrpcFront:
                              lambda: {"models": self.service.repository_index(request.ready)})
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return await self._control(self.service.control.load, request, context, "RepositoryModelLoadResponse")
+        return await self._control("load", request, context, "RepositoryModelLoadResponse")
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return await self._control(self.service.control.unload, request, context, "RepositoryModelUnloadResponse")
+        return await self._control("unload", request, context, "RepositoryModelUnloadResponse")
 
-    async def _control(self, action: Callable[[str, dict[str, Any]], None], request: Any, context: Any,
-                       response: str) -> Any:
-        """A repository load or unload, answered once done (see ``InferenceService.control``)."""
+    async def _control(self, action: str, request: Any, context: Any, response: str) -> Any:
+        """A repository load or unload, answered once done (see ``InferenceService.load_or_unload``)."""
         try:
-            await asyncio.to_thread(action, request.model_name, _parameter_values(request))
+            await self.service.load_or_unload(action, request.model_name, _parameter_values(request))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             _, status, message = self.service.failed("grpc", request.model_name, error)
             await context.abort(getattr(grpc.StatusCode, status), message)

@@ -204,9 +204,7 @@ class HttpFront:
                 raise ProtocolError(f"the {action} request body is not valid JSON: {error}") from None
             if not isinstance(request, dict) or not isinstance(request.get("parameters", {}), dict):
                 raise ProtocolError(f'the {action} request must be a JSON object, its "parameters" an object')
-            control = self.service.control
-            await asyncio.to_thread(control.load if action == "load" else control.unload, model,
-                                    request.get("parameters"))
+            await self.service.load_or_unload(action, model, request.get("parameters"))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error)
         return _json(200, {})

@@ -8,7 +8,9 @@ each other and with in-process callers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
@@ -211,6 +213,33 @@ class InferenceService:
 
     def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         return {**self.model(name, version).metadata(), "versions": list(self.versions[name])}
+
+    async def load_or_unload(self, action: str, name: str, parameters: Mapping[str, Any] | None) -> None:
+        """``control.load`` or ``control.unload`` of ``name``, awaited, on a daemon thread of its own: a load
+        runs a model's code for as long as it takes, so loads never hold the event loop's shared thread pool
+        (request bodies are decoded there) and a slow one never keeps the process from exiting."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        act = self.control.load if action == "load" else self.control.unload
+
+        def settle(error: BaseException | None) -> None:
+            if not done.done():
+                done.set_result(None) if error is None else done.set_exception(error)
+
+        def run() -> None:
+            try:
+                act(name, parameters)
+            except Exception as error:  # noqa: BLE001 - handed to the awaiting front, which answers with it
+                outcome: BaseException | None = error
+            else:
+                outcome = None
+            try:
+                loop.call_soon_threadsafe(settle, outcome)
+            except RuntimeError:  # the loop closed meanwhile: the server is gone, nobody awaits it
+                pass
+
+        threading.Thread(target=run, name=f"jitserve-{action}", daemon=True).start()
+        await done
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """Every model version and its state (Triton's repository index); with ``ready_only``, the ready
