@@ -336,6 +336,7 @@ def test_classification_as_triton_answers_it(server):
         assert classes(3) == [[b"0.900000:1:dog", b"0.750000:3:owl", b"0.500000:2:cow"],
                               [b"-0.200000:0:cat", b"-0.400000:4", b"-1.000000:2:cow"]]
         assert len(classes(9)[0]) == 5, "a count beyond the classes gives them all, as Triton's"
+        assert classes(20_000) == classes(5), "a large count is formatted off the event loop, alike"
         assert classes(1, "slow") == [[b"2.000000:0"], [b"-1.000000:0"]], "no labels: value:index"
         assert client.infer("scores", [tensor]).as_numpy("output").shape == (2, 5), "no count: the tensor itself"
     status, body = server.infer_json("scores", {**json_input(1.0), "outputs": [

@@ -227,12 +227,12 @@ def classify(array: np.ndarray, count: int, labels: Sequence[str] | None, name: 
     rows = array.reshape(array.shape[0], -1)
     key = -rows if rows.dtype.kind == "f" else np.invert(rows)  # highest first; ~x reverses integers, no overflow
     order = np.argsort(key, axis=1, kind="stable")[:, :count]
-    shown = "{:f}" if rows.dtype.kind == "f" else "{:d}"
+    shown = "{:f}:{:d}{}" if rows.dtype.kind == "f" else "{:d}:{:d}{}"
+    suffixes = [f":{label}" for label in labels or ()]
     classes = np.empty(order.shape, dtype=object)
-    for row, indices in enumerate(order):
-        for k, index in enumerate(indices.tolist()):
-            label = f":{labels[index]}" if labels is not None and index < len(labels) else ""
-            classes[row, k] = f"{shown.format(rows[row, index].item())}:{index}{label}".encode()
+    classes[...] = [[shown.format(value, index, suffixes[index] if index < len(suffixes) else "").encode()
+                     for value, index in zip(values, indices)]
+                    for values, indices in zip(np.take_along_axis(rows, order, axis=1).tolist(), order.tolist())]
     return classes
 
 

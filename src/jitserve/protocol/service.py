@@ -65,6 +65,8 @@ STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
 )
 
 
+OFF_LOOP_CLASSES = 10_000  # class results formatted off the event loop from this many (each a Python string)
+
 # parameters of the protocol that jitserve does not implement: refused by name, never silently ignored
 UNSUPPORTED_PARAMETERS = {
     "sequence_id": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
@@ -317,7 +319,11 @@ class InferenceService:
             except ServerStoppedError:
                 spec = self._current(spec)  # reloaded or unloaded meanwhile
                 outputs = await spec.server.call_async(spec.value(tensors), self.request_timeout, priority)
-        return spec.version, select_outputs(spec.named_outputs(outputs), requested, model, spec.server.serving.labels)
+        named = spec.named_outputs(outputs)
+        if requested and sum(requested.values()) * _rows(spec, tensors) > OFF_LOOP_CLASSES:  # classes of many rows
+            return spec.version, await asyncio.to_thread(select_outputs, named, requested, model,
+                                                         spec.server.serving.labels)
+        return spec.version, select_outputs(named, requested, model, spec.server.serving.labels)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Mapping[str, int] | None,
                      priority: int | None = None, version: str | None = None,
