@@ -127,6 +127,12 @@ def test_a_repository_of_two_checkpoints_loads_reloads_and_unloads_them_under_lo
             caller.join(120)
         client.unload_model("llama-tied")
         assert not client.is_model_ready("llama-tied") and client.is_model_ready("gpt2-8-heads")
+        (tmp_path / "gpt2-8-heads" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+        with pytest.raises(Exception, match=r"model 'gpt2-8-heads' failed to load: checkpoint 'gpt2-8-heads': "
+                                            r"config.json has no 'n_positions'.*the version loaded before still "
+                                            r"serves") as refused:
+            client.load_model("gpt2-8-heads")
+        assert str(tmp_path) not in str(refused.value)
     finally:
         stopping.set()
         output = stop(running)

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import OptionError, RepositoryError, UnknownServerError
+from ..errors import CheckpointError, OptionError, RepositoryError, UnknownServerError
 from ..models import from_pretrained
 from ..serving.generation import Generation, GenerationServer
 from ..serving.registry import unstarted_server
@@ -232,7 +232,11 @@ class ModelRepository:
         """Run ``model.py`` as a fresh module; its ``serving``. A checkpoint folder: ``from_pretrained``."""
         path = self.directory / name / MODEL_FILE
         if WEIGHTS in source and not path.is_file():
-            return from_pretrained(self.directory / name)
+            folder = str(self.directory / name)
+            try:
+                return from_pretrained(folder)
+            except CheckpointError as error:  # the client sees the model's name, not the server's path
+                raise CheckpointError(str(error).replace(repr(folder), repr(name))) from None
         module = types.ModuleType(f"jitserve_repository_{name}_{next(_LOADS)}")
         module.__file__ = str(path)
         try:
