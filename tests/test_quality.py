@@ -1,7 +1,7 @@
 """The quality gates, run with the suite: ruff and mypy clean with their committed configuration
-(``pyproject.toml``), ``src/`` within its budget of code lines (printed per folder at the end of the run),
-the import graph of its modules without a circle, and every module importing only from its own layer or
-those below (the layers of docs/design.md)."""
+(``pyproject.toml``); every file and every folder of ``src/jitserve`` within its cap of code lines (printed
+per folder at the end of the run); and the import graph of its modules without a circle, each module
+importing only from its own layer or those below (the layers of docs/design.md)."""
 
 from __future__ import annotations
 
@@ -19,21 +19,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# lines of src/jitserve that hold code (comments, docstrings and blank lines are free), raised on purpose when
-# a capability lands; 7,800 after weights as params, generation, issue 31's hardening, sampling, and generation
-# over the network and on Ray (7,666 code lines of 10,900 in all when the count changed to code only);
-# 8,850 when generation warm-up learnt to run its programs where a first run costs extra (a GPU); 8,880 when
-# a generation's programs took its weights packed into few arrays (jitserve/packed.py); 8,900 when a step's
-# outputs reached the asyncio streams of one event loop in one hand-over; 8,930 for IREE's one scatter form,
-# 8,970 for sharded checkpoints, 9,000 for protecting IREE's inputs from in-place writes; 9,050 when generations
-# learnt to swap and reload their weights (update_params, params=PATH); 9,080 for a generation's text in and
-# out (preprocess, postprocess); 9,150 for stop sequences on a text generation's pieces; 9,900 for
-# from_pretrained (models/: checkpoints checked key by key, real tokenizers, GPT-2, Llama-family and BERT);
-# 9,980 when cluster/ray.py became a package of five rooms (their own imports, a protocol for what the
-# autoscaler scales, the autoscaling decision's reading and result as records) and Serving and Generation
-# declared their fingerprint fields; 10,000 when a Serving declared its tensors on the wire (wire=); 10,130 when
-# the generation became a package of rooms with a scheduler on plain data (its plans, its imports per module)
-LINE_BUDGET = 10_130
+# Caps of code lines (comments, docstrings and blank lines are free), per file and per folder of src/jitserve,
+# in place of one total for all of src/ that each feature raised (10,130 at the end).
+# Per file: FILE_CAP for every module, serving/ and cluster/ included (issue 43); the largest elsewhere, cli.py
+# (414) and compilers/iree/explicit.py (421), meet it with little room. A file over it holds more than one job.
+# The files over it today, each with a cap it meets with little room and why it is one file:
+FILE_CAP = 450
+FILE_CAPS = {
+    # one table, primitive name -> numpy implementation (DESIGN decision 3): adding a primitive is one entry,
+    # and the interpreter dispatches on this table alone
+    "compilers/evaluator/primitives.py": 800,
+    # the HTTP front as one bare ASGI application: its routes, and the JSON and binary tensor decoding
+    # that only HTTP does; the decoding is the part to move out when it grows again
+    "protocol/http.py": 460,
+}
+# Code lines of each folder's own modules (not its subfolders'): today's counts rounded up to the next 50.
+# Raising one is a decision, stated in the commit that does it (which capability needs the lines); a new
+# folder gets its cap in the commit that makes it.
+FOLDER_CAPS = {
+    ".": 1_500,
+    "cluster": 50,
+    "cluster/ray": 850,
+    "compilers": 300,
+    "compilers/evaluator": 1_000,
+    "compilers/iree": 800,
+    "models": 700,
+    "protocol": 2_600,
+    "serving": 1_650,
+    "serving/generation": 850,
+}
 SOURCE = ROOT / "src" / "jitserve"
 
 
@@ -62,10 +76,6 @@ def lines_by_folder() -> dict[str, int]:
         folder = str(path.parent.relative_to(SOURCE))
         folders[folder] = folders.get(folder, 0) + code_lines(path)
     return folders
-
-
-def source_lines() -> int:
-    return sum(lines_by_folder().values())
 
 
 def tool(name: str) -> str:
@@ -235,8 +245,21 @@ def test_circles_are_found_with_their_path():
     assert circles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
 
 
-def test_src_stays_within_its_line_budget():
-    assert source_lines() <= LINE_BUDGET, f"src/jitserve has {source_lines():,} code lines, over {LINE_BUDGET:,}"
+def test_every_file_stays_within_its_cap():
+    files = {str(path.relative_to(SOURCE)): code_lines(path) for path in sorted(SOURCE.rglob("*.py"))}
+    wrong = [f"{name}: {lines} code lines, over its cap of {FILE_CAPS.get(name, FILE_CAP)}"
+             for name, lines in files.items() if lines > FILE_CAPS.get(name, FILE_CAP)]
+    wrong += [f"{name}: {files.get(name, 0)} code lines, within FILE_CAP: drop its own cap from FILE_CAPS"
+              for name in FILE_CAPS if files.get(name, 0) <= FILE_CAP]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_folder_stays_within_its_cap():
+    folders = lines_by_folder()
+    wrong = [f"{folder}: no cap in FOLDER_CAPS" for folder in folders if folder not in FOLDER_CAPS]
+    wrong += [f"{folder}: {lines:,} code lines, over its cap of {FOLDER_CAPS[folder]:,}"
+              for folder, lines in folders.items() if lines > FOLDER_CAPS.get(folder, lines)]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_code_lines_count_code_only(tmp_path):
