@@ -1,38 +1,54 @@
 """The quality gates, run with the suite: ruff and mypy clean with their committed configuration
-(``pyproject.toml``), ``src/`` within its budget of code lines (printed per folder at the end of the run),
-and every module importing only from its own layer or those below (the layers of docs/design.md)."""
+(``pyproject.toml``); every file and every folder of ``src/jitserve`` within its cap of code lines (printed
+per folder at the end of the run); and the import graph of its modules without a circle, each module
+importing only from its own layer or those below (the layers of docs/design.md)."""
 
 from __future__ import annotations
 
 import ast
 import io
+import itertools
 import shutil
 import subprocess
 import sys
 import tarfile
 import tokenize
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# lines of src/jitserve that hold code (comments, docstrings and blank lines are free), raised on purpose when
-# a capability lands; 7,800 after weights as params, generation, issue 31's hardening, sampling, and generation
-# over the network and on Ray (7,666 code lines of 10,900 in all when the count changed to code only);
-# 8,850 when generation warm-up learnt to run its programs where a first run costs extra (a GPU); 8,880 when
-# a generation's programs took its weights packed into few arrays (jitserve/packed.py); 8,900 when a step's
-# outputs reached the asyncio streams of one event loop in one hand-over; 8,930 for IREE's one scatter form,
-# 8,970 for sharded checkpoints, 9,000 for protecting IREE's inputs from in-place writes; 9,050 when generations
-# learnt to swap and reload their weights (update_params, params=PATH); 9,080 for a generation's text in and
-# out (preprocess, postprocess); 9,150 for stop sequences on a text generation's pieces; 9,900 for
-# from_pretrained (models/: checkpoints checked key by key, real tokenizers, GPT-2, Llama-family and BERT);
-# 9,980 when cluster/ray.py became a package of five rooms (their own imports, a protocol for what the
-# autoscaler scales, the autoscaling decision's reading and result as records) and Serving and Generation
-# declared their fingerprint fields; 10,000 when a Serving declared its tensors on the wire (wire=); 10,130 when
-# the generation became a package of rooms with a scheduler on plain data (its plans, its imports per module);
-# 10,150 when a model.py's SystemExit became its failed load and the poll interval was checked; 10,200 for
-# issue 47's size checks (BYTES shapes, stop sequences, .npz members)
-LINE_BUDGET = 10_200
+# Caps of code lines (comments, docstrings and blank lines are free), per file and per folder of src/jitserve,
+# in place of one total for all of src/ that each feature raised (10,200 at the end).
+# Per file: FILE_CAP for every module, serving/ and cluster/ included (issue 43); the largest elsewhere, cli.py
+# (414) and compilers/iree/explicit.py (421), meet it with little room. A file over it holds more than one job.
+# The files over it today, each with a cap it meets with little room and why it is one file:
+FILE_CAP = 450
+FILE_CAPS = {
+    # one table, primitive name -> numpy implementation (DESIGN decision 3): adding a primitive is one entry,
+    # and the interpreter dispatches on this table alone
+    "compilers/evaluator/primitives.py": 800,
+    # the HTTP front as one bare ASGI application: its routes, and the JSON and binary tensor decoding
+    # that only HTTP does; the decoding is the part to move out when it grows again
+    "protocol/http.py": 460,
+}
+# Code lines of each folder's own modules (not its subfolders'): today's counts rounded up to the next 50.
+# Raising one is a decision, stated in the commit that does it (which capability needs the lines); a new
+# folder gets its cap in the commit that makes it.
+FOLDER_CAPS = {
+    ".": 1_500,
+    "cluster": 50,
+    "cluster/ray": 850,
+    "compilers": 300,
+    "compilers/evaluator": 1_000,
+    "compilers/iree": 800,
+    "models": 700,
+    # 2,650: issue 47's hardening (loads on threads of their own, size checks, names quoted short)
+    "protocol": 2_650,
+    "serving": 1_650,
+    "serving/generation": 850,
+}
 SOURCE = ROOT / "src" / "jitserve"
 
 
@@ -61,10 +77,6 @@ def lines_by_folder() -> dict[str, int]:
         folder = str(path.parent.relative_to(SOURCE))
         folders[folder] = folders.get(folder, 0) + code_lines(path)
     return folders
-
-
-def source_lines() -> int:
-    return sum(lines_by_folder().values())
 
 
 def tool(name: str) -> str:
@@ -100,49 +112,155 @@ LAYERS = (
 LAYER_OF = {name: level for level, names in enumerate(LAYERS) for name in names}
 
 
-def jitserve_imports(path: Path) -> set[str]:
-    """The top-level jitserve modules (``serving``, ``errors``, ...) that one source file imports, at any
-    depth of the file (imports inside functions count)."""
-    package = path.relative_to(ROOT / "src").with_suffix("").parts[:-1]  # ("jitserve", "protocol")
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+def module_of(path: Path) -> str:
+    """The dotted name of a source file (``jitserve.serving.request``); a package's ``__init__.py`` is the
+    package (``jitserve.serving``)."""
+    parts = path.relative_to(ROOT / "src").with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of src/jitserve by its dotted name."""
+    return {module_of(path): path for path in sorted(SOURCE.rglob("*.py"))}
+
+
+def module_imports(path: Path, source: str | None = None, modules: Iterable[str] | None = None) -> dict[str, int]:
+    """The jitserve modules one source file imports, each with the line of its first import there.
+
+    Every ``import`` and ``from ... import`` counts, at any depth of the file: inside functions, and under
+    ``if TYPE_CHECKING:`` (a circle of annotations is still a circle of concepts; it only hides from the
+    interpreter). Relative imports are resolved against the file's package (a package's ``__init__.py``
+    is in its own package). What an import names:
+
+    - ``import jitserve.a.b`` and ``from jitserve.a.b import name`` import ``jitserve.a.b`` (for a
+      package, its ``__init__.py``). The packages above it, which Python initialises first, do not count:
+      else every module would import ``jitserve/__init__.py``, which gathers the public names of them all.
+    - ``from jitserve.a import b`` imports the module ``jitserve.a.b`` when there is one; else ``b`` is a
+      name of the package's own and the import is of ``jitserve.a``, its ``__init__.py``.
+
+    So a package's ``__init__.py`` that re-exports its submodules' names has edges down to them, which are
+    allowed; a submodule that reads a name from its own package's ``__init__.py`` (``from . import
+    Serving``, ``from jitserve import batched_run``) has an edge up to it, and so a circle through the
+    edge down: a module imports its siblings from their own modules, never through the package."""
+    modules = set(source_modules()) if modules is None else set(modules)
+    package = list(path.relative_to(ROOT / "src").with_suffix("").parts[:-1])  # ["jitserve", "protocol"]
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.ImportFrom):
-            base = list(package[:len(package) - node.level + 1]) if node.level else []
-            parts = base + (node.module.split(".") if node.module else [])
-            if parts[:1] != ["jitserve"]:
-                continue
-            found |= {parts[1]} if len(parts) > 1 else {alias.name for alias in node.names}
+            base = package[:len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            named = [f"{target}.{alias.name}" for alias in node.names]
+            imported = [name if name in modules else target for name in named]
         elif isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("jitserve.")}
+            imported = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in imported:
+            if name.split(".")[0] == "jitserve":
+                assert name in modules, f"{path.relative_to(ROOT)}:{node.lineno} imports {name}, not a module of src"
+                found.setdefault(name, node.lineno)
+    found.pop(module_of(path), None)
     return found
 
 
-def module_name(path: Path) -> str:
-    """The top-level jitserve module a file belongs to (``protocol`` for protocol/http.py)."""
-    return path.relative_to(ROOT / "src" / "jitserve").with_suffix("").parts[0]
+def import_graph() -> dict[str, dict[str, int]]:
+    """Every module of src/jitserve -> the modules it imports, each with the line of the import."""
+    modules = source_modules()
+    return {name: module_imports(path, modules=modules) for name, path in modules.items()}
+
+
+def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The circles of a graph (module -> the modules it imports), each as a path ``[a, b, ..., a]``: a
+    depth-first search from every module, in which an import of a module still on the search's path closes
+    a circle. None found means there is none (a graph without circles has an order: the layers inside a
+    package)."""
+    found: list[list[str]] = []
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if imported in path:
+                found.append([*path[path.index(imported):], imported])
+            elif imported not in done:
+                visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return found
+
+
+def top_module(module: str) -> str:
+    """The top-level jitserve module a module belongs to, its layer's name (``protocol`` for
+    ``jitserve.protocol.http``; ``__init__`` for ``jitserve`` itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def test_every_module_imports_only_from_its_layer_or_below():
     upward = []
-    for path in sorted((ROOT / "src" / "jitserve").rglob("*.py")):
-        importer = module_name(path)
-        for imported in jitserve_imports(path) - {importer}:
-            assert imported in LAYER_OF, f"{path.name} imports jitserve.{imported}, which has no layer in LAYERS"
-            if LAYER_OF[imported] > LAYER_OF[importer]:
-                upward.append(f"{path.relative_to(ROOT)} imports jitserve.{imported}")
+    modules = source_modules()
+    for importer, imports in import_graph().items():
+        for imported, line in imports.items():
+            layer = top_module(imported)
+            assert layer in LAYER_OF, f"{importer} imports {imported}, whose {layer} has no layer in LAYERS"
+            if LAYER_OF[layer] > LAYER_OF[top_module(importer)]:
+                upward.append(f"{modules[importer].relative_to(ROOT)}:{line} imports {imported}")
     assert not upward, "imports pointing up the layers:\n" + "\n".join(upward)
 
 
-def test_the_layer_check_sees_relative_and_local_imports(tmp_path, monkeypatch):
-    """The checker itself: a relative import inside a function counts, resolved against the file's package."""
-    fake = ROOT / "src" / "jitserve" / "protocol" / "probe.py"
-    monkeypatch.setattr(Path, "read_text", lambda self: "def f():\n    from ..cli import main\n    from . import http\n"
-                        if self == fake else Path.read_bytes(self).decode())
-    assert jitserve_imports(fake) == {"cli", "protocol"}
+def test_no_module_imports_itself_round_a_circle():
+    """Module by module, type-level imports included: a circle is reported as the modules it passes
+    through, each with the line that imports the next."""
+    graph = import_graph()
+    found = [" -> ".join(f"{module}:{graph[module][after]}" for module, after in itertools.pairwise(circle))
+             + f" -> {circle[-1]}" for circle in circles(graph)]
+    assert not found, "import circles (module:line of its import of the next):\n" + "\n".join(found)
 
 
-def test_src_stays_within_its_line_budget():
-    assert source_lines() <= LINE_BUDGET, f"src/jitserve has {source_lines():,} code lines, over {LINE_BUDGET:,}"
+def test_the_import_graph_sees_type_level_relative_and_package_imports():
+    """The checker itself: imports under TYPE_CHECKING and inside functions count, resolved against the
+    file's package; a submodule by its own module, a package's own name by its ``__init__.py``."""
+    probe = SOURCE / "serving" / "probe.py"
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .queue import Queues\n"
+              "def f():\n    from ..cli import main\n    from . import request, Serving\n    import jitserve.errors\n")
+    assert module_imports(probe, source) == {"jitserve.serving.queue": 3, "jitserve.cli": 5,
+                                             "jitserve.serving.request": 6, "jitserve.serving": 6,
+                                             "jitserve.errors": 7}
+    init = SOURCE / "serving" / "__init__.py"
+    assert module_imports(init, "from .request import Request\nfrom . import registry, Serving\n") == {
+        "jitserve.serving.request": 1, "jitserve.serving.registry": 2}  # its own names: not an edge to itself
+    assert module_imports(SOURCE / "cli.py", "from . import compilers, batched_run\n") == {
+        "jitserve.compilers": 1, "jitserve": 1}
+    with pytest.raises(AssertionError, match="jitserve.nowhere, not a module"):
+        module_imports(probe, "from ..nowhere import x\n")
+
+
+def test_circles_are_found_with_their_path():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert circles({"init": {"sub"}, "sub": {"init"}}) == [["init", "sub", "init"]]
+    assert circles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_every_file_stays_within_its_cap():
+    files = {str(path.relative_to(SOURCE)): code_lines(path) for path in sorted(SOURCE.rglob("*.py"))}
+    wrong = [f"{name}: {lines} code lines, over its cap of {FILE_CAPS.get(name, FILE_CAP)}"
+             for name, lines in files.items() if lines > FILE_CAPS.get(name, FILE_CAP)]
+    wrong += [f"{name}: {files.get(name, 0)} code lines, within FILE_CAP: drop its own cap from FILE_CAPS"
+              for name in FILE_CAPS if files.get(name, 0) <= FILE_CAP]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_folder_stays_within_its_cap():
+    folders = lines_by_folder()
+    wrong = [f"{folder}: no cap in FOLDER_CAPS" for folder in folders if folder not in FOLDER_CAPS]
+    wrong += [f"{folder}: {lines:,} code lines, over its cap of {FOLDER_CAPS[folder]:,}"
+              for folder, lines in folders.items() if lines > FOLDER_CAPS.get(folder, lines)]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_code_lines_count_code_only(tmp_path):

@@ -25,13 +25,11 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..batch import Batch
 from ..errors import QueueFullError, RequestTooLargeError
-
-if TYPE_CHECKING:
-    from .request import Request
+from .request import Request
 
 Signature = tuple[Any, ...]
 

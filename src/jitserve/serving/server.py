@@ -9,9 +9,9 @@ waiting workers are the queue of free partitions, so a row passes between
 threads only twice: caller to worker and back. This is Nx.Serving's loop, with
 padding to compiled sizes, splitting, a bounded queue and timeouts on top.
 
-The rooms: the lifecycle, warm-up and weights are here; the request handle,
-submission and every way to wait in ``request.py`` (the corridor); the
-batching policy and admission in ``queue.py``; the partitions' loop,
+The rooms: the lifecycle, warm-up and weights are here; submission and every
+way to wait in ``corridor.py`` (the corridor); the request handle in
+``request.py``; the batching policy and admission in ``queue.py``; the partitions' loop,
 bisection and delivery in ``partition.py``, with the executor protocol. By
 default each partition compiles the serving's function (:class:`Executor`);
 the cluster coalescer gives executors that send the batch to a remote replica.
@@ -36,10 +36,11 @@ from ..batch import Batch
 from ..errors import OptionError, ServerStoppedError
 from ..params import load_params
 from ..template import is_template
+from .corridor import Corridor
 from .options import optional_seconds
 from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, ServerStats, Weights
 from .queue import BatchPolicy, Queues
-from .request import Corridor, Request
+from .request import Request
 from .serving import Executor, Serving
 from .worker import ProcessExecutor
 

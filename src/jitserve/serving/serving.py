@@ -351,7 +351,7 @@ class Serving:
 
     def run(self, value: Any) -> Any:
         """Run inline in the caller: any number of rows, in padded chunks of at most ``batch_size``."""
-        batch, info = prepare(self, value)
+        batch, info = prepare(self.preprocess, value)
         self.check_key(batch)
         if self._inline is None:
             with self._inline_lock:
@@ -362,7 +362,7 @@ class Serving:
         parts = []
         for chunk in batch.chunks(self.batch_size):
             parts.append(executor.execute(chunk.pad_to(self.policy.padded_size(chunk.size)), params))
-        return finish(self, concatenate_outputs(parts), info)
+        return finish(self.postprocess, concatenate_outputs(parts), info)
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """What identifies what this serving computes, for a digest another process computes alike (a cluster
