@@ -65,6 +65,19 @@ def test_serve_hf_answers_tritonclient_over_http_and_the_grpc_stream_as_in_proce
         grpc.stop_stream()
         grpc.close()  # no gRPC channel left in this process: a later fork would wait on its threads
 
+        status, _, body = running.request("POST", "/v2/models/llm/generate", json.dumps(
+            {"id": "g", "text_input": PROMPT, "max_tokens": STEPS}).encode())
+        assert status == 200 and json.loads(body) == {"model_name": "llm", "model_version": "1", "id": "g",
+                                                      "text_output": expected["llama-tied"]}
+        status, headers, body = running.request("POST", "/v2/models/llm/generate_stream", json.dumps(
+            {"text_input": PROMPT, "parameters": {"max_tokens": STEPS, "stream": True}}).encode())
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len(b"data: "):]) for line in body.split(b"\n\n") if line.startswith(b"data: ")]
+        assert "".join(event["text_output"] for event in events) == expected["llama-tied"] and len(events) > 1
+        status, _, body = running.request("POST", "/v2/models/llm/generate", json.dumps(
+            {"text_input": PROMPT, "stream": True}).encode())
+        assert status == 400 and "POST to generate_stream instead" in json.loads(body)["error"]
+
         status, refusal = running.infer_json("llm", json.dumps({"inputs": [
             {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]}],
             "parameters": {"max_tokens": 4, "beam_width": 2}}).encode())

@@ -10,7 +10,11 @@ tensor extension that tritonclient uses by default),
 ``POST /v2/models/{m}[/versions/{v}]/infer_stream`` (the same request; the
 outputs come as server-sent events, one ``data:`` JSON response per batch that
 ran some of the rows or per step of a streaming serving, an ``event: error``
-on failure) and ``GET /metrics``.
+on failure), Triton's generate extension for generations,
+``POST /v2/models/{m}[/versions/{v}]/generate`` and ``/generate_stream`` (a
+flat JSON object: the model's inputs by name, e.g. ``text_input``, and its
+parameters, top-level or under ``parameters``; the answer's outputs by name,
+a text as a string; the stream's as server-sent events) and ``GET /metrics``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server.
 
@@ -31,34 +35,26 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 import orjson
-import simdjson
 
 from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access, begin_request
-from .codec import DATATYPES, datatype_of, decode_numbers, decode_raw, decode_values, json_values, raw_contents
+from .codec import datatype_of, json_values, raw_contents
+from .generate import generate_request, generated
+from .http_request import parse_request
 from .limits import Limits
 from .metrics import CONTENT_TYPE
-from .model import class_count
-from .service import InferenceService, loggable, refuse_unsupported, status_of
+from .service import InferenceService, loggable, status_of
 
 log = logging.getLogger("jitserve.http")
 
 HEADER_LENGTH = b"inference-header-content-length"
 JSON_HEADERS = [(b"content-type", b"application/json")]
 COMPRESS_BYTES = 1024  # responses from this size are gzipped for a client that accepts it
-# a JSON document up to this size (a binary request's header, a tiny tensor) is read by orjson into Python objects
-# at once, which costs less than simdjson's per-key conversions; larger ones by simdjson, which reads each
-# input's data into an array without a Python object per value
-SMALL_JSON_BYTES = 512
 SEND_CHUNK_BYTES = 256 * 1024  # a large body goes out in pieces, so a slow reader holds one piece in the transport
 
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 _T = TypeVar("_T")
 
-# numeric datatype -> how the JSON parser reads a flat list of them into memory (as_buffer's of_type), and its dtype
-_BUFFER_KIND_OF: dict[str, Literal["d", "i", "u"]] = {"f": "d", "i": "i", "u": "u"}  # by numpy dtype kind
-BUFFER_KINDS = {name: _BUFFER_KIND_OF[dtype.kind] for name, dtype in DATATYPES.items() if dtype.kind in _BUFFER_KIND_OF}
-BUFFER_DTYPES = {"d": np.float64, "i": np.int64, "u": np.uint64}
 # dtypes that orjson writes straight from the array's memory (no Python objects per value)
 ORJSON_DTYPES = frozenset(np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
                                                       "uint32", "uint64", "float16", "float32", "float64"))
@@ -92,6 +88,8 @@ class HttpFront:
         self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response | _Events]]]] = [
             ("POST", re.compile(model + "/infer"), self.infer),
             ("POST", re.compile(model + "/infer_stream"), self.infer_stream),
+            ("POST", re.compile(model + "/generate"), self.generate),
+            ("POST", re.compile(model + "/generate_stream"), self.generate_stream),
             ("GET", re.compile(r"/v2/health/live"), self.live),
             ("GET", re.compile(r"/v2/health/ready"), self.ready),
             ("GET", re.compile(r"/v2"), self.server_metadata),
@@ -253,7 +251,7 @@ class HttpFront:
         try:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, binary_outputs = await self._off_loop(
-                len(body), lambda: _parse_request(body, header_length))
+                len(body), lambda: parse_request(body, header_length))
             if span is not None:
                 span.phase("receive")
             served, outputs = await self.service.infer(model, tensors, _classes(requested),
@@ -297,7 +295,7 @@ class HttpFront:
         try:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, _ = await self._off_loop(
-                len(body), lambda: _parse_request(body, header_length))
+                len(body), lambda: parse_request(body, header_length))
             if span is not None:
                 span.phase("receive")
             served, stream = self.service.infer_stream(model, tensors, _classes(requested),
@@ -309,15 +307,43 @@ class HttpFront:
             return failed
         return _Events(self._events(model, served, request.get("id"), stream, span))
 
+    async def generate(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str,
+                       version: str | None) -> Response:
+        """Triton's generate extension: one JSON answer with the whole generation."""
+        try:
+            body, _ = await self._read_body(headers, receive)
+            request_id, tensors, parameters = generate_request(body, self.service.model(model, version), False)
+            served, outputs = await self.service.infer(model, tensors, None, None, version, parameters)
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            return self._failed(model, error, version)
+        self.service.count(model, "http", 200, served)
+        return 200, JSON_HEADERS, generated(model, served, request_id, outputs)
+
+    async def generate_stream(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str,
+                              version: str | None) -> Response | _Events:
+        """Triton's generate extension, streamed: one server-sent event per step, as :meth:`generate`'s."""
+        try:
+            body, _ = await self._read_body(headers, receive)
+            request_id, tensors, parameters = generate_request(body, self.service.model(model, version), True)
+            served, stream = self.service.infer_stream(model, tensors, None, None, version, parameters)
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            return self._failed(model, error, version)
+        return _Events(self._events(model, served, request_id, stream, None, generated))
+
     async def _events(self, model: str, served: str, request_id: Any,
-                      stream: AsyncIterator[list[tuple[str, np.ndarray]]], span: Any) -> AsyncIterator[bytes]:
+                      stream: AsyncIterator[list[tuple[str, np.ndarray]]], span: Any,
+                      encode: Callable[[str, str, Any, list[tuple[str, np.ndarray]]], bytes] | None = None
+                      ) -> AsyncIterator[bytes]:
+        """Each of ``stream``'s outputs as an event, encoded by ``encode`` (default: an infer response)."""
         failure: BaseException | None = None
         status: int | str = "disconnected"  # unless it ends or fails
         try:
             async for outputs in stream:
                 if span is not None:
                     span.output()
-                yield b"data: " + _encode_response(model, served, request_id, outputs, {}, False)[2] + b"\n\n"
+                data = _encode_response(model, served, request_id, outputs, {}, False)[2] if encode is None \
+                    else encode(model, served, request_id, outputs)
+                yield b"data: " + data + b"\n\n"
             status = 200
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
             failure = error
@@ -406,144 +432,9 @@ def _too_large(size: int, limit: int) -> BodyTooLargeError:
     return BodyTooLargeError(f"request body of {size} bytes exceeds the limit of {limit} bytes")
 
 
-def _parse_request(body: bytes, header_length: int | None
-                   ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[tuple[str, bool | None, int]], bool]:
-    """The request object, its input tensors, the outputs it asks for (and how), and whether binary output is
-    its default."""
-    request, binary = _split_body(body, header_length)
-    return (request, *_decode_request(request, binary))
-
-
-def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], memoryview]:
-    if header_length is not None and header_length > len(body):
-        raise ProtocolError(f"Inference-Header-Content-Length is {header_length}, but the body has {len(body)} bytes")
-    view = memoryview(body)
-    header = view[:header_length] if header_length is not None else view
-    binary = view[header_length:] if header_length is not None else view[:0]
-    if len(header) <= SMALL_JSON_BYTES:
-        return _json_object(orjson.loads, header, dict), binary
-    # a parser per request: its values stay valid however long the request keeps them
-    document = _json_object(simdjson.Parser().parse, header, simdjson.Object)
-    return {key: _inputs(document[key]) if key == "inputs" else _plain(document[key]) for key in document}, binary
-
-
-def _json_object(parse: Callable[[memoryview], Any], header: memoryview, kind: type) -> Any:
-    """The request's JSON header parsed by ``parse``, which must give a ``kind`` (the parser's JSON object)."""
-    try:
-        document = parse(header)
-    except (ValueError, RuntimeError) as error:  # orjson.JSONDecodeError is a ValueError
-        raise ProtocolError(f"the request body is not valid JSON: {error}") from None
-    if not isinstance(document, kind):
-        raise ProtocolError("the request must be a JSON object with an 'inputs' list")
-    return document
-
-
-def _plain(value: Any) -> Any:
-    """A parsed JSON value as Python objects."""
-    if isinstance(value, simdjson.Object):
-        return value.as_dict()
-    return value.as_list() if isinstance(value, simdjson.Array) else value
-
-
-def _inputs(value: Any) -> Any:
-    """The request's inputs as Python objects, but each ``data`` as the parser's array, which
-    :func:`_json_tensor` reads into numpy without a Python object per value."""
-    if not isinstance(value, simdjson.Array):
-        return _plain(value)
-    return [{key: tensor[key] if key == "data" else _plain(tensor[key]) for key in tensor}
-            if isinstance(tensor, simdjson.Object) else _plain(tensor) for tensor in value]
-
-
-def _json_tensor(name: str, datatype: str, shape: Any, data: Any) -> np.ndarray:
-    """An input's JSON ``data``: a flat list of numbers that simdjson parsed is read straight into an array;
-    anything else (nested lists, true/false, strings, a mix, or the Python list of a small document that
-    orjson parsed) goes through :func:`decode_values`, which says what is wrong with it."""
-    if isinstance(data, simdjson.Array):
-        kind = BUFFER_KINDS.get(datatype)
-        if kind is not None:
-            try:
-                flat = np.frombuffer(data.as_buffer(of_type=kind), BUFFER_DTYPES[kind])
-            except (TypeError, ValueError):  # not all numbers of that kind: the checked path tells which
-                flat = None
-            if flat is not None and flat.size == len(data):  # as_buffer flattens nested lists: flat ones only
-                return decode_numbers(name, datatype, shape, flat)
-        data = data.as_list()
-    return decode_values(name, datatype, shape, data)
-
-
-def _decode_request(request: dict[str, Any], binary: memoryview
-                    ) -> tuple[dict[str, np.ndarray], list[tuple[str, bool | None, int]], bool]:
-    inputs = request.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise ProtocolError("the request needs a non-empty 'inputs' list")
-    tensors: dict[str, np.ndarray] = {}
-    offset = 0
-    for tensor in inputs:
-        if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
-            raise ProtocolError("each input must be an object with a string 'name'")
-        name = tensor["name"]
-        if name in tensors:
-            raise ProtocolError(f"input '{name}' is given twice")
-        datatype, shape = tensor.get("datatype"), tensor.get("shape")
-        if not isinstance(datatype, str):
-            raise ProtocolError(f"input '{name}' needs a string 'datatype'")
-        parameters = _parameters(tensor, f"input '{name}'")
-        size = parameters.get("binary_data_size")
-        if size is not None and "data" in tensor:
-            raise ProtocolError(f"input '{name}' has both 'data' and a binary_data_size parameter; send one")
-        if size is not None:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise ProtocolError(f"input '{name}': binary_data_size {size!r} does not fit the "
-                                    f"{len(binary) - offset} binary bytes left in the body")
-            tensors[name] = decode_raw(name, datatype, shape, binary[offset:offset + size])
-            offset += size
-        elif "data" in tensor:
-            tensors[name] = _json_tensor(name, datatype, shape, tensor["data"])
-        else:
-            raise ProtocolError(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
-    if offset != len(binary):
-        raise ProtocolError(f"the body has {len(binary) - offset} bytes after the last binary input; "
-                            f"binary_data_size must account for every byte")
-    parameters = _parameters(request, "the request")
-    binary_all = _flag(parameters, "binary_data_output", "the request")
-    outputs = request.get("outputs") or []
-    if not isinstance(outputs, list):
-        raise ProtocolError("'outputs' must be a list of objects with a string 'name'")
-    requested: list[tuple[str, bool | None, int]] = []
-    for output in outputs:
-        if not isinstance(output, dict) or not isinstance(output.get("name"), str):
-            raise ProtocolError("each requested output must be an object with a string 'name'")
-        where = f"output '{output['name']}'"
-        output_parameters = _parameters(output, where)
-        classes = class_count(output_parameters.get("classification", 0), where)
-        refuse_unsupported(set(output_parameters) - {"classification"}, where)
-        chosen = _flag(output_parameters, "binary_data", where) if "binary_data" in output_parameters else None
-        requested.append((output["name"], chosen, classes))
-    return tensors, requested, binary_all
-
-
 def _classes(requested: list[tuple[str, bool | None, int]]) -> dict[str, int] | None:
     """The outputs a request asks for, each with its classification count (0: the tensor), or None for all."""
     return {name: classes for name, _, classes in requested} or None
-
-
-def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
-    """A request's, input's or output's ``parameters``: a JSON object, or none; anything else is refused
-    rather than ignored."""
-    parameters = holder.get("parameters")
-    if parameters is None:
-        return {}
-    if not isinstance(parameters, dict):
-        raise ProtocolError(f"{where}: 'parameters' must be a JSON object, got {type(parameters).__name__}")
-    return parameters
-
-
-def _flag(parameters: Any, name: str, where: str) -> bool:
-    """A boolean parameter: JSON true or false only ("false" as a string is an error, not true)."""
-    value = parameters.get(name, False) if isinstance(parameters, dict) else False
-    if not isinstance(value, bool):
-        raise ProtocolError(f"{where}: parameter '{name}' must be true or false, got {value!r}")
-    return value
 
 
 def _priority(request: dict[str, Any]) -> int | None:
@@ -585,3 +476,4 @@ def _encode_response(model: str, version: str, request_id: Any, outputs: list[tu
         return 200, JSON_HEADERS, header
     headers = [(b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(len(header)).encode())]
     return 200, headers, b"".join([header, *blobs])
+
