@@ -83,9 +83,13 @@ def start_server(target: str, *extra: str, tls_ca: str | None = None, open_files
         if open_files is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
 
+    # no preexec_fn unless a limit needs one: Python then starts the server with vfork, which runs no fork
+    # handlers; gRPC's (this process has tritonclient channels) made a fork wait for ever or left the child
+    # a broken poller ("epoll_wait error: Bad file descriptor", the server gone at start)
     process = subprocess.Popen(
         [sys.executable, "-m", "jitserve", "serve", target, "--port", str(port), "--grpc-port", str(grpc_port),
-         *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=limit_files)
+         *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=None if open_files is None else limit_files)
     running = Running(process, port, grpc_port, tls_ca)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
