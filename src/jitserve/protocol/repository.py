@@ -155,8 +155,10 @@ class ModelRepository:
         while not self._stopped.wait(self.poll_seconds):
             try:
                 self._poll_once()
-            except OSError as error:  # the directory went (a moment, or for good): the next poll looks again
-                log.error("model repository %s cannot be read: %s; polling goes on", self.directory, error)
+            except Exception as error:  # noqa: BLE001 - the directory went (a moment, or for good), or an unload
+                # failed: the next poll looks again, whatever happened in this one
+                log.error("model repository %s: a poll failed (%s: %s); polling goes on", self.directory,
+                          type(error).__name__, error)
 
     def _poll_once(self) -> None:
         present = set(self.names())

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ... import compilers
 from ...defn import resolve_options
 from ...errors import BatchError, OptionError, PromptTooLongError
 from ...params import load_params
@@ -151,9 +152,13 @@ class Generation:
         """The templates of a prompt's state row, of what ``prefill`` gives for it (an output, or logits),
         and of one output a caller gets per step (a token id, for ``logits=True``), which ``eos`` must be
         (or a list of them)."""
-        row, first = jax.eval_shape(self.prefill, *jax.tree_util.tree_map(
-            lambda t: t.abstract(), (self.params_template, Template((self.prefill_lengths[0],), np.int32),
-                                     Template((), np.int32)), is_leaf=is_template))
+        length = self.prefill_lengths[0]
+        if compilers.get(self.compiler_name).compiles:
+            row, first = jax.eval_shape(self.prefill, *jax.tree_util.tree_map(
+                lambda t: t.abstract(), (self.params_template, Template((length,), np.int32),
+                                         Template((), np.int32)), is_leaf=is_template))
+        else:  # run as written (NumPy, PyTorch...): the shapes of one real call on a prompt of zeros
+            row, first = model_code(self.prefill, self.params, np.zeros(length, np.int32), np.int32(1))
         first = templates_of(first)
         if self.logits and (len(first.shape) != 1 or first.dtype.kind != "f"):
             raise OptionError(f"a logits=True generation's prefill must return a vector of float logits per "
