@@ -367,26 +367,48 @@ serving = js.Serving(lambda x: x * 2, batch_size=2, batch_timeout=0.001, input_t
 
 
 def test_many_slow_loads_hold_no_shared_pool_and_sigterm_during_a_load_exits(repository):
-    """40 loads of a model whose model.py does not return leave the server free: another model loads, a
-    request body of over 1 MiB (decoded off the event loop) is answered; and SIGTERM while they hang
-    exits (each load runs on a daemon thread of its own, not in the event loop's shared pool)."""
+    """40 loads of a model whose model.py does not return leave the server free: 16 run (each on a daemon
+    thread of its own, not in the event loop's shared pool) and the rest are refused 503 with Retry-After;
+    another load is refused alike, a request body of over 1 MiB (decoded off the event loop) is answered;
+    once the gated loads end, another model loads; and SIGTERM while a load hangs exits."""
     write_model(repository, "gated", GATED)
     running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit",
-                           "--drain-timeout", "2")
-    pending = []
+                           "--load-model", "doubler", "--drain-timeout", "2")
+    answers: list = []
+
+    def wait_for(count):
+        deadline = time.monotonic() + 120
+        while len(answers) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(answers) >= count, f"{len(answers)} of {count} loads answered"
+
+    def load(name):
+        answers.append(running.request("POST", f"/v2/repository/models/{name}/load", b"{}", timeout=120))
+
     try:
-        for _ in range(40):
-            thread = threading.Thread(target=running.request, args=("POST", "/v2/repository/models/gated/load",
-                                                                    b"{}"), kwargs={"timeout": 120}, daemon=True)
+        pending = [threading.Thread(target=load, args=("gated",), daemon=True) for _ in range(40)]
+        for thread in pending:
             thread.start()
-            pending.append(thread)
-        assert running.request("POST", "/v2/repository/models/doubler/load", b"{}")[0] == 200
-        big = np.ones((2**16 + 1, 4), np.float32)  # over 1 MiB as JSON
+        wait_for(24)
+        assert {(status, headers.get("retry-after")) for status, headers, _ in answers} == {(503, "1")}
+        assert "16 model loads and unloads are running" in answers[0][2].decode()
+        assert running.request("POST", "/v2/repository/models/doubler/load", b"{}")[0] == 503
+        big = np.ones((2**16 + 1, 4), np.float32)  # over 1 MiB as JSON, decoded off the event loop
         status, answer = running.infer_json("doubler", {"inputs": [{"name": "input", "datatype": "FP32",
                                                                     "shape": list(big.shape),
                                                                     "data": big.ravel().tolist()}]})
         assert status == 200 and answer["outputs"][0]["data"][:4] == [2.0] * 4
-        assert all(thread.is_alive() for thread in pending), "the gated loads are still loading"
+        write_model(repository, "gated", GATED.replace('while not (Path(__file__).parent / "open").exists()',
+                                                        "while False"))
+        (repository / "gated" / "open").touch()  # the gated loads end, one after another (each reloads it)
+        wait_for(40)
+        assert running.request("POST", "/v2/repository/models/doubler/load", b"{}")[0] == 200
+        (repository / "gated" / "open").unlink()
+        write_model(repository, "gated", GATED)
+        hanging = threading.Thread(target=load, args=("gated",), daemon=True)
+        hanging.start()
+        time.sleep(0.5)  # SIGTERM with a load that never ends, on whatever it has reached by then
+        assert hanging.is_alive()
     finally:
         output = stop(running)  # SIGTERM with the gated loads still running; stop() asserts exit code 0
     assert "Traceback" not in output

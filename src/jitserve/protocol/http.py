@@ -65,7 +65,8 @@ def _json(status: int, payload: Any) -> Response:
 
 
 def _error(status: int, message: str) -> Response:
-    return _json(status, {"error": message})
+    status, headers, body = _json(status, {"error": message})
+    return status, [*headers, (b"retry-after", b"1")] if status == 503 else headers, body
 
 
 class _Events:

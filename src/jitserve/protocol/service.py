@@ -65,6 +65,7 @@ STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
 )
 
 
+MAX_CONTROLS = 16  # loads and unloads running at once; one more is 503 (a thread each: bounded)
 OFF_LOOP_CLASSES = 10_000  # class results formatted off the event loop from this many (each a Python string)
 
 # parameters of the protocol that jitserve does not implement: refused by name, never silently ignored
@@ -166,6 +167,7 @@ class InferenceService:
         for key, server in servers.items():
             self.put(key, server)
         self.control: ModelControl = FixedModels(self)
+        self.controls_in_flight = 0  # loads and unloads running (load_or_unload), at most MAX_CONTROLS
 
     def put(self, key: str, server: Server | GenerationFront) -> Server | GenerationFront | None:
         """Serve ``server`` as ``key`` (``name`` or ``name/version``) from now on; returns the server it
@@ -219,12 +221,17 @@ class InferenceService:
     async def load_or_unload(self, action: str, name: str, parameters: Mapping[str, Any] | None) -> None:
         """``control.load`` or ``control.unload`` of ``name``, awaited, on a daemon thread of its own: a load
         runs a model's code for as long as it takes, so loads never hold the event loop's shared thread pool
-        (request bodies are decoded there) and a slow one never keeps the process from exiting."""
+        (request bodies are decoded there) and a slow one never keeps the process from exiting. At most
+        ``MAX_CONTROLS`` run at once: one more is refused (503), as a thread each is what they cost."""
+        if self.controls_in_flight >= MAX_CONTROLS:
+            raise QueueFullError(f"{MAX_CONTROLS} model loads and unloads are running; try '{name}' again once "
+                                 f"one ends")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         act = self.control.load if action == "load" else self.control.unload
 
         def settle(error: BaseException | None) -> None:
+            self.controls_in_flight -= 1
             if not done.done():
                 done.set_result(None) if error is None else done.set_exception(error)
 
@@ -240,6 +247,7 @@ class InferenceService:
             except RuntimeError:  # the loop closed meanwhile: the server is gone, nobody awaits it
                 pass
 
+        self.controls_in_flight += 1  # on the event loop, as settle's decrement: no lock needed
         threading.Thread(target=run, name=f"jitserve-{action}", daemon=True).start()
         await done
 
