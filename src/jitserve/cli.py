@@ -240,7 +240,8 @@ def serve_command(args: argparse.Namespace) -> int:
             raise OptionError("--model-repository serves each DIR/NAME/model.py as it is: --ray, --name, "
                               "--batch-size, --batch-timeout and --compiler do not apply to it")
         repository = app.start_repository(args.model_repository, args.model_control_mode,
-                                          args.repository_poll_secs, tuple(args.load_model or ()))
+                                          args.repository_poll_secs, tuple(args.load_model or ()),
+                                          args.model_load_timeout)
         run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
         _logging(args)
         app.run(lambda servers: None, attach=repository, **_network_options(args))
@@ -456,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               help="with --model-control-mode explicit, a model to load at start (repeatable)")
     serve_parser.add_argument("--repository-poll-secs", type=float, default=15.0,
                               help="with --model-control-mode poll, seconds between scans of DIR (default 15)")
+    serve_parser.add_argument("--model-load-timeout", type=float, default=600.0,
+                              help="seconds a repository model's model.py (or checkpoint) may take to load before "
+                              "the load fails and that run is abandoned (default 600)")
     serve_parser.add_argument("--name", help="the model name of a single Serving (default: the file's or module's "
                               "name, e.g. 'mlp' for examples/mlp.py:serving)")
     _add_network(serve_parser)

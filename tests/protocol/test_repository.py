@@ -412,3 +412,24 @@ def test_many_slow_loads_hold_no_shared_pool_and_sigterm_during_a_load_exits(rep
     finally:
         output = stop(running)  # SIGTERM with the gated loads still running; stop() asserts exit code 0
     assert "Traceback" not in output
+
+
+def test_a_load_that_never_finishes_fails_at_the_load_timeout_and_the_model_loads_again(repository):
+    from jitserve.protocol.repository import ModelRepository
+    from jitserve.protocol.service import InferenceService
+
+    write_model(repository, "gated", GATED)
+    service = InferenceService({})
+    models = ModelRepository(repository, service, "explicit", load_timeout=0.5)
+    try:
+        with pytest.raises(js.RepositoryError, match=r"model 'gated' failed to load: model.py did not finish "
+                                                     r"within 0.5 s \(--model-load-timeout\); that run is abandoned"):
+            models.load("gated", None)
+        assert {e["name"]: e["state"] for e in models.index(False)}["gated"] == "UNAVAILABLE"
+        (repository / "gated" / "open").touch()
+        models.load("gated", None)
+        assert {e["name"]: e["state"] for e in models.index(False)}["gated"] == "READY"
+    finally:
+        for name in list(service.models):
+            for server in service.remove(name):
+                server.stop()

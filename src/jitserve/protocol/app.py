@@ -31,7 +31,7 @@ from .connection import GuardedHttpProtocol
 from .grpc import GrpcServer
 from .http import HttpFront
 from .limits import Limits, Tls
-from .repository import ModelRepository
+from .repository import DEFAULT_LOAD_TIMEOUT, ModelRepository
 from .service import InferenceService
 
 log = logging.getLogger("jitserve.serve")
@@ -104,13 +104,14 @@ def start_locally(servings: Mapping[str, Serving]) -> Callable[[dict[str, Server
 
 
 def start_repository(directory: str, mode: str, poll_seconds: float = 15.0,
-                     load: tuple[str, ...] = ()) -> Callable[[InferenceService], ModelRepository]:
+                     load: tuple[str, ...] = (), load_timeout: float = DEFAULT_LOAD_TIMEOUT
+                     ) -> Callable[[InferenceService], ModelRepository]:
     """A ``repository`` for :func:`run`: the models of ``directory`` under control ``mode`` (``load``: the
     models an ``explicit`` repository loads at start). The directory and mode are checked now."""
-    ModelRepository(directory, InferenceService({}), mode, poll_seconds)
+    ModelRepository(directory, InferenceService({}), mode, poll_seconds, load_timeout)
 
     def start(service: InferenceService) -> ModelRepository:
-        repository = ModelRepository(directory, service, mode, poll_seconds)
+        repository = ModelRepository(directory, service, mode, poll_seconds, load_timeout)
         service.control = repository
         repository.start(load)
         return repository

@@ -56,6 +56,7 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "
 WEIGHTS = b"\0weights:"  # in a checkpoint's source, what follows is its weight files' names, sizes and times
 VERSION = "1"  # a repository model is served in one version
 MAX_POLL_SECONDS = 86_400 * 365  # a year: beyond it a wait's timeout overflows
+DEFAULT_LOAD_TIMEOUT = 600.0  # seconds a model.py (or a checkpoint's reading) may take before it is abandoned
 _LOADS = itertools.count(1)  # each load's module gets a fresh name: nothing of an earlier load is reused
 
 
@@ -76,16 +77,18 @@ class ModelRepository:
     stops the servers)."""
 
     def __init__(self, directory: str | Path, service: InferenceService, mode: str = "none",
-                 poll_seconds: float = 15.0) -> None:
+                 poll_seconds: float = 15.0, load_timeout: float = DEFAULT_LOAD_TIMEOUT) -> None:
         if mode not in CONTROL_MODES:
             raise OptionError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got {mode!r}")
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise OptionError(f"--model-repository {str(directory)!r} is not a directory")
-        if isinstance(poll_seconds, bool) or not isinstance(poll_seconds, int | float) \
-                or not 0.01 <= poll_seconds <= MAX_POLL_SECONDS:
-            raise OptionError(f"--repository-poll-secs must be a number of seconds from 0.01 to {MAX_POLL_SECONDS:,}, "
-                              f"got {poll_seconds!r}")
+        for flag, seconds in (("--repository-poll-secs", poll_seconds), ("--model-load-timeout", load_timeout)):
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
+                    or not 0.01 <= seconds <= MAX_POLL_SECONDS:
+                raise OptionError(f"{flag} must be a number of seconds from 0.01 to {MAX_POLL_SECONDS:,}, got "
+                                  f"{seconds!r}")
+        self.load_timeout = float(load_timeout)
         self.service = service
         self.mode = mode
         self.poll_seconds = float(poll_seconds)
@@ -213,7 +216,7 @@ class ModelRepository:
             if not serving_now:
                 model.state, model.reason = "LOADING", ""
             try:
-                serving = self._run(name, source)
+                serving = self._run_bounded(name, source)
                 current = self.service.versions.get(name, {}).get(VERSION)
                 same_code = model.source is not None and source.split(WEIGHTS)[0] == model.source.split(WEIGHTS)[0]
                 if current is not None and same_code and _weights_only(current.server, serving):
@@ -229,6 +232,27 @@ class ModelRepository:
                 raise RepositoryError(message + ("; the version loaded before still serves" if serving_now else "")) \
                     from error
             model.state, model.reason, model.source = "READY", "", source
+
+    def _run_bounded(self, name: str, source: bytes) -> Serving | Generation:
+        """:meth:`_run` on a daemon thread, given ``load_timeout`` seconds: a model.py that never returns
+        is abandoned there (Python cannot stop it), its load failed, and the model free to load again."""
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["serving"] = self._run(name, source)
+            except Exception as error:  # noqa: BLE001 - handed to the load that waits for it
+                outcome["error"] = error
+
+        thread = threading.Thread(target=run, name=f"jitserve-model-{_shown(name)}", daemon=True)
+        thread.start()
+        thread.join(self.load_timeout)
+        if thread.is_alive():
+            raise RepositoryError(f"{MODEL_FILE} did not finish within {self.load_timeout:g} s "
+                                  f"(--model-load-timeout); that run is abandoned")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["serving"]
 
     def _run(self, name: str, source: bytes) -> Serving | Generation:
         """Run ``model.py`` as a fresh module; its ``serving``. A checkpoint folder: ``from_pretrained``."""
