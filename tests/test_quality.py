@@ -34,7 +34,7 @@ FILE_CAPS = {
 # Raising one is a decision, stated in the commit that does it (which capability needs the lines); a new
 # folder gets its cap in the commit that makes it.
 FOLDER_CAPS = {
-    ".": 1_500,
+    ".": 1_550,  # 1,550: cli's --model-load-timeout (issue 47)
     "cluster": 50,
     "cluster/ray": 850,
     "compilers": 300,
