@@ -361,15 +361,15 @@ def bench_command(args: argparse.Namespace) -> int:
         before = server.stats()
         load = (closed_loop_async if args.use_async else closed_loop)(make_call, args.callers, args.seconds)
         stats = server.stats()
-    batches = stats["batches"] - before["batches"]
-    executed = sum(size * count for size, count in stats["batch_sizes"].items())
+    batches = stats.batches - before.batches
+    executed = sum(size * count for size, count in stats.batch_sizes.items())
     print(f"model '{name}': {serving!r}, {args.callers} {'asyncio tasks' if args.use_async else 'threads'} "
           f"x {args.rows} rows per request, {args.seconds:g} s")
     print("| rows/s | p50 ms | p99 ms | mean batch | padding waste | compiles during load |")
     print("|---|---|---|---|---|---|")
     print(f"| {load.rows_per_s:,.0f} | {load.percentile(50) * 1e3:.2f} | {load.percentile(99) * 1e3:.2f} "
-          f"| {(stats['rows'] - before['rows']) / max(batches, 1):.1f} "
-          f"| {100 * stats['padded_rows'] / max(executed, 1):.1f}% | {stats['compiles'] - before['compiles']} |")
+          f"| {(stats.rows - before.rows) / max(batches, 1):.1f} "
+          f"| {100 * stats.padded_rows / max(executed, 1):.1f}% | {stats.compiles - before.compiles} |")
     return 0
 
 

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ..serving.generation import GenerationFront, GenerationServer
 from ..serving.partition import BatchReport
 from ..serving.server import Server
+from ..serving.stats import GenerationStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -65,19 +66,19 @@ class _ServerStats:
         clustered = False
         for labels, server in list(self.servers.items()):
             stats = server.stats()
-            depth.add_metric(labels, stats["queue_depth"])
-            compiles.add_metric(labels, stats["compiles"])
-            if isinstance(server, GenerationFront):
+            depth.add_metric(labels, stats.queue_depth)
+            compiles.add_metric(labels, stats.compiles)
+            if isinstance(stats, GenerationStats):
                 for key, gauge in slots.items():
-                    gauge.add_metric(labels, stats[key])
+                    gauge.add_metric(labels, getattr(stats, key))
             replica_stats = getattr(server, "replica_stats", None)  # a cluster serving's local front
             if replica_stats is None:
                 continue
             clustered = True
             for replica_name, one in replica_stats().items():
                 for key, family in replica.items():
-                    family.add_metric([*labels, replica_name], one[key])
-                replica_depth.add_metric([*labels, replica_name], one["queue_depth"])
+                    family.add_metric([*labels, replica_name], getattr(one, key, 0))
+                replica_depth.add_metric([*labels, replica_name], one.queue_depth)
         yield depth
         yield compiles
         yield from slots.values()

@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..serving.generation import GenerationFront
 from ..serving.server import Server
+from ..serving.stats import GenerationStats, ServerStats
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .metrics import Metrics
@@ -267,23 +268,29 @@ class InferenceService:
         its requests, and its queue time the time to first output."""
         tally = self.tallies[(spec.name, spec.version)]
         stats = spec.server.stats()
-        generating = isinstance(spec, GenerationSpec)
-        executions = stats["steps" if generating else "batches"]
-        waits = stats["first_output_s" if generating else "queue_wait_s"]
+        if isinstance(stats, GenerationStats):
+            inferences, executions, queued, waits, computing = (stats.requests, stats.steps, stats.requests,
+                                                                stats.first_output_s, stats.step_s)
+            sizes, size_s = {}, {}
+        else:
+            assert isinstance(stats, ServerStats)
+            inferences, executions, queued, waits, computing = (stats.rows, stats.batches, stats.batches,
+                                                                stats.queue_wait_s, stats.execution_s)
+            sizes, size_s = stats.batch_sizes, stats.batch_execution_s
         return {
             "name": spec.name, "version": spec.version, "last_inference": tally.last_inference_ms,
-            "inference_count": stats["requests" if generating else "rows"], "execution_count": executions,
+            "inference_count": inferences, "execution_count": executions,
             "inference_stats": {
                 "success": _duration(tally.success_count, tally.success_ns),
                 "fail": _duration(tally.fail_count, tally.fail_ns),
-                "queue": _duration(stats["requests"] if generating else executions, waits * 1e9),
+                "queue": _duration(queued, waits * 1e9),
                 "compute_input": _duration(0, 0), "compute_output": _duration(0, 0),
-                "compute_infer": _duration(executions, stats["step_s" if generating else "execution_s"] * 1e9),
+                "compute_infer": _duration(executions, computing * 1e9),
             },
             "batch_stats": [{"batch_size": size, "compute_input": _duration(0, 0),
                              "compute_output": _duration(0, 0),
-                             "compute_infer": _duration(count, stats.get("batch_execution_s", {}).get(size, 0) * 1e9)}
-                            for size, count in sorted(stats.get("batch_sizes", {}).items())],
+                             "compute_infer": _duration(count, size_s.get(size, 0) * 1e9)}
+                            for size, count in sorted(sizes.items())],
         }
 
     def server_metadata(self) -> dict[str, Any]:

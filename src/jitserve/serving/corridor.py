@@ -23,10 +23,10 @@ import jax
 from ..batch import Batch
 from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, ServerStoppedError
 from .options import seconds_option
-from .partition import ServerStats
 from .queue import Queues
 from .request import END, Request, concatenate_outputs, finish, prepare
 from .serving import Serving
+from .stats import ServerStats
 
 _ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
 

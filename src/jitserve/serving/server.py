@@ -19,7 +19,6 @@ the cluster coalescer gives executors that send the batch to a remote replica.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import threading
@@ -38,10 +37,11 @@ from ..params import load_params
 from ..template import is_template
 from .corridor import Corridor
 from .options import optional_seconds
-from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, ServerStats, Weights
+from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, Weights
 from .queue import BatchPolicy, Queues
 from .request import Request
 from .serving import Executor, Serving
+from .stats import ServerStats
 from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
@@ -254,12 +254,11 @@ class Server(Corridor, BatchRunner, Lifecycle):
         """Call ``listener(report)`` in the worker thread after every executed batch."""
         self._listeners.append(listener)
 
-    def stats(self) -> dict[str, Any]:
-        """The counters of :class:`ServerStats` as a dict, with the rows queued now (``queue_depth``) and the
-        batches running (``in_flight``)."""
+    def stats(self) -> ServerStats:
+        """The counters so far, with the rows queued now (``queue_depth``) and the batches running
+        (``in_flight``)."""
         with self._lock:
-            return {**dataclasses.asdict(self._stats), "queue_depth": self._queues.depth,
-                    "in_flight": self._in_flight}
+            return self._stats.snapshot(queue_depth=self._queues.depth, in_flight=self._in_flight)
 
     def _count_compile(self) -> None:
         with self._lock:

@@ -26,8 +26,10 @@ from ...errors import OptionError
 from ...serving.generation import Generation
 from ...serving.options import finite_number
 from ...serving.serving import Serving
+from ...serving.stats import FrontStats
 from .autoscaling import Autoscaler, Autoscaling
 from .operations import (
+    DeploymentStats,
     actor_names,
     check_replicas,
     connect,
@@ -38,7 +40,6 @@ from .operations import (
     replica_stats,
     stale_check,
     stop_actor,
-    total,
 )
 from .replicas import LOST, NAMESPACE, Deployment, GenerationActor, HolderActor, ReplicaActor
 
@@ -153,10 +154,10 @@ class RayServing:
     def _stop_replica(self, actor_name: str) -> None:
         stop_actor(self._actors.pop(actor_name))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> DeploymentStats:
         """Stats per replica (``replicas``) and summed over them (``total``)."""
         per_replica = replica_stats(self._actors)
-        return {"replicas": per_replica, "total": total(per_replica.values())}
+        return DeploymentStats(per_replica, FrontStats.total(per_replica.values()))
 
     def stop(self) -> None:
         """Stop every replica gracefully (what has not started is re-sent elsewhere by its router), then

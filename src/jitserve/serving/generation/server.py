@@ -29,6 +29,7 @@ from ...template import Template, check_params
 from ..options import optional_seconds
 from ..server import Lifecycle
 from ..serving import owned_host_array
+from ..stats import GenerationStats
 from .delivery import GenerationRequest, hand_over, read, read_async
 from .programs import Programs, to_host
 from .scheduler import Plan, Scheduler
@@ -56,7 +57,7 @@ class GenerationFront(Lifecycle):
     def outputs_async(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
         raise NotImplementedError
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> GenerationStats:
         raise NotImplementedError
 
     def update_params(self, params: Any) -> None:
@@ -93,9 +94,7 @@ class GenerationServer(GenerationFront):
         self._scheduler: Scheduler[GenerationRequest] = Scheduler(g.slots, g.prefill_lengths, g.prefill_batches,
                                                                   g.steps_per_launch, g.max_queue)
         self._stopping = False
-        self._stats: dict[str, Any] = {"requests": 0, "outputs": 0, "steps": 0, "prefills": 0, "compiles": 0,
-                                       "errors": 0, "cancelled": 0, "timeouts": 0, "rejected": 0,
-                                       "first_output_s": 0.0, "step_s": 0.0, "max_slots_busy": 0}
+        self._stats = GenerationStats(slots=g.slots)
         options = compilers.get(generation.compiler_name).partitions(generation.compiler_options)[0]
         self._programs = Programs(generation, options, self._count_compile)
         self._params = self._programs.place(generation.params)
@@ -141,7 +140,7 @@ class GenerationServer(GenerationFront):
 
     def _count_compile(self) -> None:
         with self._lock:
-            self._stats["compiles"] += 1
+            self._stats.compiles += 1
 
     # lifecycle -----------------------------------------------------------------------------------
 
@@ -191,13 +190,10 @@ class GenerationServer(GenerationFront):
                 request.ended = True
                 request.stream.put(error)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> GenerationStats:
         with self._lock:
-            stats = dict(self._stats)
-            stats["slots"] = self.generation.slots
-            stats["slots_busy"] = len(self._scheduler.running)
-            stats["queue_depth"] = len(self._scheduler.waiting)
-        return stats
+            return self._stats.snapshot(slots_busy=len(self._scheduler.running),
+                                        queue_depth=len(self._scheduler.waiting))
 
     # callers ---------------------------------------------------------------------------------------
 
@@ -212,11 +208,11 @@ class GenerationServer(GenerationFront):
             if self._stopping:
                 raise ServerStoppedError(f"generation server {self.name!r} is stopped and takes no new requests")
             if self._scheduler.full:
-                self._stats["rejected"] += 1
+                self._stats.rejected += 1
                 raise QueueFullError(f"generation server {self.name!r} queue is full: "
                                      f"{len(self._scheduler.waiting)} prompts wait for a slot, max_queue is "
                                      f"{g.max_queue}")
-            self._stats["requests"] += 1
+            self._stats.requests += 1
             self._scheduler.submit(request)
             self._wake.notify()
         return request
@@ -226,14 +222,14 @@ class GenerationServer(GenerationFront):
         before the next step."""
         with self._lock:
             if self._scheduler.cancel(request):
-                self._stats["cancelled"] += 1
+                self._stats.cancelled += 1
 
     def _expire(self, request: GenerationRequest, timeout: float | None) -> None:
         """A request not admitted within ``timeout``: taken off the queue with TimeoutError."""
         with self._lock:
             if not self._scheduler.expire(request):
                 return
-            self._stats["timeouts"] += 1
+            self._stats.timeouts += 1
         raise TimeoutError(f"request to generation server {self.name!r} timed out after {timeout}s waiting "
                            f"for a free slot")
 
@@ -261,7 +257,7 @@ class GenerationServer(GenerationFront):
                     self._wake.wait()
                 if self._stopping and not (scheduler.running or scheduler.waiting or in_flight):
                     return
-                self._stats["cancelled"] += scheduler.release_cancelled()
+                self._stats.cancelled += scheduler.release_cancelled()
                 if self._new_params is not None and not scheduler.running:  # no slot runs with the old weights
                     self._params, self._new_params = self._new_params, None
                     self._wake.notify_all()
@@ -270,8 +266,8 @@ class GenerationServer(GenerationFront):
                 for prefill in plan.prefills:
                     for request in prefill.requests:
                         request.admitted.set()
-                self._stats["prefills"] += len(plan.prefills)
-                self._stats["max_slots_busy"] = max(self._stats["max_slots_busy"], plan.busy)
+                self._stats.prefills += len(plan.prefills)
+                self._stats.max_slots_busy = max(self._stats.max_slots_busy, plan.busy)
             dispatched: list[_Dispatched] = []
             try:
                 self._launch(plan, dispatched)
@@ -282,7 +278,7 @@ class GenerationServer(GenerationFront):
                 raised_by_model(error)  # prefill or decode, or their compiled code: a 500 over the network
                 log.exception("generation server %s: a step failed", self.name)
                 with self._lock:
-                    self._stats["errors"] += 1
+                    self._stats.errors += 1
                     self._end([*scheduler.take_running(), *plan.requests,
                                *(r for item in [*in_flight, *dispatched] for r in item.requests)], error)
                     self._carry = self._programs.zeros()
@@ -318,12 +314,12 @@ class GenerationServer(GenerationFront):
         self._ready = now
         steps = outputs.shape[0]
         with self._lock:
-            self._stats["outputs"] += delivered
+            self._stats.outputs += delivered
             if item.step:
-                self._stats["steps"] += steps
-                self._stats["step_s"] += elapsed
+                self._stats.steps += steps
+                self._stats.step_s += elapsed
             else:
-                self._stats["first_output_s"] += sum(now - r.submitted for r in item.requests)
+                self._stats.first_output_s += sum(now - r.submitted for r in item.requests)
             self._scheduler.release(finished)
         if item.step:
             for _ in range(steps):
