@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from ..errors import (
     UnknownServerError,
     is_raised_by_model,
 )
+from ..serving.front import Front
 from ..serving.generation import GenerationFront
 from ..serving.server import Server
 from ..serving.stats import GenerationStats, ServerStats
@@ -153,7 +154,7 @@ class InferenceService:
     repository changes the models while they serve (:meth:`put`, :meth:`remove`); ``control`` is what
     loads and unloads them."""
 
-    def __init__(self, servers: Mapping[str, Server | GenerationFront], request_timeout: float | None = None,
+    def __init__(self, servers: Mapping[str, Front], request_timeout: float | None = None,
                  access_log: bool = False, tracing: Tracing | None = None) -> None:
         self.versions: dict[str, dict[str, Spec]] = {}
         self.access_log = access_log  # one line per inference request (protocol/access.py)
@@ -168,17 +169,17 @@ class InferenceService:
             self.put(key, server)
         self.control: ModelControl = FixedModels(self)
 
-    def put(self, key: str, server: Server | GenerationFront) -> Server | GenerationFront | None:
+    def put(self, key: str, server: Front) -> Front | None:
         """Serve ``server`` as ``key`` (``name`` or ``name/version``) from now on; returns the server it
         replaces, if any, which the caller stops (drained: what it holds finishes there). Requests that
         took the old one but had not queued yet are sent to the new one (see :meth:`_current`)."""
         name, version = split_version(key)
-        spec: Spec = (GenerationSpec(name, server, version) if isinstance(server, GenerationFront)
-                      else ModelSpec(name, server, version))
+        spec: Spec = (GenerationSpec(name, cast(GenerationFront, server), version) if server.generates
+                      else ModelSpec(name, cast(Server, server), version))
         old = self.versions.get(name, {}).get(version)
         self.metrics.add(name, version, server)
-        if self.tracing is not None and isinstance(server, Server):
-            server.add_batch_listener(self.tracing.on_batch)
+        if self.tracing is not None:
+            server.listen(self.tracing)
         self.tallies.setdefault((name, version), Tally(self.metrics.request_seconds.labels(name, version)))
         specs = dict(sorted({**self.versions.get(name, {}), version: spec}.items(),
                             key=lambda item: _version_order(item[0])))
@@ -186,7 +187,7 @@ class InferenceService:
         self.models[name] = list(specs.values())[-1]
         return None if old is None else old.server
 
-    def remove(self, name: str) -> list[Server | GenerationFront]:
+    def remove(self, name: str) -> list[Front]:
         """Stop sending requests to every version of ``name``; returns their servers, for the caller to stop."""
         specs = self.versions.pop(name, {})
         self.models.pop(name, None)
@@ -194,7 +195,7 @@ class InferenceService:
             self.metrics.remove(name, version)
         return [spec.server for spec in specs.values()]
 
-    def servers(self) -> dict[str, Server | GenerationFront]:
+    def servers(self) -> dict[str, Front]:
         """The servers serving now, by the keys they would be given with: ``name/version``, or ``name`` alone
         for a model served only as version 1."""
         return {name if list(specs) == ["1"] else f"{name}/{version}": spec.server

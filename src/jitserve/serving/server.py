@@ -33,9 +33,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from .. import compilers
 from ..batch import Batch
 from ..errors import OptionError, ServerStoppedError
-from ..params import load_params
 from ..template import is_template
 from .corridor import Corridor
+from .front import Front, Listener
 from .options import optional_seconds
 from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, Weights
 from .queue import BatchPolicy, Queues
@@ -47,53 +47,7 @@ from .worker import ProcessExecutor
 log = logging.getLogger("jitserve.server")
 
 
-class Lifecycle:
-    """What every kind of server shares with the registry and ``with`` blocks: ``stop``, the callbacks run
-    once it has stopped, and whether it is stopping; and how its weights are swapped (``update_params``)
-    and read again from the file they came from (``reload_params``)."""
-
-    name: str
-    _stopping: bool
-    _on_stop: list[Callable[[Any], None]]
-
-    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        raise NotImplementedError
-
-    def update_params(self, params: Any) -> None:
-        raise NotImplementedError
-
-    @property
-    def params_source(self) -> str | None:
-        """The file the weights were given as (``params=PATH``); None when they were given as arrays."""
-        raise NotImplementedError
-
-    def reload_params(self) -> None:
-        """:meth:`update_params` with the weights read again from the file they were given as
-        (``params=PATH``): replace that file (write a new one and rename it over the old, as
-        ``save_params`` does: the served arrays may map the old one) and reload, compiling nothing."""
-        source = self.params_source
-        if source is None:
-            raise OptionError(f"server {self.name!r} was given its weights as arrays, not as a file "
-                              f"(params=PATH), so there is no file to reload them from")
-        self.update_params(load_params(source))
-
-    def on_stop(self, callback: Callable[[Any], None]) -> None:
-        """Call ``callback(server)`` once the server has stopped (the registry forgets its name)."""
-        self._on_stop.append(callback)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    @property
-    def stopping(self) -> bool:
-        """True once ``stop()`` was called: no new requests are taken."""
-        return self._stopping
-
-
-class Server(Corridor, BatchRunner, Lifecycle):
+class Server(Corridor, BatchRunner, Front):
     """A named, running server of one :class:`Serving`. Use :func:`jitserve.serve` to start one.
 
     ``executors`` (one per partition) replace the compiled executors of the serving's own partitions;
@@ -253,6 +207,13 @@ class Server(Corridor, BatchRunner, Lifecycle):
     def add_batch_listener(self, listener: Callable[[BatchReport], None]) -> None:
         """Call ``listener(report)`` in the worker thread after every executed batch."""
         self._listeners.append(listener)
+
+    def listen(self, listener: Listener) -> None:
+        self.add_batch_listener(listener.batch)
+
+    def takes_weights_of(self, servable: Any) -> bool:
+        return self.swaps_weights and type(servable) is type(self.serving) and servable.params is not None \
+            and servable.params_template == self.serving.params_template
 
     def stats(self) -> ServerStats:
         """The counters so far, with the rows queued now (``queue_depth``) and the batches running

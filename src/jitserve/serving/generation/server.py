@@ -26,8 +26,8 @@ from typing import Any, NamedTuple, Self
 from ... import compilers
 from ...errors import OptionError, QueueFullError, ServerStoppedError, raised_by_model
 from ...template import Template, check_params
+from ..front import Front, Listener
 from ..options import optional_seconds
-from ..server import Lifecycle
 from ..serving import owned_host_array
 from ..stats import GenerationStats
 from .delivery import GenerationRequest, hand_over, read, read_async
@@ -38,11 +38,12 @@ from .spec import GREEDY, Generation, Sampling, stop_outputs
 log = logging.getLogger("jitserve.generation")
 
 
-class GenerationFront(Lifecycle):
+class GenerationFront(Front):
     """What ``js.generate`` and the network front call: a :class:`GenerationServer` in this process, or a
     cluster's front of generation replicas (``jitserve.cluster.ray``). ``submit`` checks and queues a
     request; ``outputs`` / ``outputs_async`` give its outputs as they come (closing them cancels it)."""
 
+    generates = True
     generation: Generation
     name: str
     output_template: Template  # what each step gives one request
@@ -112,6 +113,12 @@ class GenerationServer(GenerationFront):
         """Call ``listener(kind, seconds)`` for each ``"first_output"`` (a request's time from submission to
         its first output) and each ``"step"`` (one decode step of every busy slot), on the loop thread."""
         self._listeners.append(listener)
+
+    def listen(self, listener: Listener) -> None:
+        self.add_listener(listener.step)
+
+    def takes_weights_of(self, servable: Any) -> bool:
+        return type(servable) is type(self.generation) and servable.params_template == self.generation.params_template
 
     def _tell(self, kind: str, seconds: float) -> None:
         for listener in self._listeners:
