@@ -12,7 +12,6 @@ written here once. The request handle it hands out and waits on is
 from __future__ import annotations
 
 import asyncio
-import queue as thread_queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -24,7 +23,7 @@ from ..batch import Batch
 from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, ServerStoppedError
 from .options import seconds_option
 from .queue import Queues
-from .request import END, Request, concatenate_outputs, finish, prepare
+from .request import Reading, Request, concatenate_outputs, finish, prepare, read, read_async
 from .serving import Serving
 from .stats import ServerStats
 
@@ -189,42 +188,20 @@ class Corridor:
             return [outputs for _, outputs in parts]
         return concatenate_outputs([outputs for _, outputs in parts])
 
+    def _reading(self, request: Request, timeout: float | None) -> Reading:
+        assert request.stream is not None, "a stream=True request"
+        return Reading(request.stream, timeout, lambda: request.started, lambda: self._expire(request, timeout),
+                       lambda: self._abandon(request), StreamOrder(self.serving.streaming).take)
+
     def stream(self, request: Request, timeout: float | None) -> Iterator[Any]:
         """The outputs of a ``stream=True`` request as they come: consecutive row ranges in order (each
         step, for a serving that yields steps). Closing the iterator early takes unstarted rows off the
         queues; ``timeout`` as for :meth:`result`."""
-        items = request.stream.items  # type: ignore[union-attr]
-        order = StreamOrder(self.serving.streaming)
-        try:
-            while True:
-                try:
-                    ready = order.take(items.get(timeout=None if request.started else timeout))
-                except thread_queue.Empty:
-                    self._expire(request, timeout)
-                    continue
-                if ready is None:
-                    return
-                yield from ready
-        finally:
-            self._abandon(request)
+        return read(self._reading(request, timeout))
 
-    async def stream_async(self, request: Request, timeout: float | None) -> AsyncIterator[Any]:
+    def stream_async(self, request: Request, timeout: float | None) -> AsyncIterator[Any]:
         """:meth:`stream` for a request submitted with its event loop and ``stream=True``."""
-        items = request.stream.items  # type: ignore[union-attr]
-        order = StreamOrder(self.serving.streaming)
-        try:
-            while True:
-                try:
-                    ready = order.take(await asyncio.wait_for(items.get(), None if request.started else timeout))
-                except TimeoutError:
-                    self._expire(request, timeout)
-                    continue
-                if ready is None:
-                    return
-                for outputs in ready:
-                    yield outputs
-        finally:
-            self._abandon(request)
+        return read_async(self._reading(request, timeout))
 
     def _expire(self, request: Request, timeout: float | None) -> None:
         """A streaming request's timeout passed: withdrawn with TimeoutError unless its rows started."""
@@ -243,12 +220,8 @@ class StreamOrder:
         self.waiting: dict[int, Any] = {}
         self.next_offset = 0
 
-    def take(self, item: Any) -> list[Any] | None:
-        """The outputs now ready to hand out after ``item``; None at the end; a failure raises."""
-        if item is END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
+    def take(self, item: Any) -> list[Any]:
+        """The outputs now ready to hand out after ``item`` (neither the end nor a failure)."""
         key, outputs = item
         if self.steps:
             return [outputs]

@@ -28,9 +28,10 @@ from ...errors import OptionError, QueueFullError, ServerStoppedError, raised_by
 from ...template import Template, check_params
 from ..front import Front, Listener
 from ..options import optional_seconds
+from ..request import Reading, read, read_async
 from ..serving import owned_host_array
 from ..stats import GenerationStats
-from .delivery import GenerationRequest, hand_over, read, read_async
+from .delivery import GenerationRequest, hand_over
 from .programs import Programs, to_host
 from .scheduler import Plan, Scheduler
 from .spec import GREEDY, Generation, Sampling, stop_outputs
@@ -242,11 +243,15 @@ class GenerationServer(GenerationFront):
 
     def outputs(self, request: GenerationRequest, timeout: float | None) -> Generator[Any, None, None]:
         """The request's outputs as they come; closing the iterator cancels the request."""
-        return read(request, timeout, lambda: self._expire(request, timeout), lambda: self.cancel(request))
+        return read(self._reading(request, timeout))
 
     def outputs_async(self, request: GenerationRequest, timeout: float | None) -> AsyncGenerator[Any, None]:
         """:meth:`outputs` for a request submitted with its event loop."""
-        return read_async(request, timeout, lambda: self._expire(request, timeout), lambda: self.cancel(request))
+        return read_async(self._reading(request, timeout))
+
+    def _reading(self, request: GenerationRequest, timeout: float | None) -> Reading:
+        return Reading(request.stream, timeout, request.admitted.is_set, lambda: self._expire(request, timeout),
+                       lambda: self.cancel(request))
 
     # the loop --------------------------------------------------------------------------------------
 
