@@ -1,7 +1,7 @@
 """The corridor: the part of a server its callers see, the one path of every request.
 
-:class:`Corridor`'s ``call``, ``call_async``, ``open_stream`` and
-``open_stream_async`` do prepare (the serving's ``preprocess``) -> submit ->
+:class:`Corridor` (each server owns one) and its ``call``, ``call_async``,
+``open_stream`` and ``open_stream_async`` do prepare (the serving's ``preprocess``) -> submit ->
 wait -> finish (``postprocess``), the one path of every request, whether it
 comes from :func:`jitserve.batched_run`, the network or a cluster replica; the
 waiting itself (sync, asyncio, streamed, with timeouts and withdrawal) is
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import jax
@@ -31,17 +31,20 @@ _ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
 
 
 class Corridor:
-    """The callers' side of a server (mixed into :class:`~jitserve.serving.server.Server`, whose state it
-    shares under the server's lock): the corridor every request takes, submission, the ways to wait, and
-    taking a request back."""
+    """The callers' side of a server, an object the server owns (``server.corridor``) over the state it
+    shares with it: the name and serving, the server's lock and the condition its partitions wait on, the
+    queues, the counters, and whether the server is stopping. The corridor every request takes,
+    submission, the ways to wait, and taking a request back."""
 
-    name: str
-    serving: Serving
-    _lock: threading.RLock
-    _cond: threading.Condition
-    _queues: Queues
-    _stopping: bool
-    _stats: ServerStats
+    def __init__(self, name: str, serving: Serving, lock: threading.RLock, cond: threading.Condition,
+                 queues: Queues, stats: ServerStats, stopping: Callable[[], bool]) -> None:
+        self.name = name
+        self.serving = serving
+        self._lock = lock
+        self._cond = cond
+        self._queues = queues
+        self._stats = stats
+        self._stopping = stopping
 
     def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None,
                priority: int | None = None, stream: bool = False) -> Request:
@@ -62,7 +65,7 @@ class Corridor:
         request = Request(size, loop, level, stream)
         queues = self._queues
         with self._lock:
-            if self._stopping:
+            if self._stopping():
                 raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
             try:
                 queues.admit(size, level, self.name)

@@ -10,7 +10,8 @@ threads only twice: caller to worker and back. This is Nx.Serving's loop, with
 padding to compiled sizes, splitting, a bounded queue and timeouts on top.
 
 The rooms: the lifecycle, warm-up and weights are here; submission and every
-way to wait in ``corridor.py`` (the corridor); the request handle in
+way to wait in ``corridor.py`` (the corridor, an object the server owns and
+whose entry points it gives its callers); the request handle in
 ``request.py``; the batching policy and admission in ``queue.py``; the partitions' loop,
 bisection and delivery in ``partition.py``, with the executor protocol. By
 default each partition compiles the serving's function (:class:`Executor`);
@@ -19,11 +20,12 @@ the cluster coalescer gives executors that send the batch to a remote replica.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Self
 
 import jax
@@ -47,7 +49,7 @@ from .worker import ProcessExecutor
 log = logging.getLogger("jitserve.server")
 
 
-class Server(Corridor, BatchRunner, Front):
+class Server(BatchRunner, Front):
     """A named, running server of one :class:`Serving`. Use :func:`jitserve.serve` to start one.
 
     ``executors`` (one per partition) replace the compiled executors of the serving's own partitions;
@@ -66,6 +68,8 @@ class Server(Corridor, BatchRunner, Front):
         self._listeners: list[Callable[[BatchReport], None]] = []
         self._on_stop: list[Callable[[Any], None]] = []
         self._stats = ServerStats()
+        self.corridor = Corridor(name, serving, self._lock, self._cond, self._queues, self._stats,
+                                 lambda: self._stopping)
         self._compiles_own = executors is None
         if executors is None:
             isolated = serving.isolation == "process"
@@ -77,6 +81,30 @@ class Server(Corridor, BatchRunner, Front):
         self._swappable = self._compiles_own and serving.has_params  # batches pin a version of weights
         self._weights = Weights([()] * len(self._partitions))
         self._update_lock = threading.Lock()
+
+    # the entry points: the corridor's -------------------------------------------------------------
+
+    def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None, priority: int | None = None,
+               stream: bool = False) -> Request:
+        """Queue ``batch``'s rows; returns the request (see :meth:`Corridor.submit`)."""
+        return self.corridor.submit(batch, loop, priority, stream)
+
+    def call(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
+        """Run ``value`` batched with concurrent callers (see :meth:`Corridor.call`)."""
+        return self.corridor.call(value, timeout, priority)
+
+    async def call_async(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
+        """:meth:`call` for asyncio callers."""
+        return await self.corridor.call_async(value, timeout, priority)
+
+    def open_stream(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Iterator[Any]:
+        """:meth:`call` whose results come as they are ready (see :meth:`Corridor.open_stream`)."""
+        return self.corridor.open_stream(value, timeout, priority)
+
+    def open_stream_async(self, value: Any, timeout: float | None = None,
+                          priority: int | None = None) -> AsyncIterator[Any]:
+        """:meth:`open_stream` for a caller on a running event loop."""
+        return self.corridor.open_stream_async(value, timeout, priority)
 
     # lifecycle -------------------------------------------------------------------------------
 
