@@ -221,7 +221,7 @@ def main() -> None:
             for _ in js.generate_stream(name, prompt, max_steps=steps):
                 record(time.perf_counter())
 
-        return call, lambda: server.stats()["steps"]
+        return call, lambda: server.stats().steps
 
     def call_streaming(prompt, steps, record):
         tokens = np.zeros((1, CONTEXT), np.int32)

@@ -51,13 +51,13 @@ def generation_step_us(args: argparse.Namespace, packed: bool) -> float:
         js.generate("bench-packed-generation", [1, 2], max_steps=3)
         callers = [threading.Thread(target=js.generate, args=("bench-packed-generation", [1, 2]),
                                     kwargs={"max_steps": args.steps}) for _ in range(8)]
-        before = server.stats()["steps"]
+        before = server.stats().steps
         started = time.perf_counter()
         for caller in callers:
             caller.start()
         for caller in callers:
             caller.join()
-        return (time.perf_counter() - started) / (server.stats()["steps"] - before) * 1e6
+        return (time.perf_counter() - started) / (server.stats().steps - before) * 1e6
 
 
 def serving_call_us(args: argparse.Namespace, packed: bool) -> float:

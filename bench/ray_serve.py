@@ -59,7 +59,7 @@ def in_process(args) -> dict:
         load = closed_loop(one_row_calls(lambda x: js.batched_run("mlp-local", js.Batch.concatenate([x]))),
                            args.callers, args.seconds)
         stats = server.stats()
-    return {"load": load, "mean_batch": stats["rows"] / stats["batches"]}
+    return {"load": load, "mean_batch": stats.rows / stats.batches}
 
 
 def through_ray(args) -> dict:
@@ -68,10 +68,10 @@ def through_ray(args) -> dict:
     try:
         load = closed_loop(one_row_calls(lambda x: js.batched_run(("ray", "mlp"), js.Batch.concatenate([x]))),
                            args.callers, args.seconds)
-        stats = handle.stats()["total"]  # every Ray call is one request on a replica
+        stats = handle.stats().total  # every Ray call is one request on a replica
     finally:
         handle.stop()
-    return {"load": load, "mean_batch": stats["rows"] / stats["batches"], "rows_per_call": stats["rows"] / stats["requests"]}
+    return {"load": load, "mean_batch": stats.rows / stats.batches, "rows_per_call": stats.rows / stats.requests}
 
 
 def ray_serve(args) -> dict | None:

@@ -143,12 +143,12 @@ def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bo
     with js.serve(serving, name=name) as server:
         load = (closed_loop_async if use_async else closed_loop)(make_call, callers, seconds)
         stats = server.stats()
-    executed = sum(size * count for size, count in stats["batch_sizes"].items())
+    executed = sum(size * count for size, count in stats.batch_sizes.items())
     return {
         "rows_per_s": load.rows_per_s, "p50": load.percentile(50), "p99": load.percentile(99),
-        "mean_batch": stats["rows"] / stats["batches"], "waste": stats["padded_rows"] / executed,
-        "compiles": stats["compiles"],
-        "full_batch_s": stats["batch_execution_s"].get(batch_size, math.nan) / stats["batch_sizes"].get(batch_size, 1),
+        "mean_batch": stats.rows / stats.batches, "waste": stats.padded_rows / executed,
+        "compiles": stats.compiles,
+        "full_batch_s": stats.batch_execution_s.get(batch_size, math.nan) / stats.batch_sizes.get(batch_size, 1),
     }
 
 

@@ -154,7 +154,7 @@ def test_serving_with_iree():
     with js.serve(serving, name="iree-serving") as server:
         x = np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3)
         np.testing.assert_allclose(js.batched_run("iree-serving", js.Batch.concatenate([x])), np.tanh(x), rtol=1e-6)
-        assert server.stats()["compiles"] == 3
+        assert server.stats().compiles == 3
 
 
 def test_devices_include_iree():

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -139,7 +139,8 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     """The target's servings (and generations) by name, or the ``--hf`` checkpoints', with the command line's
     overrides applied."""
     from .models import from_pretrained
-    from .serving import Generation, Serving
+    from .serving import Serving
+    from .serving.registry import is_servable
 
     hf, task, dtype = (getattr(args, name, None) for name in ("hf", "task", "dtype"))  # serve's, not bench's
     if hf:
@@ -152,23 +153,23 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
         raise OptionError("--task and --dtype apply to a checkpoint: give them with --hf DIR")
     else:
         found = load_target(args.target)
-    if not isinstance(found, (dict, Serving, Generation)):
+    if not (isinstance(found, dict) or is_servable(found)):
         raise OptionError(f"{args.target} is a {type(found).__name__}, not a jitserve.Serving or Generation or a "
                           f"dict of them")
     servings = _by_version(found) if isinstance(found, dict) else {args.name or _default_name(args.target): found}
     target = args.target or "--hf"
     changes = {k: v for k, v in _overrides(args).items() if not (hf and k == "compiler")}  # --hf: given above
     for name, serving in servings.items():
-        if isinstance(serving, Generation):
+        if not is_servable(serving):
+            raise OptionError(f"{target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving "
+                              f"or Generation")
+        if serving.generates:
             if changes:
                 raise OptionError(f"{target}: '{name}' is a jitserve.Generation: "
                                   f"{', '.join('--' + k.replace('_', '-') for k in changes)} apply to a Serving; set "
                                   f"a generation's options where it is made")
             continue
-        if not isinstance(serving, Serving):
-            raise OptionError(f"{target}: '{name}' is a {type(serving).__name__}, not a jitserve.Serving "
-                              f"or Generation")
-        servings[name] = serving.replace(**changes) if changes else serving
+        servings[name] = cast(Serving, serving).replace(**changes) if changes else serving
     return servings
 
 
@@ -334,13 +335,13 @@ def cluster_command(args: argparse.Namespace) -> int:
 def bench_command(args: argparse.Namespace) -> int:
     from .batch import Batch
     from .loadtest import closed_loop, closed_loop_async
-    from .serving import Generation, batched_run, batched_run_async, serve
+    from .serving import batched_run, batched_run_async, serve
 
     run_cpu_computations_inline()  # as jitserve serve does: what this measures is what it serves
     servings = load_servings(args)
     name = args.name if args.name in servings else next(iter(servings))
     serving = servings[name]
-    if isinstance(serving, Generation):
+    if serving.generates:
         raise OptionError(f"model '{name}' is a jitserve.Generation; jitserve bench measures a Serving (for a "
                           f"generation, see bench/generation.py)")
     if serving.input_template is None:
@@ -362,15 +363,15 @@ def bench_command(args: argparse.Namespace) -> int:
         before = server.stats()
         load = (closed_loop_async if args.use_async else closed_loop)(make_call, args.callers, args.seconds)
         stats = server.stats()
-    batches = stats["batches"] - before["batches"]
-    executed = sum(size * count for size, count in stats["batch_sizes"].items())
+    batches = stats.batches - before.batches
+    executed = sum(size * count for size, count in stats.batch_sizes.items())
     print(f"model '{name}': {serving!r}, {args.callers} {'asyncio tasks' if args.use_async else 'threads'} "
           f"x {args.rows} rows per request, {args.seconds:g} s")
     print("| rows/s | p50 ms | p99 ms | mean batch | padding waste | compiles during load |")
     print("|---|---|---|---|---|---|")
     print(f"| {load.rows_per_s:,.0f} | {load.percentile(50) * 1e3:.2f} | {load.percentile(99) * 1e3:.2f} "
-          f"| {(stats['rows'] - before['rows']) / max(batches, 1):.1f} "
-          f"| {100 * stats['padded_rows'] / max(executed, 1):.1f}% | {stats['compiles'] - before['compiles']} |")
+          f"| {(stats.rows - before.rows) / max(batches, 1):.1f} "
+          f"| {100 * stats.padded_rows / max(executed, 1):.1f}% | {stats.compiles - before.compiles} |")
     return 0
 
 

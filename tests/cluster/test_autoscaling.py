@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("ray")
 from jitserve.cluster.ray.autoscaling import Autoscaling, Decision, Reading, decide
+from jitserve.serving.stats import ServerStats
 
 POLICY = Autoscaling(min_replicas=1, max_replicas=4, upscale_delay_s=1.0, downscale_delay_s=10.0)
 TARGET = 8.0  # rows waiting per replica (a serving's batch_size when target_queue is not given)
@@ -67,8 +68,8 @@ def test_the_hysteresis_keeps_a_busy_or_half_full_serving_where_it_is():
 
 
 def test_a_reading_comes_from_the_summed_counters_at_both_ends_of_a_period():
-    before = {"rows": 100, "queue_wait_s": 1.0, "execution_s": 2.0, "queue_depth": 0}
-    after = {"rows": 140, "queue_wait_s": 3.0, "execution_s": 3.0, "queue_depth": 12}
+    before = ServerStats(rows=100, queue_wait_s=1.0, execution_s=2.0, queue_depth=0)
+    after = ServerStats(rows=140, queue_wait_s=3.0, execution_s=3.0, queue_depth=12)
     reading = Reading.between(10.0, before, 10.5, after, 2)
     assert reading == Reading(at=10.5, replicas=2, depth=6.0, wait_s=0.05, busy=1.0)
     assert Reading.between(0.0, before, 1.0, before, 2).wait_s == 0.0  # no rows run: no waits to average

@@ -110,10 +110,10 @@ def test_callers_in_two_other_processes_reach_replicas_on_both_nodes_with_full_b
         _stop_and_check_gone(handle)
     for result in results:
         assert result["requests"] > 100 and result["wrong"] == 0 and result["errors"] == []
-    assert all(one["rows"] > 0 for one in stats["replicas"].values()), "both replicas served"
-    total = stats["total"]
-    assert total["rows"] == sum(r["rows"] for r in results), "every row ran once"
-    assert total["rows"] / total["batches"] >= 16 / 2, f"mean replica batch {total['rows'] / total['batches']:.1f}"
+    assert all(one.rows > 0 for one in stats.replicas.values()), "both replicas served"
+    total = stats.total
+    assert total.rows == sum(r["rows"] for r in results), "every row ran once"
+    assert total.rows / total.batches >= 16 / 2, f"mean replica batch {total['rows'] / total['batches']:.1f}"
 
 
 def test_weights_1_to_3_split_rows_within_15_percent(ray_cluster):
@@ -123,7 +123,7 @@ def test_weights_1_to_3_split_rows_within_15_percent(ray_cluster):
         x = js.Batch.concatenate([_rows(1)])
         for _ in range(2000):
             js.batched_run("weighted", x)
-        rows = [light.stats()["total"]["rows"], heavy.stats()["total"]["rows"]]
+        rows = [light.stats().total.rows, heavy.stats().total.rows]
     finally:
         light.stop()
         heavy.stop()
@@ -187,7 +187,7 @@ def test_a_full_queue_on_one_replica_is_served_by_the_other(ray_cluster):
                      resources={"node_b": 1})
     try:
         answered, wrong, errors = _load("queues", 8, 2, rows=(2, 3))
-        rejected = full.stats()["total"]["rejected"]
+        rejected = full.stats().total.rejected
     finally:
         full.stop()
         spare.stop()
@@ -364,7 +364,7 @@ def test_sigkill_of_a_raylet_mid_load_loses_nothing(ray_cluster):
     try:
         answered, wrong, errors = _load(
             "raylet", 16, 9, during=lambda: ray_cluster.remove_node(ray_cluster.worker, allow_graceful=False))
-        survived = survivor.stats()["total"]["rows"]
+        survived = survivor.stats().total.rows
     finally:
         survivor.stop()
         doomed.stop()  # its replica died with its node: nothing to drain
@@ -394,7 +394,7 @@ def test_a_generation_on_two_replicas_streams_samples_and_frees_slots(ray_cluste
     with js.serve(ray_models.generation(slots=2), name="gen-local") as local:
         greedy = [js.generate("gen-local", prompt, max_steps=10).tolist() for prompt in prompts]
         sampled = js.generate("gen-local", prompts[0], max_steps=10, temperature=1.5, seed=4).tolist()
-        assert local.stats()["compiles"] > 0
+        assert local.stats().compiles > 0
     handle = js.serve(ray_models.generation(slots=2), name="gen", cluster="ray", replicas=2)
     try:
         results: dict[int, list[int]] = {}
@@ -409,16 +409,16 @@ def test_a_generation_on_two_replicas_streams_samples_and_frees_slots(ray_cluste
             thread.join(120)
         assert [results[index] for index in range(len(prompts))] == greedy
         assert js.generate(("ray", "gen"), prompts[0], max_steps=10, temperature=1.5, seed=4).tolist() == sampled
-        per_replica = handle.stats()["replicas"]
+        per_replica = handle.stats().replicas
         assert sorted(per_replica) == ["gen/0", "gen/1"]
-        assert all(stats["requests"] > 0 for stats in per_replica.values()), per_replica
+        assert all(stats.requests > 0 for stats in per_replica.values()), per_replica
         stream = js.generate_stream(("ray", "gen"), prompts[1], max_steps=60)
         assert int(next(stream)) == greedy[1][0]
         stream.close()
         deadline = time.monotonic() + 20
-        while any(s["slots_busy"] for s in handle.stats()["replicas"].values()) and time.monotonic() < deadline:
+        while any(s.slots_busy for s in handle.stats().replicas.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(s["slots_busy"] for s in handle.stats()["replicas"].values()), "the slot was freed"
+        assert not any(s.slots_busy for s in handle.stats().replicas.values()), "the slot was freed"
         with pytest.raises(js.PromptTooLongError, match="the prompt has 9 tokens, more than the longest prefill "
                                                         "length \\(8; max_length is 64\\)"):
             js.generate(("ray", "gen"), np.arange(1, 10), max_steps=2)
@@ -605,11 +605,11 @@ def test_a_streaming_serving_on_two_replicas_streams_each_caller_its_steps(ray_c
             assert len(steps) == 3
             for step, outputs in enumerate(steps, 1):
                 np.testing.assert_array_equal(outputs, x + step)
-        rows_per_replica = {name: stats["rows"] for name, stats in handle.stats()["replicas"].items()}
+        rows_per_replica = {name: stats.rows for name, stats in handle.stats().replicas.items()}
         assert sum(rows_per_replica.values()) == sum(len(x) for x, _ in results.values())
         early = js.batched_stream(("ray", "stepper"), js.Batch.concatenate([_rows(1)]), timeout=30)
         assert next(early).shape == (1, 4)
         early.close()  # cancels the replica's run at its next step
-        _until(lambda: handle.stats()["total"]["cancelled"] >= 1, 30)
+        _until(lambda: handle.stats().total.cancelled >= 1, 30)
     finally:
         handle.stop()

@@ -59,12 +59,12 @@ def generation(**options):
 def test_generate_and_stream_agree_with_the_model_run_alone(compiler):
     prompt = np.array([3, 1, 4, 1, 5], np.int32)
     with js.serve(generation(compiler=compiler), name="gen") as server:
-        compiles = server.stats()["compiles"]
+        compiles = server.stats().compiles
         assert compiles == 2 * 3 + 3 + 1  # prefill per (length, prompts), update per prompts, the step
         assert js.generate("gen", prompt, max_steps=10).tolist() == expected(prompt, 10)
         assert [int(o) for o in js.generate_stream("gen", prompt, max_steps=4)] == expected(prompt, 4)
         assert js.generate("gen", [7], max_steps=1).tolist() == expected([7], 1)
-        assert server.stats()["compiles"] == compiles, "nothing compiles after warm-up"
+        assert server.stats().compiles == compiles, "nothing compiles after warm-up"
 
 
 MANY_WEIGHTS = {  # vectors and scalars of three dtypes, matrices, a vector too long to pack, a Python scalar
@@ -223,8 +223,8 @@ def test_outputs_do_not_depend_on_the_requests_sharing_the_steps():
     assert results[0] == alone[0]
     for i, prompt in enumerate(prompts):
         assert results[i] == expected(prompt, steps[i]), i
-    assert stats["max_slots_busy"] <= 8
-    assert stats["max_slots_busy"] > 1, "requests shared steps"
+    assert stats.max_slots_busy <= 8
+    assert stats.max_slots_busy > 1, "requests shared steps"
 
 
 def test_slots_freed_by_eos_and_max_steps_take_new_requests_with_no_mix_up():
@@ -238,8 +238,8 @@ def test_slots_freed_by_eos_and_max_steps_take_new_requests_with_no_mix_up():
     assert sum(result[-1] == eos and len(result) < steps[i] for i, result in results.items()) == 6
     for i, prompt in enumerate(prompts):
         assert results[i] == expected(prompt, steps[i], eos=eos), i
-    assert stats["outputs"] == sum(len(result) for result in results.values()), "dropped outputs are not counted"
-    assert stats["slots_busy"] == 0 and stats["max_slots_busy"] <= 3
+    assert stats.outputs == sum(len(result) for result in results.values()), "dropped outputs are not counted"
+    assert stats.slots_busy == 0 and stats.max_slots_busy <= 3
 
 
 @pytest.mark.parametrize("compiler", ["xla", "iree", "eager"])
@@ -249,7 +249,7 @@ def test_several_steps_per_launch_give_each_request_the_outputs_of_one_step_at_a
     prompts, steps = random_requests(2, 24, 30)
     eos = 33
     with js.serve(generation(slots=3, eos=eos, steps_per_launch=3, compiler=compiler), name="gen-launch") as server:
-        compiles = server.stats()["compiles"]
+        compiles = server.stats().compiles
         assert compiles == (0 if compiler == "eager" else 2 * 3 + 3 + 1)
         results = generate_concurrently("gen-launch", prompts, steps)
         assert [int(o) for o in js.generate_stream("gen-launch", prompts[0], max_steps=4)] == expected(prompts[0], 4)
@@ -257,8 +257,8 @@ def test_several_steps_per_launch_give_each_request_the_outputs_of_one_step_at_a
     for i, prompt in enumerate(prompts):
         assert results[i] == expected(prompt, steps[i], eos=eos), i
     assert sum(result[-1] == eos and len(result) < steps[i] for i, result in results.items()) == 4
-    assert stats["steps"] % 3 == 0 and stats["compiles"] == compiles and stats["slots_busy"] == 0
-    assert stats["outputs"] == sum(len(result) for result in results.values()) + 4
+    assert stats.steps % 3 == 0 and stats.compiles == compiles and stats.slots_busy == 0
+    assert stats.outputs == sum(len(result) for result in results.values()) + 4
 
 
 def fail_two_streams(name, failing, error, match):
@@ -289,7 +289,7 @@ def test_a_failing_step_fails_the_requests_it_ran_and_the_server_goes_on():
         fail_two_streams("gen-fragile", failing, ValueError, "decode failed on purpose")
         assert js.generate("gen-fragile", [5], max_steps=3).tolist() == [5, 6, 7]
         stats = server.stats()
-    assert stats["errors"] == 1 and stats["slots_busy"] == 0
+    assert stats.errors == 1 and stats.slots_busy == 0
 
 
 def test_a_step_that_fails_on_the_device_fails_its_requests_and_the_server_goes_on(monkeypatch):
@@ -309,7 +309,7 @@ def test_a_step_that_fails_on_the_device_fails_its_requests_and_the_server_goes_
         fail_two_streams("gen-device-fail", failing, RuntimeError, "device failed on purpose")
         assert js.generate("gen-device-fail", [5], max_steps=3).tolist() == expected([5], 3), "the server goes on"
         stats = server.stats()
-    assert stats["errors"] >= 1 and stats["slots_busy"] == 0
+    assert stats.errors >= 1 and stats.slots_busy == 0
 
 
 def slow_decode(params, state, last):
@@ -338,10 +338,10 @@ def test_a_short_request_that_arrives_later_finishes_before_the_long_ones():
         short = server.outputs(server.submit(np.array([4], np.int32), 3), None)
         permits.release(10)  # the step running now, the short one's 2 steps, and the one queued before delivery
         assert [int(output) for output in short] == [4] * 3
-        assert server.stats()["slots_busy"] == 3, "the long ones go on"
+        assert server.stats().slots_busy == 3, "the long ones go on"
         permits.release(1000)
         assert [len(list(stream)) for stream in long_ones] == [59] * 3
-        assert server.stats()["compiles"] == 0
+        assert server.stats().compiles == 0
 
 
 def test_a_closed_stream_frees_its_slot_at_the_next_step():
@@ -356,7 +356,7 @@ def test_a_closed_stream_frees_its_slot_at_the_next_step():
         permits.release(1000)
         assert js.generate("gen-cancel", [5], max_steps=2).tolist() == [5, 5], "the one slot was free again"
     stats = server.stats()
-    assert stats["cancelled"] == 1 and stats["steps"] in (2 + 1, 3 + 1), "2 or 3 of the closed request, 1 next"
+    assert stats.cancelled == 1 and stats.steps in (2 + 1, 3 + 1), "2 or 3 of the closed request, 1 next"
 
 
 def test_a_closed_stream_frees_its_slot_at_the_next_launch_of_several_steps():
@@ -370,7 +370,7 @@ def test_a_closed_stream_frees_its_slot_at_the_next_launch_of_several_steps():
         permits.release(1000)
         assert js.generate("gen-cancel-launch", [5], max_steps=6).tolist() == [5] * 6
     stats = server.stats()
-    assert stats["cancelled"] == 1 and stats["steps"] in (3 * 4 + 2 * 4, 4 * 4 + 2 * 4), "3 or 4 launches, 2 next"
+    assert stats.cancelled == 1 and stats.steps in (3 * 4 + 2 * 4, 4 * 4 + 2 * 4), "3 or 4 launches, 2 next"
 
 
 def test_update_params_swaps_the_weights_between_requests_under_load_without_a_compile():
@@ -386,7 +386,7 @@ def test_update_params_swaps_the_weights_between_requests_under_load_without_a_c
                 failures.append(error)
 
     with js.serve(generation(slots=3), name="gen-swap") as server:
-        compiles = server.stats()["compiles"]
+        compiles = server.stats().compiles
         threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
         for thread in threads:
             thread.start()
@@ -407,7 +407,7 @@ def test_update_params_swaps_the_weights_between_requests_under_load_without_a_c
         assert str(info.value) == ("server 'gen-swap' was given its weights as arrays, not as a file "
                                    "(params=PATH), so there is no file to reload them from")
         assert js.generate("gen-swap", prompts[0], max_steps=9).tolist() == expected(prompts[0], 9, scale=3)
-        assert server.stats()["compiles"] == compiles
+        assert server.stats().compiles == compiles
     assert not failures and len(answers) > 24
     by_scale = {scale: {i for i, got in answers if got == expected(prompts[i], steps[i], scale=scale)}
                 for scale in (1, 2, 3)}
@@ -430,7 +430,7 @@ def test_an_update_waits_for_the_requests_in_slots_and_new_prompts_wait_for_it()
         queued.start()
         time.sleep(0.1)
         assert updated.is_alive(), "the update waits for the request in its slot"
-        assert server.stats()["queue_depth"] == 1, "a free slot takes no prompt while new weights wait"
+        assert server.stats().queue_depth == 1, "a free slot takes no prompt while new weights wait"
         assert [int(o) for o in stream] == [3] * 24, "a running request keeps its weights to its end"
         updated.join(10)
         queued.join(10)
@@ -489,7 +489,7 @@ def test_a_closed_async_stream_frees_its_slot_at_the_next_step():
     with js.serve(paced(permits, slots=1), name="gen-cancel-async") as server:
         assert asyncio.run(main()).tolist() == [5, 5], "the one slot was free again"
     stats = server.stats()
-    assert stats["cancelled"] == 1 and stats["steps"] in (2 + 1, 3 + 1)
+    assert stats.cancelled == 1 and stats.steps in (2 + 1, 3 + 1)
 
 
 def test_async_forms():
@@ -533,7 +533,7 @@ def test_the_asyncio_streams_of_one_loop_get_each_step_in_one_wake_up(monkeypatc
 
         loop.call_soon_threadsafe = counted
         calls = [asyncio.ensure_future(js.generate_async("gen-wake", [i + 1], max_steps=20)) for i in range(4)]
-        while server.stats()["requests"] < 4:
+        while server.stats().requests < 4:
             await asyncio.sleep(0.001)
         everyone_in.set()
         return await asyncio.gather(*calls)
@@ -616,7 +616,7 @@ def sampled(compiler="xla", **options):
 def test_a_logits_generation_is_greedy_by_default_and_samples_per_request_on_request(compiler):
     prompt = np.array([3, 1, 4, 1, 5], np.int32)
     with js.serve(sampled(compiler), name="sampled") as server:
-        compiles = server.stats()["compiles"]
+        compiles = server.stats().compiles
         # prefill per (length, prompts); a greedy and a sampling update per prompts, and step
         assert compiles == (0 if compiler == "eager" else 2 * 3 + 2 * 3 + 2)
         assert js.generate("sampled", prompt, max_steps=10).tolist() == expected(prompt, 10)
@@ -626,7 +626,7 @@ def test_a_logits_generation_is_greedy_by_default_and_samples_per_request_on_req
         assert js.generate("sampled", prompt, max_steps=20, temperature=2.0, seed=7).tolist() == first
         assert js.generate("sampled", prompt, max_steps=20, temperature=2.0, seed=8).tolist() != first
         assert first != expected(prompt, 20)
-        assert server.stats()["compiles"] == compiles, "greedy and sampled steps compiled at warm-up"
+        assert server.stats().compiles == compiles, "greedy and sampled steps compiled at warm-up"
 
 
 def test_only_steps_with_a_sampled_request_run_the_sampling_program(monkeypatch):

@@ -69,7 +69,7 @@ def test_a_crash_fails_only_its_batch_and_a_new_worker_takes_over(crashing):
         assert "only this batch failed" in str(results["bad"])
         assert js.batched_run("isolated", row(3.0)).tolist() == [[4.0, 4.0]]
         stats = server.stats()
-        assert stats["errors"] >= 1 and stats["compiles"] == len(serving.batch_sizes), "a restart recompiles silently"
+        assert stats.errors >= 1 and stats.compiles == len(serving.batch_sizes), "a restart recompiles silently"
     assert serving.isolation == "process"
 
 

@@ -51,13 +51,13 @@ def test_a_serving_with_params_agrees_with_numpy_run_and_served(compiler):
     with js.serve(serving, name=f"params-{compiler}") as server:
         served = js.batched_run(f"params-{compiler}", js.Batch.concatenate([x]))
         np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
-        compiles = server.stats()["compiles"]
+        compiles = server.stats().compiles
         assert compiles == (0 if compiler == "eager" else 3)  # batch sizes 1, 2, 4
         other = weights(2)
         server.update_params(other)
         np.testing.assert_allclose(js.batched_run(f"params-{compiler}", js.Batch.concatenate([x])),
                                    dense_numpy(other, x), rtol=1e-5, atol=1e-6)
-        assert server.stats()["compiles"] == compiles, "new weights of the same shapes compile nothing"
+        assert server.stats().compiles == compiles, "new weights of the same shapes compile nothing"
 
 
 @pytest.mark.parametrize("compiler", ["xla", "evaluator", "iree"])
@@ -159,7 +159,7 @@ def test_20_swaps_under_8_callers_every_answer_from_exactly_one_weight_set():
     answers: list[np.ndarray] = []
     failures: list[BaseException] = []
     with js.serve(serving, name="params-swaps") as server:
-        compiles = server.stats()["compiles"]
+        compiles = server.stats().compiles
         deadline = time.monotonic() + 2.0
 
         def caller(seed):
@@ -180,7 +180,7 @@ def test_20_swaps_under_8_callers_every_answer_from_exactly_one_weight_set():
             server.update_params({"offset": np.full(4, version, np.float32)})
         for thread in threads:
             thread.join()
-        assert server.stats()["compiles"] == compiles
+        assert server.stats().compiles == compiles
         assert js.batched_run("params-swaps", js.Batch.concatenate([np.zeros((1, 4), np.float32)])).tolist() == \
             [[20.0] * 4], "update_params returns once the new weights are live"
     assert not failures
@@ -219,7 +219,7 @@ def test_a_batch_of_requests_pinned_to_two_weight_sets_runs_once_per_set():
         stats = server.stats()
     assert results["low"].ravel().tolist() == [0.0] * 6
     assert results["high"].ravel().tolist() == [1.0] * 6
-    assert stats["batches"] == 3  # 4 low; 4 high; 2 high + 2 low, run as one batch of two runs
+    assert stats.batches == 3  # 4 low; 4 high; 2 high + 2 low, run as one batch of two runs
 
 
 def test_process_isolation_sends_the_weights_once_and_swaps_them():
@@ -462,7 +462,7 @@ serving = js.Serving(model, params=params, batch_size=4, input_template=js.templ
                      cache_dir=sys.argv[1])
 with js.serve(serving, name="cached") as server:
     out = js.batched_run("cached", js.Batch.stack([np.ones(512, np.float32)]))
-    print(server.stats()["compiles"], float(out.sum()))
+    print(server.stats().compiles, float(out.sum()))
 """
 
 

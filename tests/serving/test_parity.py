@@ -55,7 +55,7 @@ def test_stop_with_a_timeout_drains_for_at_most_that_long_then_answers_the_rest(
     for thread in threads:
         thread.join(10)
     assert outcomes[1.0] == [[2.0]] and seen == [1.0], "what started finished; what did not never ran"
-    assert server.stats()["stopped"] == 2
+    assert server.stats().stopped == 2
 
 
 # client pre/post-processing with state -------------------------------------------------------
@@ -99,14 +99,14 @@ def test_declared_batch_keys_compile_per_key_at_warm_up_and_pass_the_key():
     serving = js.Serving(fn, batch_size=2, batch_timeout=0.001, batch_keys=["short", "long"],
                          input_template=js.template((1,), "float32"))
     with js.serve(serving, name="keyed") as server:
-        assert server.stats()["compiles"] == 4, "2 batch sizes x 2 keys, before any request"
+        assert server.stats().compiles == 4, "2 batch sizes x 2 keys, before any request"
         assert js.batched_run("keyed", rows(1.0).key("long")).tolist() == [[10.0]]
         assert js.batched_run("keyed", rows(1.0).key("short")).tolist() == [[1.0]]
         with pytest.raises(js.BatchError, match=r"unknown batch key: 'medium' \(expected one of 'short', 'long'\)"):
             js.batched_run("keyed", rows(1.0).key("medium"))
         with pytest.raises(js.BatchError, match=r"unknown batch key: None \(expected one of 'short', 'long'\)"):
             js.batched_run("keyed", rows(1.0))
-        assert server.stats()["compiles"] == 4
+        assert server.stats().compiles == 4
     assert serving.run(rows(2.0).key("long")).tolist() == [[20.0]]
     with pytest.raises(js.OptionError, match="batch_keys must name at least one key"):
         js.Serving(fn, batch_keys=[])
@@ -176,7 +176,7 @@ def test_priority_levels_have_their_own_queue_bounds_and_default_timeouts():
         assert outcome
         gate.set()
         busy.join(10)
-        assert server.stats()["rejected"] == 1
+        assert server.stats().rejected == 1
     with pytest.raises(js.BatchError, match=r"priority must be 0 \(the default level\) or 1..2 \(1 is the most "
                                             r"urgent\), got 5"):
         serving.priority_level(5)
@@ -309,7 +309,7 @@ def test_a_request_of_a_serving_that_yields_steps_is_never_split_across_batches(
         for thread in threads:
             thread.join(10)
         assert results == {float(v): [[[float(v + step)]] * (1 + v % 3) for step in range(3)] for v in range(6)}
-        assert server.stats()["rows"] == 12
+        assert server.stats().rows == 12
 
 
 def test_a_streaming_batch_stops_at_its_next_step_once_nobody_reads_it():
@@ -338,7 +338,7 @@ def test_a_streaming_batch_stops_at_its_next_step_once_nobody_reads_it():
         assert closed.wait(60), "the generator was not closed once its only reader left"
         assert steps_run == [0, 1], f"{len(steps_run)} of 40 steps ran"
         assert [step.tolist() for step in js.batched_run("left", rows(5.0))][:2] == [[[5.0]], [[6.0]]]
-        assert server.stats()["cancelled"] == 1
+        assert server.stats().cancelled == 1
 
 
 def test_asyncio_streams_and_a_caller_that_stops_early_frees_its_queued_rows():
@@ -367,7 +367,7 @@ def test_asyncio_streams_and_a_caller_that_stops_early_frees_its_queued_rows():
         js.batched_run("async-stream", rows(100.0))  # runs after the batches started before it, on one partition
         assert [v for v in ran if 10 <= v < 100] in ([10.0], [10.0, 11.0]), \
             "rows of a stream nobody reads any more do not run, but the one started when it closed"
-        assert server.stats()["cancelled"] == 1
+        assert server.stats().cancelled == 1
 
 
 # a failing batch fails only the requests whose own rows fail -------------------------------------
@@ -400,7 +400,7 @@ def test_bisecting_a_failed_batch_fails_only_the_bad_requests():
         stats = server.stats()
     assert isinstance(outcomes[5], ValueError) and str(outcomes[5]) == "negative input"
     assert all(outcomes[p] == values[p] * 2 for p in range(16) if p != 5), "good requests get their rows"
-    assert stats["batches"] == 1 and 0 < stats["bisect_runs"] <= 2 * 4 + 2, "at most a logarithmic number of re-runs"
+    assert stats.batches == 1 and 0 < stats.bisect_runs <= 2 * 4 + 2, "at most a logarithmic number of re-runs"
 
 
 def test_a_function_that_always_fails_is_not_retried_endlessly_and_bisecting_can_be_turned_off():
@@ -418,4 +418,4 @@ def test_a_function_that_always_fails_is_not_retried_endlessly_and_bisecting_can
                 thread.start()
             for thread in threads:
                 thread.join(10)
-            assert len(errors) == 8 and server.stats()["bisect_runs"] <= most
+            assert len(errors) == 8 and server.stats().bisect_runs <= most

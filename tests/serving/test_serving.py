@@ -58,7 +58,7 @@ def test_oversize_split_is_the_default():
     with js.serve(js.Serving(double, batch_size=2), name="split") as server:
         rows = js.Batch.stack([np.array([k]) for k in range(5)])
         assert js.batched_run("split", rows).tolist() == [[0], [2], [4], [6], [8]]
-        assert server.stats()["rows"] == 5
+        assert server.stats().rows == 5
 
 
 # PopRT dynamic batch ------------------------------------------------------------------------
@@ -76,10 +76,10 @@ def test_seed_003_static_batch_4_serves_1_4_7_with_one_compile():
             out = js.batched_run("poprt", js.Batch.concatenate([{"X": x, "Y": y}]))
             np.testing.assert_array_equal(out, x + y)
         stats = server.stats()
-    assert stats["compiles"] == 1
-    assert stats["padded_rows"] == 3 + 0 + 1
-    assert stats["batch_sizes"] == {4: 4}
-    assert stats["rows"] == 12
+    assert stats.compiles == 1
+    assert stats.padded_rows == 3 + 0 + 1
+    assert stats.batch_sizes == {4: 4}
+    assert stats.rows == 12
 
 
 def test_seed_003_inline_run_pads_and_loops():
@@ -137,7 +137,7 @@ def test_a_bad_timeout_is_refused_before_the_request_is_queued(timeout):
             js.batched_run("timeouts", js.Batch.concatenate([np.ones((1, 2), np.float32)]), timeout=timeout)
         with pytest.raises(js.OptionError, match=r"^timeout must be a finite number of seconds >= 0 or None, got "):
             server.stop(timeout=timeout)
-        assert server.stats()["requests"] == 0
+        assert server.stats().requests == 0
         assert js.batched_run("timeouts", js.Batch.concatenate([np.ones((1, 2), np.float32)]), timeout=0.5
                               ).tolist() == [[2.0, 2.0]]
 
@@ -156,18 +156,18 @@ def test_a_queue_of_33_rows_runs_as_32_and_1_without_padding():
         rows = np.arange(33).reshape(33, 1)
         assert js.batched_run("cut-down", js.Batch.concatenate([rows])).tolist() == (rows * 2).tolist()
         stats = server.stats()
-    assert stats["batch_sizes"] == {32: 1, 1: 1} and stats["padded_rows"] == 0
+    assert stats.batch_sizes == {32: 1, 1: 1} and stats.padded_rows == 0
 
 
 def test_warm_up_compiles_every_size_then_no_request_compiles():
     serving = js.Serving(lambda x: jnp.tanh(x), batch_size=8, batch_timeout=0.001,
                          input_template=js.template((3,), "float32"))
     with js.serve(serving, name="warm") as server:
-        assert server.stats()["compiles"] == 4, "1, 2, 4 and 8 compiled before the first request"
+        assert server.stats().compiles == 4, "1, 2, 4 and 8 compiled before the first request"
         for rows in [1, 3, 5, 8, 13]:
             x = np.ones((rows, 3), np.float32)
             np.testing.assert_allclose(js.batched_run("warm", js.Batch.concatenate([x])), np.tanh(x), rtol=1e-6)
-        assert server.stats()["compiles"] == 4
+        assert server.stats().compiles == 4
 
 
 @pytest.mark.parametrize("isolation", ["thread", "process"])
@@ -193,7 +193,7 @@ def test_warm_up_runs_every_size_once_where_a_first_run_costs_extra(monkeypatch,
     with js.serve(serving, name="warm-run") as server:
         ran = sorted(log.read_text().splitlines())
         stats = server.stats()
-        assert stats["batches"] == 0 and stats["compiles"] == 6
+        assert stats.batches == 0 and stats.compiles == 6
         assert js.batched_run("warm-run", js.Batch.stack([np.ones(2, np.float32)]).key("b")).tolist() == [[3, 3]]
     assert ran == [f"{key} {size} 0.0 {6.0 * size}" for key in "ab" for size in (1, 2, 4)]  # the weights: 3
 
@@ -206,7 +206,7 @@ def test_compilers_by_name(compiler):
     with js.serve(serving, name=f"c-{compiler}") as server:
         np.testing.assert_allclose(js.batched_run(f"c-{compiler}", js.Batch.concatenate([x])), np.sqrt(x) + 1,
                                    rtol=1e-6)
-        assert server.stats()["compiles"] == (0 if compiler == "eager" else 1)
+        assert server.stats().compiles == (0 if compiler == "eager" else 1)
 
 
 def test_tuple_and_dict_outputs_are_cut_per_caller():
@@ -277,10 +277,10 @@ def test_many_threads_random_sizes_every_result_checked():
             t.join(timeout=60)
         stats = server.stats()
     assert not failures and sorted(done) == list(range(12))
-    assert stats["requests"] == 12 * 15
-    assert stats["errors"] == 0 and stats["queue_depth"] == 0
-    assert max(stats["batch_sizes"]) <= 16
-    assert stats["rows"] == sum(stats["batch_sizes"][s] * s for s in stats["batch_sizes"]) - stats["padded_rows"]
+    assert stats.requests == 12 * 15
+    assert stats.errors == 0 and stats.queue_depth == 0
+    assert max(stats.batch_sizes) <= 16
+    assert stats.rows == sum(stats.batch_sizes[s] * s for s in stats.batch_sizes) - stats.padded_rows
 
 
 def held(gate: threading.Event, **options) -> js.Serving:
@@ -304,13 +304,13 @@ def test_concurrent_callers_share_batches():
         threads = [threading.Thread(target=call, args=(k,)) for k in range(8)]
         for t in threads:
             t.start()
-        while server.stats()["requests"] < 8:
+        while server.stats().requests < 8:
             time.sleep(0.001)
         gate.set()
         for t in threads:
             t.join()
         stats = server.stats()
-    assert stats["batches"] <= 2, "rows of concurrent callers were combined"
+    assert stats.batches <= 2, "rows of concurrent callers were combined"
 
 
 def test_different_row_shapes_and_keys_never_share_a_batch():
@@ -347,7 +347,7 @@ def test_failing_batch_fails_only_its_callers_and_server_keeps_serving():
         with pytest.raises(ValueError, match="negative input"):
             js.batched_run("fragile", js.Batch.stack([np.array([-1.0])]))
         assert js.batched_run("fragile", js.Batch.stack([np.array([1.0])])).tolist() == [[2.0]]
-        assert server.stats()["errors"] == 1
+        assert server.stats().errors == 1
 
 
 def test_queue_bound_rejects_at_once():
@@ -362,11 +362,11 @@ def test_queue_bound_rejects_at_once():
         first = threading.Thread(target=js.batched_run, args=("bounded", js.Batch.stack([np.ones(1)] * 2)))
         first.start()
         deadline = time.monotonic() + 5
-        while server.stats()["in_flight"] == 0 and time.monotonic() < deadline:
+        while server.stats().in_flight == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
         queued = threading.Thread(target=js.batched_run, args=("bounded", js.Batch.stack([np.ones(1)] * 3)))
         queued.start()
-        while server.stats()["queue_depth"] < 3 and time.monotonic() < deadline:
+        while server.stats().queue_depth < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
         with pytest.raises(js.QueueFullError) as info:
             js.batched_run("bounded", js.Batch.stack([np.ones(1)]))
@@ -374,7 +374,7 @@ def test_queue_bound_rejects_at_once():
                                    "a request of 1 rows was rejected")
         gate.set()
         first.join(5), queued.join(5)
-        assert server.stats()["rejected"] == 1
+        assert server.stats().rejected == 1
 
 
 def test_timeout_before_start_means_rows_never_run():
@@ -390,7 +390,7 @@ def test_timeout_before_start_means_rows_never_run():
     with js.serve(serving, name="slow") as server:
         blocker = threading.Thread(target=js.batched_run, args=("slow", js.Batch.stack([np.array([1.0])])))
         blocker.start()
-        while server.stats()["in_flight"] == 0:
+        while server.stats().in_flight == 0:
             time.sleep(0.001)
         with pytest.raises(TimeoutError, match="timed out after 0.05s before its rows started"):
             js.batched_run("slow", js.Batch.stack([np.array([99.0])]), timeout=0.05)
@@ -399,7 +399,7 @@ def test_timeout_before_start_means_rows_never_run():
         assert js.batched_run("slow", js.Batch.stack([np.array([2.0])]), timeout=5).tolist() == [[2.0]]
         stats = server.stats()
     assert [r.tolist() for r in ran] == [[[1.0]], [[2.0]]], "the timed-out rows never ran"
-    assert stats["timeouts"] == 1
+    assert stats.timeouts == 1
 
 
 def test_stop_drains_and_refuses_new_calls():
@@ -408,7 +408,7 @@ def test_stop_drains_and_refuses_new_calls():
     results = []
     caller = threading.Thread(target=lambda: results.append(js.batched_run("drain", js.Batch.stack([np.array([3])]))))
     caller.start()
-    while server.stats()["queue_depth"] == 0:
+    while server.stats().queue_depth == 0:
         time.sleep(0.001)
     server.stop()
     caller.join(5)
@@ -447,11 +447,11 @@ def test_stop_without_drain_answers_unstarted_requests_and_finishes_started_ones
     while not ran:
         time.sleep(0.001)
     threads += [_call_in_thread("nodrain", v, outcomes) for v in (2, 3, 4)]
-    while server.stats()["queue_depth"] < 3:
+    while server.stats().queue_depth < 3:
         time.sleep(0.001)
     stopper = threading.Thread(target=server.stop, kwargs={"drain": False})
     stopper.start()
-    while server.stats()["queue_depth"]:
+    while server.stats().queue_depth:
         time.sleep(0.001)
     gate.set()
     stopper.join(5)
@@ -462,7 +462,7 @@ def test_stop_without_drain_answers_unstarted_requests_and_finishes_started_ones
         assert isinstance(outcomes[value], js.ServerStoppedError)
         assert str(outcomes[value]) == "server 'nodrain' stopped before this request started; nothing of it ran"
     assert [r.tolist() for r in ran] == [[[1]]], "nothing unstarted ran"
-    assert server.stats()["stopped"] == 3
+    assert server.stats().stopped == 3
 
 
 def test_a_second_stop_waits_for_the_first_ones_drain():
@@ -484,7 +484,7 @@ def test_a_second_stop_waits_for_the_first_ones_drain():
     for thread in (first, second, caller):
         thread.join(5)
     drained = second_returned[0]
-    assert (drained["rows"], drained["in_flight"], drained["queue_depth"]) == (1, 0, 0), \
+    assert (drained.rows, drained.in_flight, drained.queue_depth) == (1, 0, 0), \
         "when the second stop() returned, the running request had finished and its rows been delivered"
     assert outcomes[7] == [[14]]
 
@@ -532,14 +532,14 @@ def test_async_callers():
     async def main(server):
         calls = [asyncio.ensure_future(js.batched_run_async("async", js.Batch.stack([np.array([k])])))
                  for k in range(20)]
-        while server.stats()["requests"] < 20:
+        while server.stats().requests < 20:
             await asyncio.sleep(0.001)
         gate.set()
         return await asyncio.gather(*calls)
 
     with js.serve(held(gate, batch_size=8, batch_timeout=0.01), name="async") as server:
         results = asyncio.run(main(server))
-        assert server.stats()["batches"] <= 1 + 3, "the first batch, then the other 12 to 19 rows in batches of 8"
+        assert server.stats().batches <= 1 + 3, "the first batch, then the other 12 to 19 rows in batches of 8"
     assert [r.tolist() for r in results] == [[[2 * k]] for k in range(20)]
 
 
@@ -567,7 +567,7 @@ def test_cancelled_async_caller_takes_its_rows_off_the_queue():
 
     async def main(server):
         first = asyncio.ensure_future(js.batched_run_async("cancel", js.Batch.stack([np.array([1])])))
-        while server.stats()["in_flight"] == 0:
+        while server.stats().in_flight == 0:
             await asyncio.sleep(0.001)
         second = asyncio.ensure_future(js.batched_run_async("cancel", js.Batch.stack([np.array([2])])))
         await asyncio.sleep(0.02)
@@ -580,7 +580,7 @@ def test_cancelled_async_caller_takes_its_rows_off_the_queue():
         assert asyncio.run(main(server)).tolist() == [[1]]
         stats = server.stats()
     assert [r.tolist() for r in ran] == [[[1]]], "the cancelled caller's rows never ran"
-    assert stats["cancelled"] == 1 and stats["queue_depth"] == 0
+    assert stats.cancelled == 1 and stats.queue_depth == 0
 
 
 def test_outputs_that_are_not_batch_major_are_a_clear_error():
@@ -590,7 +590,7 @@ def test_outputs_that_are_not_batch_major_are_a_clear_error():
     with js.serve(serving, name="not-batch-major") as server:
         with pytest.raises(js.OutputShapeError, match="axis 0 = the 1 rows of the batch"):
             js.batched_run("not-batch-major", js.Batch.stack([np.ones(3, np.float32)]))
-        assert server.stats()["errors"] == 1
+        assert server.stats().errors == 1
 
 
 def test_a_function_that_returns_no_array_is_a_clear_error_run_or_served():

@@ -12,9 +12,9 @@ import sys
 from typing import Any
 
 from ..errors import OptionError
-from ..serving.generation import Generation, GenerationFront
+from ..serving.front import Front
+from ..serving.generation import Generation
 from ..serving.registry import register_cluster
-from ..serving.server import Server
 from ..serving.serving import Serving
 
 
@@ -36,7 +36,7 @@ class _LazyRay:
     def serve(self, serving: Serving | Generation, name: str, **options: Any) -> Any:
         return self._backend().serve(serving, name, **options)
 
-    def lookup(self, name: str) -> Server | GenerationFront | None:
+    def lookup(self, name: str) -> Front | None:
         return self._backend().lookup(name)
 
 

@@ -17,6 +17,7 @@ Every family of a model is labelled ``model`` and ``version`` (the version
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,9 +30,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..serving.generation import GenerationFront, GenerationServer
+from ..serving.front import Front
 from ..serving.partition import BatchReport
-from ..serving.server import Server
+from ..serving.stats import GenerationStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -50,7 +51,7 @@ LABELS = ["model", "version"]  # on every family of a model; requests add protoc
 class _ServerStats:
     """Reads queue depth and compile counts from the servers when scraped."""
 
-    def __init__(self, servers: Mapping[tuple[str, str], Server | GenerationFront]) -> None:
+    def __init__(self, servers: Mapping[tuple[str, str], Front]) -> None:
         self.servers = servers
 
     def collect(self) -> Iterator[Metric]:
@@ -65,25 +66,32 @@ class _ServerStats:
         clustered = False
         for labels, server in list(self.servers.items()):
             stats = server.stats()
-            depth.add_metric(labels, stats["queue_depth"])
-            compiles.add_metric(labels, stats["compiles"])
-            if isinstance(server, GenerationFront):
+            depth.add_metric(labels, stats.queue_depth)
+            compiles.add_metric(labels, stats.compiles)
+            if isinstance(stats, GenerationStats):
                 for key, gauge in slots.items():
-                    gauge.add_metric(labels, stats[key])
+                    gauge.add_metric(labels, getattr(stats, key))
             replica_stats = getattr(server, "replica_stats", None)  # a cluster serving's local front
             if replica_stats is None:
                 continue
             clustered = True
             for replica_name, one in replica_stats().items():
                 for key, family in replica.items():
-                    family.add_metric([*labels, replica_name], one[key])
-                replica_depth.add_metric([*labels, replica_name], one["queue_depth"])
+                    family.add_metric([*labels, replica_name], getattr(one, key, 0))
+                replica_depth.add_metric([*labels, replica_name], one.queue_depth)
         yield depth
         yield compiles
         yield from slots.values()
         if clustered:  # only a front of cluster servings has replicas to report
             yield from replica.values()
             yield replica_depth
+
+
+class _Observer(NamedTuple):
+    """A front's reports, observed into one model version's histograms."""
+
+    batch: Callable[[BatchReport], None]
+    step: Callable[[str, float], None]
 
 
 class Metrics:
@@ -110,16 +118,13 @@ class Metrics:
         self.generation = {  # per generation server and per kind of event it tells
             kind: Histogram(f"jitserve_generation_{kind}_seconds", help, LABELS, buckets=_TIME_BUCKETS,
                             registry=self.registry) for kind, help in _GENERATION_TIMES.items()}
-        self.servers: dict[tuple[str, str], Server | GenerationFront] = {}
+        self.servers: dict[tuple[str, str], Front] = {}
         self.registry.register(_ServerStats(self.servers))
 
-    def add(self, model: str, version: str, server: Server | GenerationFront) -> None:
+    def add(self, model: str, version: str, server: Front) -> None:
         """Report ``server`` as ``model`` at ``version`` (replacing the server reported there before)."""
         self.servers[(model, version)] = server
-        if isinstance(server, GenerationServer):  # a cluster's generation steps on its replicas
-            server.add_listener(self._generation_listener(model, version))
-        elif isinstance(server, Server):
-            server.add_batch_listener(self._batch_listener(model, version))
+        server.listen(_Observer(self._batch_listener(model, version), self._generation_listener(model, version)))
 
     def remove(self, model: str, version: str) -> None:
         """Stop reporting ``model`` at ``version`` from its server's stats (its histograms keep their counts)."""

@@ -41,9 +41,8 @@ from typing import Any
 
 from ..errors import CheckpointError, OptionError, RepositoryError, UnknownServerError
 from ..models import from_pretrained
-from ..serving.generation import Generation, GenerationServer
-from ..serving.registry import unstarted_server
-from ..serving.server import Server
+from ..serving.generation import Generation
+from ..serving.registry import is_servable, unstarted_server
 from ..serving.serving import Serving
 from .service import InferenceService
 
@@ -219,7 +218,7 @@ class ModelRepository:
                 serving = self._run_bounded(name, source)
                 current = self.service.versions.get(name, {}).get(VERSION)
                 same_code = model.source is not None and source.split(WEIGHTS)[0] == model.source.split(WEIGHTS)[0]
-                if current is not None and same_code and _weights_only(current.server, serving):
+                if current is not None and same_code and current.server.takes_weights_of(serving):
                     current.server.update_params(serving.params)
                     log.info("model '%s' reloaded: new weights, nothing compiled", name)
                 else:
@@ -271,7 +270,7 @@ class ModelRepository:
             raise RepositoryError(f"{MODEL_FILE} raised {type(stop).__name__}({stop}) while it ran; a model "
                                   f"must define 'serving', not stop the server") from None
         serving = getattr(module, "serving", None)
-        if not isinstance(serving, (Serving, Generation)):
+        if not is_servable(serving):
             raise RepositoryError(f"{path} must define serving = js.Serving(...) or js.Generation(...); its "
                                   f"'serving' is {type(serving).__name__}")
         return serving
@@ -300,15 +299,6 @@ class ModelRepository:
                 server.stop()  # drained: what it holds finishes
             model.state, model.reason, model.source = "UNAVAILABLE", "unloaded", None
             log.info("model '%s' unloaded", name)
-
-
-def _weights_only(server: Any, serving: Serving | Generation) -> bool:
-    """Whether a reload to ``serving`` may keep ``server`` and swap its weights: the same model file (the
-    caller checks), a server that swaps weights, and weights shaped as its own."""
-    if isinstance(serving, Generation):
-        return isinstance(server, GenerationServer) and serving.params_template == server.generation.params_template
-    return isinstance(server, Server) and server.swaps_weights \
-        and serving.params is not None and serving.params_template == server.serving.params_template
 
 
 def _model_folder(folder: Path) -> bool:

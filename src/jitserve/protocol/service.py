@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -33,8 +33,10 @@ from ..errors import (
     UnknownServerError,
     is_raised_by_model,
 )
+from ..serving.front import Front
 from ..serving.generation import GenerationFront
 from ..serving.server import Server
+from ..serving.stats import GenerationStats, ServerStats
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .metrics import Metrics
@@ -153,7 +155,7 @@ class InferenceService:
     repository changes the models while they serve (:meth:`put`, :meth:`remove`); ``control`` is what
     loads and unloads them."""
 
-    def __init__(self, servers: Mapping[str, Server | GenerationFront], request_timeout: float | None = None,
+    def __init__(self, servers: Mapping[str, Front], request_timeout: float | None = None,
                  access_log: bool = False, tracing: Tracing | None = None) -> None:
         self.versions: dict[str, dict[str, Spec]] = {}
         self.access_log = access_log  # one line per inference request (protocol/access.py)
@@ -169,17 +171,17 @@ class InferenceService:
         self.control: ModelControl = FixedModels(self)
         self.controls_in_flight = 0  # loads and unloads running (load_or_unload), at most MAX_CONTROLS
 
-    def put(self, key: str, server: Server | GenerationFront) -> Server | GenerationFront | None:
+    def put(self, key: str, server: Front) -> Front | None:
         """Serve ``server`` as ``key`` (``name`` or ``name/version``) from now on; returns the server it
         replaces, if any, which the caller stops (drained: what it holds finishes there). Requests that
         took the old one but had not queued yet are sent to the new one (see :meth:`_current`)."""
         name, version = split_version(key)
-        spec: Spec = (GenerationSpec(name, server, version) if isinstance(server, GenerationFront)
-                      else ModelSpec(name, server, version))
+        spec: Spec = (GenerationSpec(name, cast(GenerationFront, server), version) if server.generates
+                      else ModelSpec(name, cast(Server, server), version))
         old = self.versions.get(name, {}).get(version)
         self.metrics.add(name, version, server)
-        if self.tracing is not None and isinstance(server, Server):
-            server.add_batch_listener(self.tracing.on_batch)
+        if self.tracing is not None:
+            server.listen(self.tracing)
         self.tallies.setdefault((name, version), Tally(self.metrics.request_seconds.labels(name, version)))
         specs = dict(sorted({**self.versions.get(name, {}), version: spec}.items(),
                             key=lambda item: _version_order(item[0])))
@@ -187,7 +189,7 @@ class InferenceService:
         self.models[name] = list(specs.values())[-1]
         return None if old is None else old.server
 
-    def remove(self, name: str) -> list[Server | GenerationFront]:
+    def remove(self, name: str) -> list[Front]:
         """Stop sending requests to every version of ``name``; returns their servers, for the caller to stop."""
         specs = self.versions.pop(name, {})
         self.models.pop(name, None)
@@ -195,7 +197,7 @@ class InferenceService:
             self.metrics.remove(name, version)
         return [spec.server for spec in specs.values()]
 
-    def servers(self) -> dict[str, Server | GenerationFront]:
+    def servers(self) -> dict[str, Front]:
         """The servers serving now, by the keys they would be given with: ``name/version``, or ``name`` alone
         for a model served only as version 1."""
         return {name if list(specs) == ["1"] else f"{name}/{version}": spec.server
@@ -275,23 +277,29 @@ class InferenceService:
         its requests, and its queue time the time to first output."""
         tally = self.tallies[(spec.name, spec.version)]
         stats = spec.server.stats()
-        generating = isinstance(spec, GenerationSpec)
-        executions = stats["steps" if generating else "batches"]
-        waits = stats["first_output_s" if generating else "queue_wait_s"]
+        if isinstance(stats, GenerationStats):
+            inferences, executions, queued, waits, computing = (stats.requests, stats.steps, stats.requests,
+                                                                stats.first_output_s, stats.step_s)
+            sizes, size_s = {}, {}
+        else:
+            assert isinstance(stats, ServerStats)
+            inferences, executions, queued, waits, computing = (stats.rows, stats.batches, stats.batches,
+                                                                stats.queue_wait_s, stats.execution_s)
+            sizes, size_s = stats.batch_sizes, stats.batch_execution_s
         return {
             "name": spec.name, "version": spec.version, "last_inference": tally.last_inference_ms,
-            "inference_count": stats["requests" if generating else "rows"], "execution_count": executions,
+            "inference_count": inferences, "execution_count": executions,
             "inference_stats": {
                 "success": _duration(tally.success_count, tally.success_ns),
                 "fail": _duration(tally.fail_count, tally.fail_ns),
-                "queue": _duration(stats["requests"] if generating else executions, waits * 1e9),
+                "queue": _duration(queued, waits * 1e9),
                 "compute_input": _duration(0, 0), "compute_output": _duration(0, 0),
-                "compute_infer": _duration(executions, stats["step_s" if generating else "execution_s"] * 1e9),
+                "compute_infer": _duration(executions, computing * 1e9),
             },
             "batch_stats": [{"batch_size": size, "compute_input": _duration(0, 0),
                              "compute_output": _duration(0, 0),
-                             "compute_infer": _duration(count, stats.get("batch_execution_s", {}).get(size, 0) * 1e9)}
-                            for size, count in sorted(stats.get("batch_sizes", {}).items())],
+                             "compute_infer": _duration(count, size_s.get(size, 0) * 1e9)}
+                            for size, count in sorted(sizes.items())],
         }
 
     def server_metadata(self) -> dict[str, Any]:

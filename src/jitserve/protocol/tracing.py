@@ -76,8 +76,12 @@ class Tracing:
         TRACE.set(span.get_span_context())
         return RequestSpan(self.tracer, span)
 
-    def on_batch(self, report: BatchReport) -> None:
-        """A server's batch listener: the batch's spans, and the queue span of every traced request in it."""
+    def step(self, kind: str, seconds: float) -> None:
+        """A generation's steps have no spans of their own: its requests' spans cover them."""
+
+    def batch(self, report: BatchReport) -> None:
+        """A front's batch listener (see :class:`~jitserve.serving.front.Listener`): the batch's spans, and
+        the queue span of every traced request in it."""
         traced = [(context, wait) for context, wait in zip(report.traces, report.queue_waits_s) if context is not None]
         if not traced:
             return

@@ -1,7 +1,7 @@
 """The corridor: the part of a server its callers see, the one path of every request.
 
-:class:`Corridor`'s ``call``, ``call_async``, ``open_stream`` and
-``open_stream_async`` do prepare (the serving's ``preprocess``) -> submit ->
+:class:`Corridor` (each server owns one) and its ``call``, ``call_async``,
+``open_stream`` and ``open_stream_async`` do prepare (the serving's ``preprocess``) -> submit ->
 wait -> finish (``postprocess``), the one path of every request, whether it
 comes from :func:`jitserve.batched_run`, the network or a cluster replica; the
 waiting itself (sync, asyncio, streamed, with timeouts and withdrawal) is
@@ -12,10 +12,9 @@ written here once. The request handle it hands out and waits on is
 from __future__ import annotations
 
 import asyncio
-import queue as thread_queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import jax
@@ -23,26 +22,29 @@ import jax
 from ..batch import Batch
 from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, ServerStoppedError
 from .options import seconds_option
-from .partition import ServerStats
 from .queue import Queues
-from .request import END, Request, concatenate_outputs, finish, prepare
+from .request import Reading, Request, concatenate_outputs, finish, prepare, read, read_async
 from .serving import Serving
+from .stats import ServerStats
 
 _ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
 
 
 class Corridor:
-    """The callers' side of a server (mixed into :class:`~jitserve.serving.server.Server`, whose state it
-    shares under the server's lock): the corridor every request takes, submission, the ways to wait, and
-    taking a request back."""
+    """The callers' side of a server, an object the server owns (``server.corridor``) over the state it
+    shares with it: the name and serving, the server's lock and the condition its partitions wait on, the
+    queues, the counters, and whether the server is stopping. The corridor every request takes,
+    submission, the ways to wait, and taking a request back."""
 
-    name: str
-    serving: Serving
-    _lock: threading.RLock
-    _cond: threading.Condition
-    _queues: Queues
-    _stopping: bool
-    _stats: ServerStats
+    def __init__(self, name: str, serving: Serving, lock: threading.RLock, cond: threading.Condition,
+                 queues: Queues, stats: ServerStats, stopping: Callable[[], bool]) -> None:
+        self.name = name
+        self.serving = serving
+        self._lock = lock
+        self._cond = cond
+        self._queues = queues
+        self._stats = stats
+        self._stopping = stopping
 
     def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None,
                priority: int | None = None, stream: bool = False) -> Request:
@@ -63,7 +65,7 @@ class Corridor:
         request = Request(size, loop, level, stream)
         queues = self._queues
         with self._lock:
-            if self._stopping:
+            if self._stopping():
                 raise ServerStoppedError(f"server {self.name!r} is stopped and takes no new requests")
             try:
                 queues.admit(size, level, self.name)
@@ -189,42 +191,20 @@ class Corridor:
             return [outputs for _, outputs in parts]
         return concatenate_outputs([outputs for _, outputs in parts])
 
+    def _reading(self, request: Request, timeout: float | None) -> Reading:
+        assert request.stream is not None, "a stream=True request"
+        return Reading(request.stream, timeout, lambda: request.started, lambda: self._expire(request, timeout),
+                       lambda: self._abandon(request), StreamOrder(self.serving.streaming).take)
+
     def stream(self, request: Request, timeout: float | None) -> Iterator[Any]:
         """The outputs of a ``stream=True`` request as they come: consecutive row ranges in order (each
         step, for a serving that yields steps). Closing the iterator early takes unstarted rows off the
         queues; ``timeout`` as for :meth:`result`."""
-        items = request.stream.items  # type: ignore[union-attr]
-        order = StreamOrder(self.serving.streaming)
-        try:
-            while True:
-                try:
-                    ready = order.take(items.get(timeout=None if request.started else timeout))
-                except thread_queue.Empty:
-                    self._expire(request, timeout)
-                    continue
-                if ready is None:
-                    return
-                yield from ready
-        finally:
-            self._abandon(request)
+        return read(self._reading(request, timeout))
 
-    async def stream_async(self, request: Request, timeout: float | None) -> AsyncIterator[Any]:
+    def stream_async(self, request: Request, timeout: float | None) -> AsyncIterator[Any]:
         """:meth:`stream` for a request submitted with its event loop and ``stream=True``."""
-        items = request.stream.items  # type: ignore[union-attr]
-        order = StreamOrder(self.serving.streaming)
-        try:
-            while True:
-                try:
-                    ready = order.take(await asyncio.wait_for(items.get(), None if request.started else timeout))
-                except TimeoutError:
-                    self._expire(request, timeout)
-                    continue
-                if ready is None:
-                    return
-                for outputs in ready:
-                    yield outputs
-        finally:
-            self._abandon(request)
+        return read_async(self._reading(request, timeout))
 
     def _expire(self, request: Request, timeout: float | None) -> None:
         """A streaming request's timeout passed: withdrawn with TimeoutError unless its rows started."""
@@ -243,12 +223,8 @@ class StreamOrder:
         self.waiting: dict[int, Any] = {}
         self.next_offset = 0
 
-    def take(self, item: Any) -> list[Any] | None:
-        """The outputs now ready to hand out after ``item``; None at the end; a failure raises."""
-        if item is END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
+    def take(self, item: Any) -> list[Any]:
+        """The outputs now ready to hand out after ``item`` (neither the end nor a failure)."""
         key, outputs = item
         if self.steps:
             return [outputs]

@@ -4,7 +4,7 @@ rows.
 
 :class:`BatchRunner` is the part of :class:`~jitserve.serving.server.Server` that runs on the partitions'
 threads; the executor protocol (:class:`BatchExecutor`) is every method it calls; a batch's outcome is told
-to listeners as a :class:`BatchReport`, and the counters are a :class:`ServerStats`.
+to listeners as a :class:`BatchReport`, and the counters are a :class:`~jitserve.serving.stats.ServerStats`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
@@ -23,6 +23,7 @@ from ..batch import Batch, RowSignature
 from .queue import Piece, Queues
 from .request import END, Request, Stream, put_all, resolve_futures
 from .serving import Serving
+from .stats import ServerStats
 
 log = logging.getLogger("jitserve.server")
 
@@ -42,30 +43,6 @@ class BatchReport:
     queue_waits_s: tuple[float, ...] = ()  # each request's wait (each part's, of a split one); the longest above
     formed_at: float = 0.0  # when the batch was formed (time.monotonic)
     traces: tuple[Any, ...] = ()  # each request's trace context (request.TRACE), aligned with queue_waits_s
-
-
-@dataclass
-class ServerStats:
-    """A server's counters since it started (``Server.stats()`` gives them as a dict): requests taken, and
-    rejected (queue full or too large), timed out, cancelled or stopped before they ran; batches and the rows
-    they ran, padding included, executions per padded size, seconds waiting and executing, compiles, failed
-    batches and the runs bisecting them took."""
-
-    requests: int = 0
-    batches: int = 0
-    rows: int = 0
-    padded_rows: int = 0
-    compiles: int = 0
-    errors: int = 0
-    rejected: int = 0
-    timeouts: int = 0
-    cancelled: int = 0
-    stopped: int = 0
-    bisect_runs: int = 0
-    batch_sizes: dict[int, int] = field(default_factory=dict)  # padded size -> batches
-    batch_execution_s: dict[int, float] = field(default_factory=dict)  # padded size -> seconds
-    queue_wait_s: float = 0.0
-    execution_s: float = 0.0
 
 
 class BatchExecutor(Protocol):

@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard, cast
 
 import numpy as np
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
+from .front import Front
 from .generation import Delivery, Generation, GenerationFront, GenerationServer, Sampling, stacked
 from .options import optional_seconds
 from .server import Server
@@ -25,7 +26,7 @@ from .serving import Serving
 
 LOCAL = "local"
 
-_servers: dict[str, Server | GenerationFront] = {}
+_servers: dict[str, Front] = {}
 _lock = threading.Lock()
 
 
@@ -38,7 +39,7 @@ class Cluster(Protocol):
     def serve(self, serving: Serving | Generation, name: str, **options: Any) -> Any:
         """Start ``serving`` as ``name`` in the cluster; returns the back end's handle."""
 
-    def lookup(self, name: str) -> Server | GenerationFront | None:
+    def lookup(self, name: str) -> Front | None:
         """This process's front of the cluster serving ``name``, or None if the cluster has none."""
 
 
@@ -60,8 +61,7 @@ def serve(serving: Serving | Generation, name: str | None = None, cluster: str |
     (``replicas=``, ``weight=``, ``num_cpus=``, ``num_gpus=``; see
     :mod:`jitserve.cluster.ray`) and returns the cluster's handle.
     """
-    fn = serving.decode if isinstance(serving, Generation) else serving.fn
-    name = name or getattr(fn, "__name__", None) or "serving"
+    name = name or getattr(serving.functions[-1], "__name__", None) or "serving"
     if cluster is not None:
         return _cluster(cluster).serve(serving, name, **cluster_options)
     if cluster_options:
@@ -79,7 +79,12 @@ def serve(serving: Serving | Generation, name: str | None = None, cluster: str |
         raise
 
 
-def unstarted_server(serving: Serving | Generation, name: str) -> Server | GenerationServer:
+def is_servable(value: Any) -> TypeGuard[Serving | Generation]:
+    """Whether ``value`` is something to serve: a :class:`Serving` or a :class:`Generation`."""
+    return isinstance(value, (Serving, Generation))
+
+
+def unstarted_server(serving: Serving | Generation, name: str) -> Front:
     """A server of ``serving`` named ``name``, not started and not registered: ``start()`` warms it up. A model
     repository keeps two of one name while it reloads, which the registry does not allow."""
     return GenerationServer(serving, name) if isinstance(serving, Generation) else Server(serving, name)
@@ -92,13 +97,13 @@ def _cluster(kind: str) -> Cluster:
     return cluster
 
 
-def unregister(name: str, server: Server | GenerationFront) -> None:
+def unregister(name: str, server: Front) -> None:
     with _lock:
         if _servers.get(name) is server:
             del _servers[name]
 
 
-def lookup(name: str | tuple[str, str]) -> Server | GenerationFront:
+def lookup(name: str | tuple[str, str]) -> Front:
     """The server for ``name``: here first, then in every connected cluster; ``(kind, name)`` forces one."""
     scope, bare = name if isinstance(name, tuple) else (None, name)
     if scope not in (None, LOCAL):
@@ -121,23 +126,23 @@ def lookup(name: str | tuple[str, str]) -> Server | GenerationFront:
     raise UnknownServerError(f"no server named {bare!r} is running here (running: {running}){where}")
 
 
-def servers() -> dict[str, Server | GenerationFront]:
+def servers() -> dict[str, Front]:
     """The running servers of this process by name."""
     return dict(_servers)
 
 
 def _batching(name: str | tuple[str, str]) -> Server:
     server = lookup(name)
-    if isinstance(server, GenerationFront):
+    if server.generates:
         raise OptionError(f"server {server.name!r} serves a js.Generation, not a js.Serving: call js.generate")
-    return server
+    return cast(Server, server)
 
 
 def _generating(name: str | tuple[str, str]) -> GenerationFront:
     server = lookup(name)
-    if not isinstance(server, GenerationFront):
+    if not server.generates:
         raise OptionError(f"server {server.name!r} serves a js.Serving, not a js.Generation: call js.batched_run")
-    return server
+    return cast(GenerationFront, server)
 
 
 def batched_run(name: str | tuple[str, str], value: Any, timeout: float | None = None,

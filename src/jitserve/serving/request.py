@@ -19,7 +19,7 @@ import asyncio
 import contextvars
 import queue as thread_queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from typing import Any
 
 import jax
@@ -114,6 +114,71 @@ def put_all(deliveries: Sequence[tuple[Stream, Any]]) -> None:
 def _put_nowait_each(puts: list[tuple[asyncio.Queue[Any], Any]]) -> None:
     for items, item in puts:
         items.put_nowait(item)
+
+
+class Reading:
+    """One caller reading one request's stream, whichever engine it came from: it waits at most
+    ``timeout`` while the request has not ``started`` (then ``expire()``, which raises TimeoutError if the
+    request still waits), hands out what each item gives (``order``: row ranges put in order, or each item
+    as it is), and ``close()``s the request once the caller stops reading. :func:`read` and
+    :func:`read_async` are its one waiting loop, for threads and for asyncio callers."""
+
+    __slots__ = ("items", "timeout", "started", "expire", "close", "order")
+
+    def __init__(self, stream: Stream, timeout: float | None, started: Callable[[], bool],
+                 expire: Callable[[], None], close: Callable[[], None],
+                 order: Callable[[Any], list[Any]] | None = None) -> None:
+        self.items = stream.items
+        self.timeout = timeout
+        self.started = started
+        self.expire = expire
+        self.close = close
+        self.order = order
+
+    def wait_s(self) -> float | None:
+        """How long to wait for the next item: unbounded once the request started."""
+        return None if self.started() else self.timeout
+
+    def take(self, item: Any) -> list[Any] | None:
+        """What to hand out after ``item``; None at the end; a failure raises."""
+        if item is END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return [item] if self.order is None else self.order(item)
+
+
+def read(reading: Reading) -> Generator[Any, None, None]:
+    """A request's outputs as they come, for a thread (see :class:`Reading`)."""
+    try:
+        while True:
+            try:
+                ready = reading.take(reading.items.get(timeout=reading.wait_s()))
+            except thread_queue.Empty:
+                reading.expire()
+                continue
+            if ready is None:
+                return
+            yield from ready
+    finally:
+        reading.close()
+
+
+async def read_async(reading: Reading) -> AsyncGenerator[Any, None]:
+    """:func:`read` for a request submitted with its event loop."""
+    try:
+        while True:
+            try:
+                ready = reading.take(await asyncio.wait_for(reading.items.get(), reading.wait_s()))
+            except TimeoutError:
+                reading.expire()
+                continue
+            if ready is None:
+                return
+            for outputs in ready:
+                yield outputs
+    finally:
+        reading.close()
 
 
 class Request:

@@ -10,7 +10,8 @@ threads only twice: caller to worker and back. This is Nx.Serving's loop, with
 padding to compiled sizes, splitting, a bounded queue and timeouts on top.
 
 The rooms: the lifecycle, warm-up and weights are here; submission and every
-way to wait in ``corridor.py`` (the corridor); the request handle in
+way to wait in ``corridor.py`` (the corridor, an object the server owns and
+whose entry points it gives its callers); the request handle in
 ``request.py``; the batching policy and admission in ``queue.py``; the partitions' loop,
 bisection and delivery in ``partition.py``, with the executor protocol. By
 default each partition compiles the serving's function (:class:`Executor`);
@@ -19,12 +20,12 @@ the cluster coalescer gives executors that send the batch to a remote replica.
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Self
 
 import jax
@@ -34,66 +35,21 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from .. import compilers
 from ..batch import Batch
 from ..errors import OptionError, ServerStoppedError
-from ..params import load_params
 from ..template import is_template
 from .corridor import Corridor
+from .front import Front, Listener
 from .options import optional_seconds
-from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, ServerStats, Weights
+from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, Weights
 from .queue import BatchPolicy, Queues
 from .request import Request
 from .serving import Executor, Serving
+from .stats import ServerStats
 from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
 
 
-class Lifecycle:
-    """What every kind of server shares with the registry and ``with`` blocks: ``stop``, the callbacks run
-    once it has stopped, and whether it is stopping; and how its weights are swapped (``update_params``)
-    and read again from the file they came from (``reload_params``)."""
-
-    name: str
-    _stopping: bool
-    _on_stop: list[Callable[[Any], None]]
-
-    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        raise NotImplementedError
-
-    def update_params(self, params: Any) -> None:
-        raise NotImplementedError
-
-    @property
-    def params_source(self) -> str | None:
-        """The file the weights were given as (``params=PATH``); None when they were given as arrays."""
-        raise NotImplementedError
-
-    def reload_params(self) -> None:
-        """:meth:`update_params` with the weights read again from the file they were given as
-        (``params=PATH``): replace that file (write a new one and rename it over the old, as
-        ``save_params`` does: the served arrays may map the old one) and reload, compiling nothing."""
-        source = self.params_source
-        if source is None:
-            raise OptionError(f"server {self.name!r} was given its weights as arrays, not as a file "
-                              f"(params=PATH), so there is no file to reload them from")
-        self.update_params(load_params(source))
-
-    def on_stop(self, callback: Callable[[Any], None]) -> None:
-        """Call ``callback(server)`` once the server has stopped (the registry forgets its name)."""
-        self._on_stop.append(callback)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    @property
-    def stopping(self) -> bool:
-        """True once ``stop()`` was called: no new requests are taken."""
-        return self._stopping
-
-
-class Server(Corridor, BatchRunner, Lifecycle):
+class Server(BatchRunner, Front):
     """A named, running server of one :class:`Serving`. Use :func:`jitserve.serve` to start one.
 
     ``executors`` (one per partition) replace the compiled executors of the serving's own partitions;
@@ -112,6 +68,8 @@ class Server(Corridor, BatchRunner, Lifecycle):
         self._listeners: list[Callable[[BatchReport], None]] = []
         self._on_stop: list[Callable[[Any], None]] = []
         self._stats = ServerStats()
+        self.corridor = Corridor(name, serving, self._lock, self._cond, self._queues, self._stats,
+                                 lambda: self._stopping)
         self._compiles_own = executors is None
         if executors is None:
             isolated = serving.isolation == "process"
@@ -123,6 +81,30 @@ class Server(Corridor, BatchRunner, Lifecycle):
         self._swappable = self._compiles_own and serving.has_params  # batches pin a version of weights
         self._weights = Weights([()] * len(self._partitions))
         self._update_lock = threading.Lock()
+
+    # the entry points: the corridor's -------------------------------------------------------------
+
+    def submit(self, batch: Batch, loop: asyncio.AbstractEventLoop | None = None, priority: int | None = None,
+               stream: bool = False) -> Request:
+        """Queue ``batch``'s rows; returns the request (see :meth:`Corridor.submit`)."""
+        return self.corridor.submit(batch, loop, priority, stream)
+
+    def call(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
+        """Run ``value`` batched with concurrent callers (see :meth:`Corridor.call`)."""
+        return self.corridor.call(value, timeout, priority)
+
+    async def call_async(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
+        """:meth:`call` for asyncio callers."""
+        return await self.corridor.call_async(value, timeout, priority)
+
+    def open_stream(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Iterator[Any]:
+        """:meth:`call` whose results come as they are ready (see :meth:`Corridor.open_stream`)."""
+        return self.corridor.open_stream(value, timeout, priority)
+
+    def open_stream_async(self, value: Any, timeout: float | None = None,
+                          priority: int | None = None) -> AsyncIterator[Any]:
+        """:meth:`open_stream` for a caller on a running event loop."""
+        return self.corridor.open_stream_async(value, timeout, priority)
 
     # lifecycle -------------------------------------------------------------------------------
 
@@ -254,12 +236,18 @@ class Server(Corridor, BatchRunner, Lifecycle):
         """Call ``listener(report)`` in the worker thread after every executed batch."""
         self._listeners.append(listener)
 
-    def stats(self) -> dict[str, Any]:
-        """The counters of :class:`ServerStats` as a dict, with the rows queued now (``queue_depth``) and the
-        batches running (``in_flight``)."""
+    def listen(self, listener: Listener) -> None:
+        self.add_batch_listener(listener.batch)
+
+    def takes_weights_of(self, servable: Any) -> bool:
+        return self.swaps_weights and type(servable) is type(self.serving) and servable.params is not None \
+            and servable.params_template == self.serving.params_template
+
+    def stats(self) -> ServerStats:
+        """The counters so far, with the rows queued now (``queue_depth``) and the batches running
+        (``in_flight``)."""
         with self._lock:
-            return {**dataclasses.asdict(self._stats), "queue_depth": self._queues.depth,
-                    "in_flight": self._in_flight}
+            return self._stats.snapshot(queue_depth=self._queues.depth, in_flight=self._in_flight)
 
     def _count_compile(self) -> None:
         with self._lock:

@@ -179,6 +179,8 @@ def cut_rows(outputs: Any, rows: int, keep: int, inputs: Sequence[np.ndarray] | 
 class Serving:
     """A function served with dynamic batching; see :func:`jitserve.serve` for the server."""
 
+    generates = False  # its server batches rows (a Generation's generates)
+
     def __init__(
         self,
         fn: Callable[..., Any],
@@ -383,6 +385,11 @@ class Serving:
         self.__dict__.update(state)
         self._inline = None
         self._inline_lock = threading.Lock()
+
+    @property
+    def functions(self) -> tuple[Callable[..., Any], ...]:
+        """The user's functions it compiles (``fn``); the last names a server by default."""
+        return (self.fn,)
 
     def __repr__(self) -> str:
         return (f"Serving({getattr(self.fn, '__name__', self.fn)!r}, batch_size={self.batch_size}, "

@@ -9,11 +9,12 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from ...errors import OptionError
 from ...serving.options import finite_number
-from .operations import check_replicas, total
+from ...serving.stats import ServerStats
+from .operations import DeploymentStats, check_replicas
 
 log = logging.getLogger("jitserve.cluster")
 
@@ -68,13 +69,12 @@ class Reading:
     busy: float
 
     @classmethod
-    def between(cls, then: float, before: dict[str, Any], now: float, after: dict[str, Any], replicas: int
-                ) -> Reading:
+    def between(cls, then: float, before: ServerStats, now: float, after: ServerStats, replicas: int) -> Reading:
         """The reading of the period from ``then`` to ``now``, given the replicas' stats summed at each end."""
-        rows = after["rows"] - before["rows"]
-        wait = (after["queue_wait_s"] - before["queue_wait_s"]) / rows if rows > 0 else 0.0
-        busy = max(after["execution_s"] - before["execution_s"], 0.0) / max(now - then, 1e-9) / replicas
-        return cls(now, replicas, after["queue_depth"] / replicas, wait, busy)
+        rows = after.rows - before.rows
+        wait = (after.queue_wait_s - before.queue_wait_s) / rows if rows > 0 else 0.0
+        busy = max(after.execution_s - before.execution_s, 0.0) / max(now - then, 1e-9) / replicas
+        return cls(now, replicas, after.queue_depth / replicas, wait, busy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Scalable(Protocol):
     @property
     def replicas(self) -> list[str]: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> DeploymentStats: ...
 
     def scale(self, replicas: int) -> None: ...
 
@@ -148,7 +148,7 @@ class Autoscaler:
         decision = None
         while not self._stopped.wait(self.policy.period_s):
             try:
-                now, totals = time.monotonic(), total(self.handle.stats()["replicas"].values())
+                now, totals = time.monotonic(), ServerStats.total(self.handle.stats().replicas.values())  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - a replica restarting: look again next period
                 continue
             replicas = len(self.handle.replicas)

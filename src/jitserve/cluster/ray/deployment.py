@@ -16,7 +16,7 @@ import sys
 import sysconfig
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray import cloudpickle
@@ -26,8 +26,10 @@ from ...errors import OptionError
 from ...serving.generation import Generation
 from ...serving.options import finite_number
 from ...serving.serving import Serving
+from ...serving.stats import FrontStats
 from .autoscaling import Autoscaler, Autoscaling
 from .operations import (
+    DeploymentStats,
     actor_names,
     check_replicas,
     connect,
@@ -38,7 +40,6 @@ from .operations import (
     replica_stats,
     stale_check,
     stop_actor,
-    total,
 )
 from .replicas import LOST, NAMESPACE, Deployment, GenerationActor, HolderActor, ReplicaActor
 
@@ -153,10 +154,10 @@ class RayServing:
     def _stop_replica(self, actor_name: str) -> None:
         stop_actor(self._actors.pop(actor_name))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> DeploymentStats:
         """Stats per replica (``replicas``) and summed over them (``total``)."""
         per_replica = replica_stats(self._actors)
-        return {"replicas": per_replica, "total": total(per_replica.values())}
+        return DeploymentStats(per_replica, FrontStats.total(per_replica.values()))
 
     def stop(self) -> None:
         """Stop every replica gracefully (what has not started is re-sent elsewhere by its router), then
@@ -179,8 +180,7 @@ def _travel_by_value(serving: Serving | Generation) -> None:
     """Let the user's own modules travel with the serving (cloudpickle by value), so that replicas need
     only the installed packages it imports, not the caller's source tree on their ``sys.path``."""
     installed = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
-    functions = (serving.prefill, serving.decode) if isinstance(serving, Generation) else (serving.fn,)
-    for fn in (*functions, serving.preprocess, serving.postprocess):
+    for fn in (*serving.functions, serving.preprocess, serving.postprocess):
         module = sys.modules.get(getattr(fn, "__module__", None) or "")
         path = getattr(module, "__file__", None)
         if module is None or path is None or module.__name__ == "__main__":
@@ -214,7 +214,7 @@ def serve(serving: Serving | Generation, name: str, *, replicas: int = 1, weight
     load from a thread of this process (``handle.autoscaler.events`` records the changes); ``replicas``
     is then ignored."""
     check_replicas(replicas)
-    if autoscaling is not None and isinstance(serving, Generation):
+    if autoscaling is not None and serving.generates:
         raise OptionError("autoscaling follows a serving's queue; scale a generation's replicas with scale(n)")
     if not finite_number(weight) or weight <= 0:
         raise OptionError(f"weight must be a finite number > 0, got {weight!r}")
@@ -231,6 +231,6 @@ def serve(serving: Serving | Generation, name: str, *, replicas: int = 1, weight
         if adopted:
             log.info("adopted %d replicas of '%s' whose owner is gone: %s", len(adopted), name, ", ".join(adopted))
     handle.scale(replicas if autoscaling is None else autoscaling.min_replicas)
-    if isinstance(serving, Serving) and autoscaling is not None:
-        handle.autoscaler = Autoscaler(handle, autoscaling, serving.batch_size)
+    if autoscaling is not None:
+        handle.autoscaler = Autoscaler(handle, autoscaling, cast(Serving, serving).batch_size)
     return handle

@@ -16,8 +16,8 @@ import os
 import socket
 import types
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -27,6 +27,7 @@ from ray.exceptions import RayTaskError
 from ...errors import OptionError
 from ...serving.generation import Generation
 from ...serving.serving import Serving
+from ...serving.stats import FrontStats
 from .replicas import LOST, NAMESPACE, OwnerActor
 
 
@@ -223,7 +224,7 @@ def stop_servings(names: Sequence[str] = (), stale: bool = False) -> list[str]:
     return stopped
 
 
-def replica_stats(actors: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def replica_stats(actors: dict[str, Any]) -> dict[str, FrontStats]:
     """Each replica's server stats (by actor name), as the replicas report them now; one that is gone is left
     out."""
     refs = {name: actor.stats.remote() for name, actor in actors.items()}
@@ -236,15 +237,8 @@ def replica_stats(actors: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return stats
 
 
-def total(stats: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Several replicas' stats summed (counts per batch size too)."""
-    summed: dict[str, Any] = {}
-    for one in stats:
-        for key, value in one.items():
-            if isinstance(value, dict):
-                merged = summed.setdefault(key, {})
-                for size, count in value.items():
-                    merged[size] = merged.get(size, 0) + count
-            else:
-                summed[key] = summed.get(key, 0) + value
-    return summed
+class DeploymentStats(NamedTuple):
+    """A deployment's stats: each replica's (by actor name) and their sum (``total``)."""
+
+    replicas: dict[str, FrontStats]
+    total: FrontStats

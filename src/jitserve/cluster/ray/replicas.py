@@ -24,6 +24,7 @@ from ...compilers.xla import run_cpu_computations_inline
 from ...serving.generation import Generation, GenerationServer, Sampling
 from ...serving.server import Server
 from ...serving.serving import Serving
+from ...serving.stats import GenerationStats, ServerStats
 
 NAMESPACE = "jitserve"
 LOST = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)  # an actor died, or did not answer
@@ -116,10 +117,10 @@ class Replica(Ownership):
         async for outputs in self.server.open_stream_async(Batch.concatenate([rows]).key(batch_key)):
             yield outputs, self.server.queue_depth
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> ServerStats:
         return self.server.stats()
 
-    async def stop(self) -> dict[str, Any]:
+    async def stop(self) -> ServerStats:
         """Stop without drain: requests that have not started are answered ``ServerStoppedError`` (their
         routers send them elsewhere), started ones finish. Returns the final stats."""
         await asyncio.to_thread(self.server.stop, False)
@@ -154,12 +155,12 @@ class GenerationReplica(Ownership):
         request = server.submit(prompt, max_steps, asyncio.get_running_loop(), sampling)
         async for output in server.outputs_async(request, timeout):
             stats = server.stats()
-            yield output, stats["slots_busy"] + stats["queue_depth"]
+            yield output, stats.slots_busy + stats.queue_depth
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> GenerationStats:
         return self.server.stats()
 
-    async def stop(self) -> dict[str, Any]:
+    async def stop(self) -> GenerationStats:
         """Stop without drain: waiting and running requests end with ``ServerStoppedError``."""
         await asyncio.to_thread(self.server.stop, False)
         return self.server.stats()

@@ -49,7 +49,8 @@ from ...errors import QueueFullError, RequestTooLargeError, ServerStoppedError, 
 from ...serving.generation import GREEDY, Generation, GenerationFront, Sampling
 from ...serving.server import Server
 from ...serving.serving import Serving
-from .operations import actor_names, replica_stats, running_servings, total
+from ...serving.stats import FrontStats, GenerationStats
+from .operations import actor_names, replica_stats, running_servings
 from .replicas import LOST, NAMESPACE
 
 if TYPE_CHECKING:
@@ -309,7 +310,7 @@ class Coalescer(Server):
                          policy)
         self.router = router
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
+    def replica_stats(self) -> dict[str, FrontStats]:
         """Each replica's server stats, as the replicas report them now."""
         return replica_stats(self.router.members())
 
@@ -347,9 +348,9 @@ class RemoteGeneration(GenerationFront):
     def outputs_async(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
         return self.router.streamed_async(1, self._generate(request, timeout))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> GenerationStats:
         """The replicas' stats, summed."""
-        return total(replica_stats(self.router.members()).values())
+        return GenerationStats.total(replica_stats(self.router.members()).values())  # type: ignore[arg-type]
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests here; the replicas run on (``RayServing.stop`` stops them)."""

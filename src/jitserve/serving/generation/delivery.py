@@ -3,20 +3,19 @@
 On the loop's side, :func:`hand_over` gives each request its next outputs of a
 launch, in step order, then the end once it needs no more (or reached ``eos``),
 in one hand-over for all the streams of one asyncio event loop. On the caller's
-side, :func:`read` and :func:`read_async` read a request's stream, and
-:class:`Delivery` makes what the caller gets of each output (``postprocess``,
-or the text of a request's own incremental ``detokenizer``, cut at a stop
-sequence: :class:`StopText`); :func:`stacked` puts a whole request's outputs
-on one axis.
+side, the request's stream is read by the one waiting loop of both engines
+(:func:`~jitserve.serving.request.read`), and :class:`Delivery` makes what
+the caller gets of each output (``postprocess``, or the text of a request's
+own incremental ``detokenizer``, cut at a stop sequence: :class:`StopText`);
+:func:`stacked` puts a whole request's outputs on one axis.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue as thread_queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,47 +64,6 @@ def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], output
                 finished.append(request)
     put_all(deliveries)
     return len(deliveries) - len(finished), finished
-
-
-def read(request: GenerationRequest, timeout: float | None, expire: Callable[[], None],
-         cancel: Callable[[], None]) -> Generator[Any, None, None]:
-    """The request's outputs as they come, for a thread: ``expire()`` once ``timeout`` passes before it has
-    a slot (it raises TimeoutError if the request still waits), ``cancel()`` once the caller stops reading."""
-    items = request.stream.items
-    try:
-        while True:
-            try:
-                item = items.get(timeout=None if request.admitted.is_set() else timeout)
-            except thread_queue.Empty:
-                expire()
-                continue
-            if item is END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        cancel()
-
-
-async def read_async(request: GenerationRequest, timeout: float | None, expire: Callable[[], None],
-                     cancel: Callable[[], None]) -> AsyncGenerator[Any, None]:
-    """:func:`read` for a request submitted with its event loop."""
-    items = request.stream.items
-    try:
-        while True:
-            try:
-                item = await asyncio.wait_for(items.get(), None if request.admitted.is_set() else timeout)
-            except TimeoutError:
-                expire()
-                continue
-            if item is END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        cancel()
 
 
 class StopText:

@@ -26,10 +26,12 @@ from typing import Any, NamedTuple, Self
 from ... import compilers
 from ...errors import OptionError, QueueFullError, ServerStoppedError, raised_by_model
 from ...template import Template, check_params
+from ..front import Front, Listener
 from ..options import optional_seconds
-from ..server import Lifecycle
+from ..request import Reading, read, read_async
 from ..serving import owned_host_array
-from .delivery import GenerationRequest, hand_over, read, read_async
+from ..stats import GenerationStats
+from .delivery import GenerationRequest, hand_over
 from .programs import Programs, to_host
 from .scheduler import Plan, Scheduler
 from .spec import GREEDY, Generation, Sampling, stop_outputs
@@ -37,11 +39,12 @@ from .spec import GREEDY, Generation, Sampling, stop_outputs
 log = logging.getLogger("jitserve.generation")
 
 
-class GenerationFront(Lifecycle):
+class GenerationFront(Front):
     """What ``js.generate`` and the network front call: a :class:`GenerationServer` in this process, or a
     cluster's front of generation replicas (``jitserve.cluster.ray``). ``submit`` checks and queues a
     request; ``outputs`` / ``outputs_async`` give its outputs as they come (closing them cancels it)."""
 
+    generates = True
     generation: Generation
     name: str
     output_template: Template  # what each step gives one request
@@ -56,7 +59,7 @@ class GenerationFront(Lifecycle):
     def outputs_async(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
         raise NotImplementedError
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> GenerationStats:
         raise NotImplementedError
 
     def update_params(self, params: Any) -> None:
@@ -93,9 +96,7 @@ class GenerationServer(GenerationFront):
         self._scheduler: Scheduler[GenerationRequest] = Scheduler(g.slots, g.prefill_lengths, g.prefill_batches,
                                                                   g.steps_per_launch, g.max_queue)
         self._stopping = False
-        self._stats: dict[str, Any] = {"requests": 0, "outputs": 0, "steps": 0, "prefills": 0, "compiles": 0,
-                                       "errors": 0, "cancelled": 0, "timeouts": 0, "rejected": 0,
-                                       "first_output_s": 0.0, "step_s": 0.0, "max_slots_busy": 0}
+        self._stats = GenerationStats(slots=g.slots)
         options = compilers.get(generation.compiler_name).partitions(generation.compiler_options)[0]
         self._programs = Programs(generation, options, self._count_compile)
         self._params = self._programs.place(generation.params)
@@ -113,6 +114,12 @@ class GenerationServer(GenerationFront):
         """Call ``listener(kind, seconds)`` for each ``"first_output"`` (a request's time from submission to
         its first output) and each ``"step"`` (one decode step of every busy slot), on the loop thread."""
         self._listeners.append(listener)
+
+    def listen(self, listener: Listener) -> None:
+        self.add_listener(listener.step)
+
+    def takes_weights_of(self, servable: Any) -> bool:
+        return type(servable) is type(self.generation) and servable.params_template == self.generation.params_template
 
     def _tell(self, kind: str, seconds: float) -> None:
         for listener in self._listeners:
@@ -141,7 +148,7 @@ class GenerationServer(GenerationFront):
 
     def _count_compile(self) -> None:
         with self._lock:
-            self._stats["compiles"] += 1
+            self._stats.compiles += 1
 
     # lifecycle -----------------------------------------------------------------------------------
 
@@ -191,13 +198,10 @@ class GenerationServer(GenerationFront):
                 request.ended = True
                 request.stream.put(error)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> GenerationStats:
         with self._lock:
-            stats = dict(self._stats)
-            stats["slots"] = self.generation.slots
-            stats["slots_busy"] = len(self._scheduler.running)
-            stats["queue_depth"] = len(self._scheduler.waiting)
-        return stats
+            return self._stats.snapshot(slots_busy=len(self._scheduler.running),
+                                        queue_depth=len(self._scheduler.waiting))
 
     # callers ---------------------------------------------------------------------------------------
 
@@ -212,11 +216,11 @@ class GenerationServer(GenerationFront):
             if self._stopping:
                 raise ServerStoppedError(f"generation server {self.name!r} is stopped and takes no new requests")
             if self._scheduler.full:
-                self._stats["rejected"] += 1
+                self._stats.rejected += 1
                 raise QueueFullError(f"generation server {self.name!r} queue is full: "
                                      f"{len(self._scheduler.waiting)} prompts wait for a slot, max_queue is "
                                      f"{g.max_queue}")
-            self._stats["requests"] += 1
+            self._stats.requests += 1
             self._scheduler.submit(request)
             self._wake.notify()
         return request
@@ -226,24 +230,28 @@ class GenerationServer(GenerationFront):
         before the next step."""
         with self._lock:
             if self._scheduler.cancel(request):
-                self._stats["cancelled"] += 1
+                self._stats.cancelled += 1
 
     def _expire(self, request: GenerationRequest, timeout: float | None) -> None:
         """A request not admitted within ``timeout``: taken off the queue with TimeoutError."""
         with self._lock:
             if not self._scheduler.expire(request):
                 return
-            self._stats["timeouts"] += 1
+            self._stats.timeouts += 1
         raise TimeoutError(f"request to generation server {self.name!r} timed out after {timeout}s waiting "
                            f"for a free slot")
 
     def outputs(self, request: GenerationRequest, timeout: float | None) -> Generator[Any, None, None]:
         """The request's outputs as they come; closing the iterator cancels the request."""
-        return read(request, timeout, lambda: self._expire(request, timeout), lambda: self.cancel(request))
+        return read(self._reading(request, timeout))
 
     def outputs_async(self, request: GenerationRequest, timeout: float | None) -> AsyncGenerator[Any, None]:
         """:meth:`outputs` for a request submitted with its event loop."""
-        return read_async(request, timeout, lambda: self._expire(request, timeout), lambda: self.cancel(request))
+        return read_async(self._reading(request, timeout))
+
+    def _reading(self, request: GenerationRequest, timeout: float | None) -> Reading:
+        return Reading(request.stream, timeout, request.admitted.is_set, lambda: self._expire(request, timeout),
+                       lambda: self.cancel(request))
 
     # the loop --------------------------------------------------------------------------------------
 
@@ -261,7 +269,7 @@ class GenerationServer(GenerationFront):
                     self._wake.wait()
                 if self._stopping and not (scheduler.running or scheduler.waiting or in_flight):
                     return
-                self._stats["cancelled"] += scheduler.release_cancelled()
+                self._stats.cancelled += scheduler.release_cancelled()
                 if self._new_params is not None and not scheduler.running:  # no slot runs with the old weights
                     self._params, self._new_params = self._new_params, None
                     self._wake.notify_all()
@@ -270,8 +278,8 @@ class GenerationServer(GenerationFront):
                 for prefill in plan.prefills:
                     for request in prefill.requests:
                         request.admitted.set()
-                self._stats["prefills"] += len(plan.prefills)
-                self._stats["max_slots_busy"] = max(self._stats["max_slots_busy"], plan.busy)
+                self._stats.prefills += len(plan.prefills)
+                self._stats.max_slots_busy = max(self._stats.max_slots_busy, plan.busy)
             dispatched: list[_Dispatched] = []
             try:
                 self._launch(plan, dispatched)
@@ -282,7 +290,7 @@ class GenerationServer(GenerationFront):
                 raised_by_model(error)  # prefill or decode, or their compiled code: a 500 over the network
                 log.exception("generation server %s: a step failed", self.name)
                 with self._lock:
-                    self._stats["errors"] += 1
+                    self._stats.errors += 1
                     self._end([*scheduler.take_running(), *plan.requests,
                                *(r for item in [*in_flight, *dispatched] for r in item.requests)], error)
                     self._carry = self._programs.zeros()
@@ -318,12 +326,12 @@ class GenerationServer(GenerationFront):
         self._ready = now
         steps = outputs.shape[0]
         with self._lock:
-            self._stats["outputs"] += delivered
+            self._stats.outputs += delivered
             if item.step:
-                self._stats["steps"] += steps
-                self._stats["step_s"] += elapsed
+                self._stats.steps += steps
+                self._stats.step_s += elapsed
             else:
-                self._stats["first_output_s"] += sum(now - r.submitted for r in item.requests)
+                self._stats.first_output_s += sum(now - r.submitted for r in item.requests)
             self._scheduler.release(finished)
         if item.step:
             for _ in range(steps):

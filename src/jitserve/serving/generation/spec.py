@@ -79,6 +79,8 @@ class Generation:
     alone cannot give); such a generation answers text, and :func:`jitserve.generate` one string. All run in
     the caller."""
 
+    generates = True  # its server generates (a Serving's batches rows)
+
     def __init__(self, prefill: Callable[..., Any], decode: Callable[..., Any], *, params: Any, slots: int,
                  max_length: int, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
                  compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
@@ -128,6 +130,11 @@ class Generation:
         """What the caller gets for one output: ``postprocess(output)`` where given (the text of a token, say;
         run by the caller), else the output itself."""
         return output if self.postprocess is None else model_code(self.postprocess, output)
+
+    @property
+    def functions(self) -> tuple[Callable[..., Any], ...]:
+        """The user's functions it compiles (``prefill``, ``decode``); the last names a server by default."""
+        return (self.prefill, self.decode)
 
     @property
     def has_params(self) -> bool:
