@@ -16,6 +16,7 @@ import numpy as np
 from ..batch import Batch
 from ..errors import CheckpointError, ModelError, OptionError
 from ..serving.generation import Generation
+from ..serving.options import powers_of_two_up_to
 from ..serving.serving import Serving
 from ..template import template
 from . import layers
@@ -115,7 +116,7 @@ def _encoder(model: Bert, params: Any, tokenizer: Tokenizer, task: str, max_leng
     normalize = bool(options.pop("normalize", False)) if task == "embedding" else False
     if pooling not in POOLINGS:
         raise OptionError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-    buckets = sorted({*(n for n in _powers_of_two(SHORTEST_BUCKET, max_length)), max_length})
+    buckets = powers_of_two_up_to(max_length, SHORTEST_BUCKET)
 
     def run(params: Any, length: int, batch: dict[str, Any]) -> dict[str, Any]:
         ids, mask, types = (batch[name][:, :length] for name in ("input_ids", "attention_mask", "token_type_ids"))
@@ -165,10 +166,3 @@ def _encoder(model: Bert, params: Any, tokenizer: Tokenizer, task: str, max_leng
                    input_template={"input_ids": row, "attention_mask": row, "token_type_ids": row},
                    wire={"inputs": {"text": ("BYTES", ())}, "outputs": outputs}, **options)
 
-
-def _powers_of_two(start: int, limit: int) -> list[int]:
-    found, n = [], start
-    while n < limit:
-        found.append(n)
-        n *= 2
-    return found

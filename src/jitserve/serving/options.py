@@ -99,15 +99,17 @@ def queue_policy(level: Any, policy: Mapping[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def _default_batch_sizes(batch_size: int) -> list[int]:
-    sizes = [1 << k for k in range(batch_size.bit_length()) if 1 << k < batch_size]
-    return [*sizes, batch_size]
+def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
+    """The powers of two from ``start`` below ``limit``, then ``limit``: the default compiled sizes (a
+    serving's batch sizes, a generation's prompt lengths and prompt counts, an encoder's text lengths)."""
+    sizes = [size for size in (1 << k for k in range(limit.bit_length() + 1)) if start <= size < limit]
+    return [*sizes, limit]
 
 
 def check_batch_sizes(batch_size: int, batch_sizes: Sequence[int] | None) -> list[int]:
     count_option("batch_size", batch_size)
     if batch_sizes is None:
-        return _default_batch_sizes(batch_size)
+        return powers_of_two_up_to(batch_size)
     sizes = sorted(set(count_option(f"each of batch_sizes {list(batch_sizes)}", s) for s in batch_sizes))
     if not sizes or sizes[-1] != batch_size:
         raise OptionError(

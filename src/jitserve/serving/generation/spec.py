@@ -23,13 +23,8 @@ from ...defn import resolve_options
 from ...errors import BatchError, OptionError, PromptTooLongError
 from ...params import load_params
 from ...template import Template, is_template, params_template, templates_of
-from ..options import count_option, finite_number, optional_count
+from ..options import count_option, finite_number, optional_count, powers_of_two_up_to
 from ..request import model_code
-
-
-def _powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
-    sizes = [size for size in (1 << k for k in range(limit.bit_length() + 1)) if start <= size < limit]
-    return [*sizes, limit]
 
 
 def _whole(name: str, value: Any, limit: int) -> int:
@@ -106,13 +101,13 @@ class Generation:
         self.params_template = params_template(self.params)
         self.slots = count_option("slots", slots)
         self.max_length = count_option("max_length", max_length)
-        lengths = _powers_of_two_up_to(self.max_length, 16) if prefill_lengths is None else \
+        lengths = powers_of_two_up_to(self.max_length, 16) if prefill_lengths is None else \
             sorted({count_option(f"each of prefill_lengths {list(prefill_lengths)}", n) for n in prefill_lengths})
         if not lengths or lengths[-1] > self.max_length:
             raise OptionError(f"prefill_lengths must be positive and at most max_length ({self.max_length}), "
                               f"got {list(prefill_lengths or [])}")
         self.prefill_lengths = lengths
-        self.prefill_batches = _powers_of_two_up_to(self.slots)  # prompts prefilled together, padded to these
+        self.prefill_batches = powers_of_two_up_to(self.slots)  # prompts prefilled together, padded to these
         self.eos = eos
         self.logits = bool(logits)
         self.steps_per_launch = count_option("steps_per_launch", steps_per_launch)
