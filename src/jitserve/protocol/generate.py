@@ -11,6 +11,7 @@ import orjson
 
 from ..errors import ProtocolError
 from .codec import decode_values, json_values
+from .http_request import parameters_of
 
 
 def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
@@ -28,10 +29,8 @@ def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[st
     if not isinstance(request, dict):
         raise ProtocolError(f"the generate request must be a JSON object, got {type(request).__name__}")
     request_id = request.pop("id", None)
-    parameters = request.pop("parameters", None) or {}
-    if not isinstance(parameters, dict):
-        raise ProtocolError(f"the generate request's 'parameters' must be a JSON object, got "
-                            f"{type(parameters).__name__}")
+    parameters = parameters_of(request, "the generate request")
+    request.pop("parameters", None)
     tensors: dict[str, np.ndarray] = {}
     for name, value in request.items():
         if name not in inputs:

@@ -234,8 +234,12 @@ class InferenceService:
 
         def settle(error: BaseException | None) -> None:
             self.controls_in_flight -= 1
-            if not done.done():
-                done.set_result(None) if error is None else done.set_exception(error)
+            if done.done():
+                return
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
 
         def run() -> None:
             try:

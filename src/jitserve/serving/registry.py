@@ -184,7 +184,8 @@ def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: 
     its text reaches one (left out; see :class:`StopText`). ``sampling``: ``temperature``, ``top_k``,
     ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without). A generation
     with a ``detokenizer`` (a checkpoint's, from :func:`jitserve.from_pretrained`) answers one string."""
-    return _answer(name, list(generate_stream(name, prompt, max_steps, timeout, stop, **sampling)))
+    generation = _generating(name).generation
+    return _answer(generation, list(generate_stream(name, prompt, max_steps, timeout, stop, **sampling)))
 
 
 def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
@@ -202,13 +203,14 @@ def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, ti
 async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
                          stop: Any = None, **sampling: Any) -> np.ndarray:
     """:func:`generate` for asyncio callers."""
-    return _answer(name, [output async for output in generate_stream_async(name, prompt, max_steps, timeout, stop,
-                                                                           **sampling)])
+    generation = _generating(name).generation
+    return _answer(generation, [output async for output in generate_stream_async(name, prompt, max_steps, timeout,
+                                                                                 stop, **sampling)])
 
 
-def _answer(name: str | tuple[str, str], items: list[Any]) -> Any:
+def _answer(generation: Generation, items: list[Any]) -> Any:
     """A whole generation's answer: one string for a detokenizing generation, else its outputs stacked."""
-    return "".join(items) if _generating(name).generation.detokenizer is not None else stacked(items)
+    return "".join(items) if generation.detokenizer is not None else stacked(items)
 
 
 async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
