@@ -11,11 +11,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from ..batch import Batch
 from ..errors import CheckpointError, ModelError, OptionError
-from ..serving.generation import Generation
+from ..serving.generation import Generation, PagedCache
 from ..serving.options import powers_of_two_up_to
 from ..serving.serving import Serving
 from ..template import template
@@ -26,6 +27,7 @@ from .gpt2 import GPT2
 from .llama import Llama
 from .tokenizer import Tokenizer
 
+KV_CACHES = ("paged", "slots")  # a generation's KV cache: blocks of a pool (the default), or a row per slot
 DEFAULT_MAX_LENGTH = 2048  # a generation's default room per sequence, where the context is longer
 SHORTEST_BUCKET = 16  # the shortest compiled prompt or text length
 
@@ -48,8 +50,12 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     ``classification`` or ``embedding`` (default: the architecture's own); ``dtype``: ``float32``,
     ``bfloat16`` or ``float16`` (default: as stored); ``max_length``: a generation's tokens per sequence
     (default: the context, at most 2,048), a text's tokens for the encoders (default: the context);
-    ``options``: the serving's (``slots``, ``batch_size``, ``prefill_lengths``, ...; for an embedding
-    also ``pooling="mean"`` or ``"cls"`` and ``normalize=False``). Raises :class:`CheckpointError` naming
+    ``options``: the serving's (``slots``, ``batch_size``, ``prefill_lengths``, ...; for a generation also
+    ``kv_cache="paged"`` (blocks of ``block_size=16`` positions from a pool of ``kv_cache_tokens``, by default
+    eight sequences' ``max_length``, ``prefix_caching=True``; ``slots``, 32 by default, is then the most
+    sequences a step runs) or
+    ``"slots"`` (a ``max_length`` row per slot, 8 by default); for an embedding also ``pooling="mean"`` or
+    ``"cls"`` and ``normalize=False``). Raises :class:`CheckpointError` naming
     the field or weight that does not fit."""
     if devices not in (None, 1):
         raise OptionError(f"devices={devices!r}: serving one model across several devices (tensor parallel) is "
@@ -89,10 +95,23 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
             raise ModelError(f"a prompt is one text (str, or UTF-8 bytes); got {type(prompt).__name__}")
         return tokenizer.encode(prompt)
 
-    options.setdefault("slots", 8)
-    return Generation(functools.partial(layers.prefill, model, max_length), functools.partial(layers.decode, model),
-                      params=params, max_length=max_length, eos=_eos(checkpoint, tokenizer), logits=True,
-                      preprocess=prompt_ids, detokenizer=tokenizer.stream, **options)
+    kv_cache = options.pop("kv_cache", "paged")
+    if kv_cache not in KV_CACHES:
+        raise OptionError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+    common = {"params": params, "max_length": max_length, "eos": _eos(checkpoint, tokenizer), "logits": True,
+              "preprocess": prompt_ids, "detokenizer": tokenizer.stream}
+    if kv_cache == "slots":
+        options.setdefault("slots", 8)
+        return Generation(functools.partial(layers.prefill, model, max_length),
+                          functools.partial(layers.decode, model), **common, **options)
+    block_size = options.pop("block_size", 16)
+    cache = PagedCache(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
+                       dtype=jax.tree_util.tree_leaves(params)[0].dtype, block_size=block_size,
+                       tokens=options.pop("kv_cache_tokens", None),
+                       prefix_caching=options.pop("prefix_caching", True))
+    options.setdefault("slots", 32)
+    return Generation(forward=functools.partial(layers.paged_forward, model, cache.block_size), cache=cache,
+                      **common, **options)
 
 
 def _eos(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int] | None:

@@ -65,23 +65,13 @@ class Programs:
     decode state of every slot and its last outputs), and gives the next carry and the outputs."""
 
     def __init__(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
-        self.generation = generation
-        self.compiler = compilers.get(generation.compiler_name)
-        self.options = options
-        self.on_compile = on_compile
-        self.prefills: dict[tuple[int, int], Callable[..., Any]] = {}
+        self._common(generation, options, on_compile)
         g = generation
-        # picking tokens is jitserve's code: compiled with the step, or on its own beside functions run as written
-        self.greedy, self.sample = ((greedy_tokens, sample_tokens) if self.compiler.compiles
-                                    else (jax.jit(greedy_tokens), jax.jit(sample_tokens)))
-        # a logits generation has a program of each kind, greedy (no options, nothing sorted) and sampled; the
-        # host picks one per step: a lax.cond would make the host wait for the device on a GPU (XLA reads the
-        # predicate back), and the pipeline would stall
-        self.kinds = (False, True) if g.logits else (False,)
+        assert g.prefill is not None and g.decode is not None  # a Generation without a paged cache has both
+        self.user_prefill, self.user_decode = g.prefill, g.decode
         self.updates: dict[tuple[int, bool], Callable[..., Any]] = {}
         # what prefill gives per prompt: a state row, and an output or logits
         self.row_template, self.first_template, self.output_template = g.shapes()
-        self.layout = PackedLayout(g.params_template)  # the programs take the weights packed
         output = self.output_template
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
@@ -89,6 +79,23 @@ class Programs:
         self.steps = {sampled: self._compile(self._steps, [self.layout.templates, self.carry_template,
                                                           *self._option_templates(g.slots, sampled)], donate=(1,))
                       for sampled in self.kinds}
+
+    def _common(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
+        """What the programs of both engines keep: the generation, its compiler and options, how they take the
+        weights, and how they pick tokens."""
+        self.generation = generation
+        self.compiler = compilers.get(generation.compiler_name)
+        self.options = options
+        self.on_compile = on_compile
+        self.prefills: dict[tuple[int, int], Callable[..., Any]] = {}
+        # picking tokens is jitserve's code: compiled with the step, or on its own beside functions run as written
+        self.greedy, self.sample = ((greedy_tokens, sample_tokens) if self.compiler.compiles
+                                    else (jax.jit(greedy_tokens), jax.jit(sample_tokens)))
+        # a logits generation has a program of each kind, greedy (no options, nothing sorted) and sampled; the
+        # host picks one per step: a lax.cond would make the host wait for the device on a GPU (XLA reads the
+        # predicate back), and the pipeline would stall
+        self.kinds = (False, True) if generation.logits else (False,)
+        self.layout = PackedLayout(generation.params_template)  # the programs take the weights packed
 
     def place(self, params: Any) -> Any:
         """``params`` packed as the programs take them, on the server's device."""
@@ -134,7 +141,7 @@ class Programs:
         outputs = []
         for step in range(self.generation.steps_per_launch):
             state, last = carry
-            state, logits_or_outputs = self.generation.decode(params, state, last)
+            state, logits_or_outputs = self.user_decode(params, state, last)
             chosen = self._chosen(logits_or_outputs, [*options[:-1], options[-1] + step] if options else ())
             carry = (state, chosen)
             outputs.append(chosen)
@@ -154,8 +161,8 @@ class Programs:
         by one (functions run as written on numpy, which ``jax.vmap`` cannot batch)."""
         params = self.layout.unpack(packed)
         if self.compiler.compiles:
-            return jax.vmap(self.generation.prefill, in_axes=(None, 0, 0))(params, tokens, lengths)
-        rows = [self.generation.prefill(params, tokens[i], lengths[i]) for i in range(len(lengths))]
+            return jax.vmap(self.user_prefill, in_axes=(None, 0, 0))(params, tokens, lengths)
+        rows = [self.user_prefill(params, tokens[i], lengths[i]) for i in range(len(lengths))]
         return jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *rows)
 
     def update(self, count: int, sampled: bool) -> Callable[..., Any]:
@@ -211,6 +218,17 @@ class Programs:
     def _idle(self, rows: int, sampled: bool) -> list[np.ndarray]:
         """The options of a program of kind ``sampled`` for ``rows`` idle rows (greedy, at their first step)."""
         return self._arrays([GREEDY] * rows, [0] * rows) if sampled else []
+
+    def prefill_of(self, params: Any, carry: Any, prefill: Any) -> tuple[Any, Any]:
+        """Queue a plan's prefill (a :class:`~.scheduler.Prefill`: :meth:`admit` of its padded prompts): the
+        next carry, and the outputs."""
+        padded = prefill.padded
+        return self.admit(params, carry, prefill.length, [r.prompt for r in padded], [r.slot for r in padded],
+                          [r.sampling for r in padded])
+
+    def step_of(self, params: Any, carry: Any, step: Any) -> tuple[Any, Any]:
+        """Queue a plan's decode launch (a :class:`~.scheduler.Step`: :meth:`step`)."""
+        return self.step(params, carry, step.samplings, step.positions)
 
     def admit(self, params: Any, carry: Any, length: int, prompts: Sequence[np.ndarray], slots: Sequence[int],
               samplings: Sequence[Sampling]) -> tuple[Any, Any]:
