@@ -2,7 +2,8 @@
 take. A causal LM becomes a text :class:`~jitserve.Generation` (its tokenizer in and out, eos from the
 checkpoint), a BERT classifier or encoder a text :class:`~jitserve.Serving` (labels and probabilities,
 or one vector per text). The checkpoint is checked (config fields, then every weight's name and shape)
-before anything compiles; everything the model needs comes from ``config.json``."""
+before anything compiles; everything the model needs comes from ``config.json``. The served model's
+``preprocess`` is a :class:`TextHook`: a front reads the tokenizer and the task from it (:func:`text_hook`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,26 @@ ARCHITECTURES: dict[str, tuple[Callable[..., Any], str, tuple[str, ...]]] = {
     "BertForSequenceClassification": (Bert, "max_position_embeddings", ("classification", "embedding")),
     "BertModel": (Bert, "max_position_embeddings", ("embedding",)),
 }
+
+
+class TextHook:
+    """The ``preprocess`` of a checkpoint's served model, which reads text: ``read(value)``, with the
+    ``tokenizer`` it reads with and the ``task`` the model does, for the fronts that need more than the
+    model's tensors (the OpenAI door renders chats and counts tokens with them: ``protocol/openai.py``)."""
+
+    def __init__(self, read: Callable[[Any], Any], tokenizer: Tokenizer, task: str) -> None:
+        self.read = read
+        self.tokenizer = tokenizer
+        self.task = task
+
+    def __call__(self, value: Any) -> Any:
+        return self.read(value)
+
+
+def text_hook(servable: Any) -> TextHook | None:
+    """The :class:`TextHook` of a ``Generation`` or ``Serving`` that ``from_pretrained`` made, else None."""
+    hook = getattr(servable, "preprocess", None)
+    return hook if isinstance(hook, TextHook) else None
 
 
 def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dtype: str | None = None,
@@ -99,7 +120,7 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
     if kv_cache not in KV_CACHES:
         raise OptionError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     common = {"params": params, "max_length": max_length, "eos": _eos(checkpoint, tokenizer), "logits": True,
-              "preprocess": prompt_ids, "detokenizer": tokenizer.stream}
+              "preprocess": TextHook(prompt_ids, tokenizer, "generation"), "detokenizer": tokenizer.stream}
     if kv_cache == "slots":
         options.setdefault("slots", 8)
         return Generation(functools.partial(layers.prefill, model, max_length),
@@ -181,7 +202,8 @@ def _encoder(model: Bert, params: Any, tokenizer: Tokenizer, task: str, max_leng
     options = {"batch_size": 8, "batch_timeout": 0.002, **options}
     if task == "classification":  # Triton's classification extension names each class by its label
         options.setdefault("labels", {"probabilities": model.labels})
-    return Serving(run, params=params, batch_keys=buckets, preprocess=preprocess, postprocess=postprocess,
+    return Serving(run, params=params, batch_keys=buckets, preprocess=TextHook(preprocess, tokenizer, task),
+                   postprocess=postprocess,
                    input_template={"input_ids": row, "attention_mask": row, "token_type_ids": row},
                    wire={"inputs": {"text": ("BYTES", ())}, "outputs": outputs}, **options)
 

@@ -228,7 +228,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         gc.collect()
         gc.freeze()
         http_server = _HttpServer(config, stop_accepting)
-        log.info("HTTP: %s://%s:%d/v2 (models: %s; metrics at /metrics)%s", "https" if tls else "http", host, port,
+        log.info("HTTP: %s://%s:%d/v2 (models: %s; OpenAI's API at /v1; metrics at /metrics)%s",
+                 "https" if tls else "http", host, port,
                  ", ".join(service.models) or "none", "; API key required" if access.api_key is not None else "")
         with asyncio.Runner(loop_factory=event_loop_factory(tls is not None)) as runner:
             runner.run(http_server.serve())

@@ -14,7 +14,10 @@ on failure), Triton's generate extension for generations,
 ``POST /v2/models/{m}[/versions/{v}]/generate`` and ``/generate_stream`` (a
 flat JSON object: the model's inputs by name, e.g. ``text_input``, and its
 parameters, top-level or under ``parameters``; the answer's outputs by name,
-a text as a string; the stream's as server-sent events) and ``GET /metrics``.
+a text as a string; the stream's as server-sent events), ``GET /metrics``, and OpenAI's API for
+text generations and embedding models (``protocol/openai.py``): ``GET /v1/models[/{id}]``,
+``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings``, whose errors, 401 included,
+are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server.
 
@@ -43,6 +46,7 @@ from .generate import generate_request, generated
 from .http_request import parse_request
 from .limits import Limits
 from .metrics import CONTENT_TYPE
+from .openai import OpenAIDoor, openai_error
 from .service import InferenceService, loggable, status_of
 
 log = logging.getLogger("jitserve.http")
@@ -85,6 +89,7 @@ class HttpFront:
         self.max_body_bytes = limits.max_body_bytes
         self.offload_bytes = limits.offload_bytes
         self._offloaded = asyncio.Semaphore(1)  # large bodies are decoded/encoded one at a time: bounded memory
+        self.openai = OpenAIDoor(service)
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response | _Events]]]] = [
             ("POST", re.compile(model + "/infer"), self.infer),
@@ -104,6 +109,9 @@ class HttpFront:
             ("GET", re.compile(model + "/stats"), self.statistics),
             ("GET", re.compile(model), self.model_metadata),
             ("GET", re.compile(r"/metrics"), self.metrics),
+            ("GET", re.compile(r"/v1/models"), self.openai.models),
+            ("GET", re.compile(r"/v1/models/(?P<model>[^/]+)"), self.openai.model),
+            ("POST", re.compile(r"/v1/(?P<endpoint>completions|chat/completions|embeddings)"), self.openai_request),
         ]
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -116,8 +124,9 @@ class HttpFront:
             await _send(send, 204, [(b"allow", CORS_METHODS), *self.access.preflight_headers(headers)], b"", False)
             return
         if not self.access.http_allows(scope["path"], headers):
-            response: Response | _Events = (401, [*JSON_HEADERS, (b"www-authenticate", b"Bearer")],
-                                            orjson.dumps({"error": UNAUTHORIZED}))
+            status, json_headers, body = openai_error(401, UNAUTHORIZED, None, "invalid_api_key") \
+                if scope["path"].startswith("/v1/") else (401, JSON_HEADERS, orjson.dumps({"error": UNAUTHORIZED}))
+            response: Response | _Events = (status, [*json_headers, (b"www-authenticate", b"Bearer")], body)
         else:
             try:
                 response = await self.route(scope, headers, receive)
@@ -154,9 +163,10 @@ class HttpFront:
             if method == "POST":
                 return await handler(headers, receive, **match.groupdict())
             return await handler(**match.groupdict())
+        refuse = openai_error if path.startswith("/v1/") else _error
         if allowed:
-            return _error(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
-        return _error(404, f"no such endpoint: {method} {path}")
+            return refuse(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
+        return refuse(404, f"no such endpoint: {method} {path}")
 
     async def live(self) -> Response:
         return _json(200, {"live": True})
@@ -330,6 +340,16 @@ class HttpFront:
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error, version)
         return _Events(self._events(model, served, request_id, stream, None, generated))
+
+    async def openai_request(self, headers: dict[bytes, bytes], receive: Callable[..., Any],
+                             endpoint: str) -> Response | _Events:
+        """OpenAI's ``POST /v1/{endpoint}`` (``protocol/openai.py``): the answer, or its stream's events."""
+        try:
+            body, _ = await self._read_body(headers, receive)
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            return self.openai.refused("", error)
+        answer = await self.openai.post(endpoint, body)
+        return answer if isinstance(answer, tuple) else _Events(answer)
 
     async def _events(self, model: str, served: str, request_id: Any,
                       stream: AsyncIterator[list[tuple[str, np.ndarray]]], span: Any,

@@ -142,6 +142,17 @@ def _decode_request(request: dict[str, Any], binary: memoryview
     return tensors, requested, binary_all
 
 
+def json_object(body: bytes, what: str) -> dict[str, Any]:
+    """A request body that is one JSON object (``what``: the request, as its errors name it)."""
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise ProtocolError(f"{what} body is not valid JSON: {error}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError(f"{what} must be a JSON object, got {type(request).__name__}")
+    return request
+
+
 def parameters_of(holder: dict[str, Any], where: str) -> dict[str, Any]:
     """A request's, input's or output's ``parameters``: a JSON object, or none; anything else is refused
     rather than ignored."""
