@@ -125,6 +125,14 @@ def check_shape(tensor: str, shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
+SHOWN_CHARACTERS = 100
+
+
+def shown(text: str) -> str:
+    """A name a client sent, as an error message repeats it: at most ``SHOWN_CHARACTERS`` characters."""
+    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
+
+
 def _short(value: Any, limit: int = 80) -> str:
     """A client's value as it may appear in an error message: its repr, cut to ``limit`` characters."""
     text = repr(value)

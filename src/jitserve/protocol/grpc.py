@@ -27,10 +27,10 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from ..errors import ProtocolError
 from .access import REQUEST_ARRIVED, Access, ApiKeyInterceptor, begin_request
-from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents
+from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents, shown
 from .limits import Limits, Tls
 from .model import class_count
-from .service import InferenceService, refuse_unsupported, shown, status_of
+from .service import InferenceService, refuse_unsupported, status_of
 
 log = logging.getLogger("jitserve.grpc")
 

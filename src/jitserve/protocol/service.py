@@ -39,6 +39,7 @@ from ..serving.server import Server
 from ..serving.stats import GenerationStats, ServerStats
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
+from .codec import shown
 from .metrics import Metrics
 from .model import GenerationSpec, ModelSpec, select_outputs
 
@@ -508,13 +509,6 @@ def _version_order(version: str) -> tuple[int, int | str]:
 
 
 LOGGED_CHARACTERS = 300
-SHOWN_CHARACTERS = 100
-
-
-def shown(text: str) -> str:
-    """A name a client sent, as an error message repeats it: at most ``SHOWN_CHARACTERS`` characters."""
-    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
-
 
 
 def loggable(text: str) -> str:
