@@ -38,7 +38,7 @@ import orjson
 
 from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access, begin_request
-from .codec import datatype_of, json_values, raw_contents
+from .codec import BFLOAT16, datatype_of, json_values, raw_contents
 from .generate import generate_request, generated
 from .http_request import parse_request
 from .limits import Limits
@@ -451,6 +451,8 @@ def _json_data(array: np.ndarray) -> Any:
     """A tensor's ``data`` for orjson: the flat array itself where orjson writes it exactly (finite values of a
     native dtype), else the values as JSON-safe Python objects (non-finite floats as strings)."""
     flat = np.ascontiguousarray(array.reshape(-1))
+    if flat.dtype == BFLOAT16:  # each value exactly a float32, which orjson writes from memory
+        flat = flat.astype(np.float32)
     if flat.dtype in ORJSON_DTYPES and (flat.dtype.kind != "f" or np.isfinite(flat).all()):
         return flat
     return json_values(flat)

@@ -12,7 +12,7 @@ import orjson
 import simdjson
 
 from ..errors import ProtocolError
-from .codec import DATATYPES, decode_numbers, decode_raw, decode_values
+from .codec import DATATYPES, decode_numbers, decode_raw, decode_values, number_kind
 from .model import class_count
 from .service import refuse_unsupported
 
@@ -22,7 +22,8 @@ from .service import refuse_unsupported
 SMALL_JSON_BYTES = 512
 # numeric datatype -> how the JSON parser reads a flat list of them into memory (as_buffer's of_type), and its dtype
 _BUFFER_KIND_OF: dict[str, Literal["d", "i", "u"]] = {"f": "d", "i": "i", "u": "u"}  # by numpy dtype kind
-BUFFER_KINDS = {name: _BUFFER_KIND_OF[dtype.kind] for name, dtype in DATATYPES.items() if dtype.kind in _BUFFER_KIND_OF}
+BUFFER_KINDS = {name: _BUFFER_KIND_OF[number_kind(dtype)] for name, dtype in DATATYPES.items()
+                if number_kind(dtype) in _BUFFER_KIND_OF}
 BUFFER_DTYPES = {"d": np.float64, "i": np.int64, "u": np.uint64}
 
 
