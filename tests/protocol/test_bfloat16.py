@@ -1,5 +1,6 @@
 """BF16 tensors on the wire (JAX's bfloat16, 2 bytes an element) against a real `jitserve serve`: tritonclient
-over HTTP's binary extension and gRPC's raw contents, JSON numbers over raw HTTP."""
+over HTTP's binary extension and gRPC's raw contents, JSON numbers over raw HTTP; and, this server being
+started without --allow-client-shm, shared memory refused as Triton refuses it by default."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
-from tritonclient.utils import triton_to_np_dtype
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from netutil import serving
 
@@ -126,3 +127,18 @@ def test_grpc_bf16_needs_raw_contents(server):
         assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
                                                              "input 'input': BF16 needs raw_input_contents")
 
+
+def test_shared_memory_is_refused_unless_the_server_allows_it(triton):
+    """Off by default, as Triton's --allow-client-shm: not listed among the extensions, registering refused."""
+    module, client = triton
+    metadata = as_dict(client.get_server_metadata())
+    assert "system_shared_memory" not in metadata["extensions"] and "binary_tensor_data" in metadata["extensions"]
+    with pytest.raises(InferenceServerException) as info:
+        client.register_system_shared_memory("r", "/jitserve-test-key", 8)
+    assert info.value.message() == "client shared memory is disabled: start the server with --allow-client-shm to " \
+                                   "register and use shared memory regions"
+    with pytest.raises(InferenceServerException, match="client shared memory is disabled"):
+        client.unregister_system_shared_memory()
+    tensor = module.InferInput("input", [1, 4], "BF16").set_shared_memory("r", 8)
+    with pytest.raises(InferenceServerException, match="input 'input': client shared memory is disabled"):
+        client.infer("halve", [tensor])
