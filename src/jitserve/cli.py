@@ -222,7 +222,7 @@ def _network_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
             "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, "limits": limits,
             "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls, "access_log": args.access_log,
-            "trace_endpoint": args.trace_endpoint}
+            "trace_endpoint": args.trace_endpoint, "allow_client_shm": args.allow_client_shm}
 
 
 def _logging(args: argparse.Namespace) -> None:
@@ -410,6 +410,9 @@ def _add_security(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     parser.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                         help="a browser origin allowed to call the server (repeat; '*' for any; default none)")
+    parser.add_argument("--allow-client-shm", action="store_true", help="let clients on this machine register "
+                        "system shared memory regions for inputs and outputs (Triton's extension; off by default: "
+                        "a client may then read and write any shared memory object this server may open)")
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
