@@ -37,7 +37,7 @@ FOLDER_CAPS = {
     ".": 1_550,  # 1,550: cli's --model-load-timeout (issue 47)
     "cluster": 50,
     "cluster/ray": 850,
-    "compilers": 300,
+    "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
     "compilers/evaluator": 1_000,
     "compilers/iree": 800,
     "models": 700,
