@@ -100,7 +100,7 @@ def test_mypy_is_clean():
 
 # DESIGN.md's layers, bottom up: a module may import from its own layer and those below, never above.
 LAYERS = (
-    ("errors", "template", "defaults", "device", "version", "params", "packed"),
+    ("errors", "template", "defaults", "device", "version", "params", "packed", "mesh"),
     ("graph",),
     ("compilers",),
     ("defn",),

@@ -21,6 +21,7 @@ import numpy as np
 from ... import compilers
 from ...defn import resolve_options
 from ...errors import BatchError, OptionError, PromptTooLongError
+from ...mesh import MeshPlacement
 from ...params import load_params
 from ...template import Template, is_template, params_template, templates_of
 from ..options import count_option, finite_number, optional_count, powers_of_two_up_to
@@ -72,7 +73,9 @@ class Generation:
     instead of ``postprocess``, a new incremental decoder per request, whose ``feed(token)`` gives the text
     that can go out and ``finish()`` what it still held at the end (a real tokenizer's text, which one token
     alone cannot give); such a generation answers text, and :func:`jitserve.generate` one string. All run in
-    the caller."""
+    the caller. ``mesh``: a :class:`~jitserve.mesh.MeshPlacement`, to run every program over the devices of
+    its mesh (tensor parallel, compiler ``xla``), the weights and the slots' state split as it says
+    (``from_pretrained(..., devices=N)`` makes one); None: one device."""
 
     generates = True  # its server generates (a Serving's batches rows)
 
@@ -81,7 +84,8 @@ class Generation:
                  compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
                  steps_per_launch: int = 1, preprocess: Callable[[Any], Any] | None = None,
                  postprocess: Callable[[Any], Any] | None = None,
-                 detokenizer: Callable[[np.ndarray], Any] | None = None, **compiler_options: Any) -> None:
+                 detokenizer: Callable[[np.ndarray], Any] | None = None, mesh: MeshPlacement | None = None,
+                 **compiler_options: Any) -> None:
         if not callable(prefill) or not callable(decode):
             raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
                               "decode(params, state, last_outputs)")
@@ -115,6 +119,7 @@ class Generation:
         chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
                                                          **compiler_options})
         self.compiler_name = chosen.name
+        self.mesh = _checked_mesh(mesh, chosen, self.compiler_options)
 
     def prompt_of(self, prompt: Any) -> Any:
         """The token ids of a caller's prompt: ``preprocess(prompt)`` where given (a tokenizer; run by the
@@ -147,7 +152,7 @@ class Generation:
         its checked options, and its weights' templates and file, not their values (``params``)."""
         names = ("prefill", "decode", "preprocess", "postprocess", "detokenizer", "params_source", "params_template",
                  "slots", "max_length", "prefill_lengths", "prefill_batches", "eos", "logits", "steps_per_launch",
-                 "max_queue", "compiler_name", "compiler_options")
+                 "max_queue", "compiler_name", "compiler_options", "mesh")
         return {name: getattr(self, name) for name in names}
 
     def shapes(self) -> tuple[Any, Template, Template]:
@@ -201,6 +206,21 @@ class Generation:
         return (f"Generation({getattr(self.prefill, '__name__', self.prefill)!r}, "
                 f"{getattr(self.decode, '__name__', self.decode)!r}, slots={self.slots}, "
                 f"max_length={self.max_length}, compiler={self.compiler_name!r})")
+
+
+def _checked_mesh(mesh: Any, compiler: compilers.Compiler, options: dict[str, Any]) -> MeshPlacement | None:
+    """``mesh`` where a generation can run over it with ``compiler`` and its ``options``, else a clear error."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, MeshPlacement):
+        raise OptionError(f"mesh must be a jitserve.mesh.MeshPlacement or None, got {type(mesh).__name__}")
+    if not compiler.shards:
+        raise OptionError(f"compiler {compiler.name!r} runs each program on one device; a generation over "
+                          f"several devices (tensor parallel) needs compiler 'xla'")
+    if "device" in options:
+        raise OptionError(f"a generation runs over its mesh's devices or on device={options['device']!r}, not "
+                          f"both")
+    return mesh
 
 
 def stop_outputs(eos: Any, output: Template) -> np.ndarray:
