@@ -24,6 +24,7 @@ from .bert import POOLINGS, Bert
 from .checkpoint import Checkpoint, check_dtype
 from .gpt2 import GPT2
 from .llama import Llama
+from .sharding import mesh_of, tensor_parallel
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_LENGTH = 2048  # a generation's default room per sequence, where the context is longer
@@ -49,11 +50,11 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     ``bfloat16`` or ``float16`` (default: as stored); ``max_length``: a generation's tokens per sequence
     (default: the context, at most 2,048), a text's tokens for the encoders (default: the context);
     ``options``: the serving's (``slots``, ``batch_size``, ``prefill_lengths``, ...; for an embedding
-    also ``pooling="mean"`` or ``"cls"`` and ``normalize=False``). Raises :class:`CheckpointError` naming
-    the field or weight that does not fit."""
-    if devices not in (None, 1):
-        raise OptionError(f"devices={devices!r}: serving one model across several devices (tensor parallel) is "
-                          f"not implemented yet; leave devices out to serve on one")
+    also ``pooling="mean"`` or ``"cls"`` and ``normalize=False``); ``devices``: a generation's number of
+    devices, or a ``jax.sharding.Mesh``, to split its weights and KV cache over (tensor parallel,
+    :mod:`~jitserve.models.sharding`; None or 1: one device). Raises :class:`CheckpointError` naming the
+    field or weight that does not fit."""
+    mesh = mesh_of(devices)
     checkpoint = Checkpoint(path)
     architecture = checkpoint.architecture
     if architecture not in ARCHITECTURES:
@@ -64,6 +65,9 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     task = tasks[0] if task is None else task
     if task not in tasks:
         raise OptionError(f"task {task!r} is not one {architecture} can do; it does {', '.join(tasks)}")
+    if mesh is not None and task != "generation":
+        raise OptionError(f"devices={devices!r}: tensor parallel splits a generation (a causal LM); {architecture} "
+                          f"as {task!r} runs on one device (leave devices out; partitions=N serves copies on N)")
     context = checkpoint.count(context_field)
     if max_length is None:
         max_length = min(context, DEFAULT_MAX_LENGTH) if task == "generation" else context
@@ -76,6 +80,8 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     tokenizer = Tokenizer(checkpoint)
     options = {**({"compiler": compiler} if compiler else {}), **options}
     if task == "generation":
+        if mesh is not None:
+            options["mesh"] = tensor_parallel(model, mesh, params, checkpoint.folder)
         return _generation(checkpoint, model, params, tokenizer, max_length, options)
     return _encoder(model, params, tokenizer, task, max_length, options)
 
