@@ -37,11 +37,11 @@ FOLDER_CAPS = {
     ".": 1_550,  # 1,550: cli's --model-load-timeout (issue 47)
     "cluster": 50,
     "cluster/ray": 850,
-    "compilers": 300,
+    "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
     "compilers/evaluator": 1_000,
     "compilers/iree": 800,
-    "models": 800,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
-    # tokenizer and task, for the OpenAI door)
+    "models": 850,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
+    # tokenizer and task, for the OpenAI door); 850: models/sharding.py, tensor parallel per family (issue 44)
     # 2,650: issue 47's hardening (loads on threads of their own, size checks, names quoted short); 2,700:
     # Triton's generate extension (protocol/generate.py); 2,750: loads bounded, 503 with Retry-After; 3,200:
     # OpenAI's API on the HTTP port (protocol/openai.py, its request checks in protocol/openai_request.py);
@@ -103,7 +103,7 @@ def test_mypy_is_clean():
 
 # DESIGN.md's layers, bottom up: a module may import from its own layer and those below, never above.
 LAYERS = (
-    ("errors", "template", "defaults", "device", "version", "params", "packed"),
+    ("errors", "template", "defaults", "device", "version", "params", "packed", "mesh"),
     ("graph",),
     ("compilers",),
     ("defn",),

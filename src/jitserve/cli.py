@@ -142,15 +142,16 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     from .serving import Serving
     from .serving.registry import is_servable
 
-    hf, task, dtype = (getattr(args, name, None) for name in ("hf", "task", "dtype"))  # serve's, not bench's
+    # serve's, not bench's
+    hf, task, dtype, devices = (getattr(args, name, None) for name in ("hf", "task", "dtype", "devices"))
     if hf:
         if args.name is not None and len(hf) > 1:
             raise OptionError("--name names one model: leave it out with several --hf folders (each is named "
                               "after its folder)")
         found: Any = {args.name or Path(folder).resolve().name: from_pretrained(
-            folder, task=task, dtype=dtype, compiler=args.compiler) for folder in hf}
-    elif task is not None or dtype is not None:
-        raise OptionError("--task and --dtype apply to a checkpoint: give them with --hf DIR")
+            folder, task=task, dtype=dtype, compiler=args.compiler, devices=devices) for folder in hf}
+    elif task is not None or dtype is not None or devices is not None:
+        raise OptionError("--task, --dtype and --devices apply to a checkpoint: give them with --hf DIR")
     else:
         found = load_target(args.target)
     if not (isinstance(found, dict) or is_servable(found)):
@@ -451,6 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               help="with --hf: what to serve the checkpoint as (default: its architecture's task)")
     serve_parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                               help="with --hf: the weights' dtype (default: as stored)")
+    serve_parser.add_argument("--devices", type=int, metavar="N",
+                              help="with --hf: split a generation's weights and KV cache over N devices of this "
+                              "host (tensor parallel; default one device)")
     serve_parser.add_argument("--model-repository", metavar="DIR", help="serve DIR/NAME/model.py (each defines "
                               "'serving'), or DIR/NAME/config.json (a checkpoint), as model NAME, instead of a "
                               "TARGET")

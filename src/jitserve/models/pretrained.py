@@ -26,6 +26,7 @@ from .bert import POOLINGS, Bert
 from .checkpoint import Checkpoint, check_dtype
 from .gpt2 import GPT2
 from .llama import Llama
+from .sharding import mesh_of, tensor_parallel
 from .tokenizer import Tokenizer
 
 KV_CACHES = ("paged", "slots")  # a generation's KV cache: blocks of a pool (the default), or a row per slot
@@ -74,13 +75,12 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     ``options``: the serving's (``slots``, ``batch_size``, ``prefill_lengths``, ...; for a generation also
     ``kv_cache="paged"`` (blocks of ``block_size=16`` positions from a pool of ``kv_cache_tokens``, by default
     eight sequences' ``max_length``, ``prefix_caching=True``; ``slots``, 32 by default, is then the most
-    sequences a step runs) or
-    ``"slots"`` (a ``max_length`` row per slot, 8 by default); for an embedding also ``pooling="mean"`` or
-    ``"cls"`` and ``normalize=False``). Raises :class:`CheckpointError` naming
-    the field or weight that does not fit."""
-    if devices not in (None, 1):
-        raise OptionError(f"devices={devices!r}: serving one model across several devices (tensor parallel) is "
-                          f"not implemented yet; leave devices out to serve on one")
+    sequences a step runs) or ``"slots"`` (a ``max_length`` row per slot, 8 by default); for an embedding
+    also ``pooling="mean"`` or ``"cls"`` and ``normalize=False``); ``devices``: a generation's number of
+    devices, or a ``jax.sharding.Mesh``, to split its weights and KV cache over (tensor parallel,
+    :mod:`~jitserve.models.sharding`, with the slot cache; None or 1: one device). Raises
+    :class:`CheckpointError` naming the field or weight that does not fit."""
+    mesh = mesh_of(devices)
     checkpoint = Checkpoint(path)
     architecture = checkpoint.architecture
     if architecture not in ARCHITECTURES:
@@ -91,6 +91,9 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     task = tasks[0] if task is None else task
     if task not in tasks:
         raise OptionError(f"task {task!r} is not one {architecture} can do; it does {', '.join(tasks)}")
+    if mesh is not None and task != "generation":
+        raise OptionError(f"devices={devices!r}: tensor parallel splits a generation (a causal LM); {architecture} "
+                          f"as {task!r} runs on one device (leave devices out; partitions=N serves copies on N)")
     context = checkpoint.count(context_field)
     if max_length is None:
         max_length = min(context, DEFAULT_MAX_LENGTH) if task == "generation" else context
@@ -103,6 +106,8 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     tokenizer = Tokenizer(checkpoint)
     options = {**({"compiler": compiler} if compiler else {}), **options}
     if task == "generation":
+        if mesh is not None:
+            options["mesh"] = tensor_parallel(model, mesh, params, checkpoint.folder)
         return _generation(checkpoint, model, params, tokenizer, max_length, options)
     return _encoder(model, params, tokenizer, task, max_length, options)
 
@@ -116,7 +121,7 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
             raise ModelError(f"a prompt is one text (str, or UTF-8 bytes); got {type(prompt).__name__}")
         return tokenizer.encode(prompt)
 
-    kv_cache = options.pop("kv_cache", "paged")
+    kv_cache = options.pop("kv_cache", "slots" if "mesh" in options else "paged")  # tensor parallel: slots
     if kv_cache not in KV_CACHES:
         raise OptionError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     common = {"params": params, "max_length": max_length, "eos": _eos(checkpoint, tokenizer), "logits": True,

@@ -21,7 +21,8 @@ program, each compiled ahead for every size it runs at:
   ``steps_per_launch`` steps, the table as wide as the longest sequence needs
   (a compiled power of two of blocks): attention reads no more than that.
 
-The pool is donated to each program, so XLA writes it in place.
+The pool is donated to each program, so XLA writes it in place. A paged
+generation runs on one device (its programs name no mesh roles).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class PagedPrograms(Programs):
             run = self.prefills[key] = self._compile(chunk, [
                 self.layout.templates, self.carry_template, Template((rows, length), np.int32),
                 *[Template((rows,), np.int32)] * 2, Template((rows, self.max_blocks), np.int32),
-                Template((rows,), np.int32), *self._option_templates(rows, True)], donate=(1,))
+                Template((rows,), np.int32), *self._option_templates(rows, True)], (), (), donate=(1,))
         return run
 
     def _decode_program(self, sampled: bool, width: int) -> Callable[..., Any]:
@@ -96,7 +97,7 @@ class PagedPrograms(Programs):
 
             run = self.decodes[key] = self._compile(decode, [
                 self.layout.templates, self.carry_template, Template((rows,), np.int32),
-                Template((rows, width), np.int32), *self._option_templates(rows, sampled)], donate=(1,))
+                Template((rows, width), np.int32), *self._option_templates(rows, sampled)], (), (), donate=(1,))
         return run
 
     def compile_all(self) -> None:

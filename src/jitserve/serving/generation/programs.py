@@ -13,7 +13,9 @@ one picks the most likely tokens (:func:`greedy_tokens`), the other samples
 with each row's options (:func:`sample_tokens`). The host picks the program,
 as it knows every request's options: a ``lax.cond`` on the device would be read
 back to the host by XLA on a GPU, and the host would wait for each step before
-it could queue the next.
+it could queue the next. A generation given a mesh (tensor parallel) runs each
+program over the mesh's devices, its weights and its slots' state split as the
+:class:`~jitserve.mesh.MeshPlacement` says.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from ... import compilers
 from ...defn import defn_errors
+from ...mesh import STATE, WEIGHTS, MeshLayout
 from ...packed import PackedLayout
 from ...template import Template, is_template
 from ..serving import owned_host_array
@@ -59,6 +62,9 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
     return jnp.where(temperature > 0, drawn, greedy_tokens(logits))
 
 
+CARRY = (STATE, None)  # the slots' carry: their state rows, and their last outputs (replicated on a mesh)
+
+
 class Programs:
     """The compiled functions of one generation server: prefills per bucket, slot updates, one launch of
     decode steps; each takes the weights packed and placed (:meth:`place`) and the slots' carry (the
@@ -77,7 +83,8 @@ class Programs:
                                          is_leaf=is_template)
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
         self.steps = {sampled: self._compile(self._steps, [self.layout.templates, self.carry_template,
-                                                          *self._option_templates(g.slots, sampled)], donate=(1,))
+                                                          *self._option_templates(g.slots, sampled)],
+                                                (WEIGHTS, CARRY), (CARRY, None), donate=(1,))
                       for sampled in self.kinds}
 
     def _common(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
@@ -96,9 +103,12 @@ class Programs:
         # predicate back), and the pipeline would stall
         self.kinds = (False, True) if generation.logits else (False,)
         self.layout = PackedLayout(generation.params_template)  # the programs take the weights packed
+        self.mesh = None if generation.mesh is None else MeshLayout(generation.mesh, self.layout)  # None: one device
 
     def place(self, params: Any) -> Any:
         """``params`` packed as the programs take them, on the server's device."""
+        if self.mesh is not None:
+            return self.mesh.place(self.layout.pack(params))
         return self.compiler.place(self.layout.pack(params), self.options)
 
     @staticmethod
@@ -125,9 +135,16 @@ class Programs:
             return outputs
         return self.sample(outputs, *options) if options else self.greedy(outputs)
 
-    def _compile(self, fn: Callable[..., Any], templates: list[Any], donate: tuple[int, ...] = ()) -> Any:
+    def _compile(self, fn: Callable[..., Any], templates: list[Any], takes: tuple[Any, ...],
+                 gives: tuple[Any, ...], donate: tuple[int, ...] = ()) -> Any:
+        """``fn`` compiled for ``templates``; on a mesh, its arguments and results placed as the roles
+        ``takes`` and ``gives`` say (see :meth:`~jitserve.mesh.MeshLayout.shardings`)."""
         with defn_errors():
-            executable = self.compiler.compile(fn, templates, self.options, donate=donate)
+            if self.mesh is None:
+                executable = self.compiler.compile(fn, templates, self.options, donate=donate)
+            else:
+                shardings = (self.mesh.shardings(takes, len(templates)), self.mesh.shardings(gives))
+                executable = self.compiler.compile_sharded(fn, templates, self.options, shardings, donate=donate)
         if self.compiler.compiles:
             self.on_compile()
         return executable.run
@@ -153,7 +170,7 @@ class Programs:
         if run is None:
             templates = [self.layout.templates, Template((count, length), np.int32),
                          Template((count,), np.int32)]
-            run = self.prefills[key] = self._compile(self._prefills, templates)
+            run = self.prefills[key] = self._compile(self._prefills, templates, (WEIGHTS,), (STATE, None))
         return run
 
     def _prefills(self, packed: Any, tokens: Any, lengths: Any) -> Any:
@@ -186,7 +203,7 @@ class Programs:
             first = Template((count, *self.first_template.shape), self.first_template.dtype)
             run = self.updates[count, sampled] = self._compile(
                 write, [self.carry_template, rows, first, Template((count,), np.int32),
-                        *self._option_templates(count, sampled)], donate=(0,))
+                        *self._option_templates(count, sampled)], (CARRY, STATE), (CARRY, None), donate=(0,))
         return run
 
     def compile_all(self) -> None:

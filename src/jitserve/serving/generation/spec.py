@@ -21,6 +21,7 @@ import numpy as np
 from ... import compilers
 from ...defn import resolve_options
 from ...errors import BatchError, OptionError, PromptTooLongError
+from ...mesh import MeshPlacement
 from ...params import load_params
 from ...template import Template, is_template, params_template, templates_of
 from ..options import count_option, finite_number, optional_count, powers_of_two_up_to
@@ -107,7 +108,9 @@ class Generation:
     instead of ``postprocess``, a new incremental decoder per request, whose ``feed(token)`` gives the text
     that can go out and ``finish()`` what it still held at the end (a real tokenizer's text, which one token
     alone cannot give); such a generation answers text, and :func:`jitserve.generate` one string. All run in
-    the caller."""
+    the caller. ``mesh``: a :class:`~jitserve.mesh.MeshPlacement`, to run every program over the devices of
+    its mesh (tensor parallel, compiler ``xla``), the weights and the slots' state split as it says
+    (``from_pretrained(..., devices=N)`` makes one); None: one device."""
 
     generates = True  # its server generates (a Serving's batches rows)
 
@@ -117,7 +120,8 @@ class Generation:
                  compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
                  steps_per_launch: int = 1, preprocess: Callable[[Any], Any] | None = None,
                  postprocess: Callable[[Any], Any] | None = None,
-                 detokenizer: Callable[[np.ndarray], Any] | None = None, **compiler_options: Any) -> None:
+                 detokenizer: Callable[[np.ndarray], Any] | None = None, mesh: MeshPlacement | None = None,
+                 **compiler_options: Any) -> None:
         if cache is None and (not callable(prefill) or not callable(decode) or forward is not None):
             raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
                               "decode(params, state, last_outputs) (or forward= and cache=, for a paged cache)")
@@ -164,6 +168,10 @@ class Generation:
         if cache is not None and not chosen.compiles:
             raise OptionError(f"a paged cache's programs are traced and compiled; compiler {chosen.name!r} runs "
                               f"functions as written (serve it with xla, iree or evaluator)")
+        self.mesh = _checked_mesh(mesh, chosen, self.compiler_options)
+        if cache is not None and mesh is not None:
+            raise OptionError("a paged cache runs on one device for now; a generation over several devices "
+                              "(tensor parallel) keeps a slot cache")
 
     def prompt_of(self, prompt: Any) -> Any:
         """The token ids of a caller's prompt: ``preprocess(prompt)`` where given (a tokenizer; run by the
@@ -203,7 +211,7 @@ class Generation:
         its checked options, and its weights' templates and file, not their values (``params``)."""
         names = ("prefill", "decode", "forward", "cache", "preprocess", "postprocess", "detokenizer", "params_source",
                  "params_template", "slots", "max_length", "prefill_lengths", "prefill_batches", "eos", "logits",
-                 "steps_per_launch", "max_queue", "compiler_name", "compiler_options")
+                 "steps_per_launch", "max_queue", "compiler_name", "compiler_options", "mesh")
         return {name: getattr(self, name) for name in names}
 
     def shapes(self) -> tuple[Any, Template, Template]:
@@ -269,6 +277,21 @@ class Generation:
         cache = "" if self.cache is None else f", cache={self.cache!r}"
         return (f"Generation({functions}, slots={self.slots}, max_length={self.max_length}{cache}, "
                 f"compiler={self.compiler_name!r})")
+
+
+def _checked_mesh(mesh: Any, compiler: compilers.Compiler, options: dict[str, Any]) -> MeshPlacement | None:
+    """``mesh`` where a generation can run over it with ``compiler`` and its ``options``, else a clear error."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, MeshPlacement):
+        raise OptionError(f"mesh must be a jitserve.mesh.MeshPlacement or None, got {type(mesh).__name__}")
+    if not compiler.shards:
+        raise OptionError(f"compiler {compiler.name!r} runs each program on one device; a generation over "
+                          f"several devices (tensor parallel) needs compiler 'xla'")
+    if "device" in options:
+        raise OptionError(f"a generation runs over its mesh's devices or on device={options['device']!r}, not "
+                          f"both")
+    return mesh
 
 
 def stop_outputs(eos: Any, output: Template) -> np.ndarray:
