@@ -34,7 +34,7 @@ FILE_CAPS = {
 # Raising one is a decision, stated in the commit that does it (which capability needs the lines); a new
 # folder gets its cap in the commit that makes it.
 FOLDER_CAPS = {
-    ".": 1_550,  # 1,550: cli's --model-load-timeout (issue 47)
+    ".": 1_600,  # 1,550: cli's --model-load-timeout (issue 47); 1,600: mesh.py (tensor parallel, issue 44)
     "cluster": 50,
     "cluster/ray": 850,
     "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
