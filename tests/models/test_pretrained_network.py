@@ -19,6 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from safetensors.numpy import load_file, save_file
+from tritonclient.utils import InferenceServerException
 
 import jitserve as js
 from netutil import start_server, stop
@@ -41,50 +42,6 @@ def text_input(module, prompt=PROMPT):
     tensor = module.InferInput("text_input", [1], "BYTES")
     tensor.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
     return tensor
-
-
-def test_serve_hf_answers_tritonclient_over_http_and_the_grpc_stream_as_in_process(made, expected):
-    running = start_server(f"--hf={made('llama-tied')}", "--name", "llm")
-    try:
-        http = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}")
-        metadata = http.get_model_metadata("llm")
-        assert [(t["name"], t["datatype"]) for t in metadata["inputs"]] == [("text_input", "BYTES")]
-        assert [(t["name"], t["datatype"]) for t in metadata["outputs"]] == [("text_output", "BYTES")]
-        answer = http.infer("llm", [text_input(httpclient)], parameters={"max_tokens": STEPS})
-        assert answer.as_numpy("text_output")[0].decode() == expected["llama-tied"]
-
-        pieces: queue.Queue = queue.Queue()
-        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
-        grpc.start_stream(callback=lambda result, error: pieces.put(error or result))
-        grpc.async_stream_infer("llm", [text_input(grpcclient)], parameters={"max_tokens": STEPS})
-        streamed = []
-        while "".join(streamed) != expected["llama-tied"]:
-            item = pieces.get(timeout=60)
-            assert not isinstance(item, Exception), item
-            streamed.append(item.as_numpy("text_output")[0].decode())
-        grpc.stop_stream()
-        grpc.close()  # no gRPC channel left in this process: a later fork would wait on its threads
-
-        status, _, body = running.request("POST", "/v2/models/llm/generate", json.dumps(
-            {"id": "g", "text_input": PROMPT, "max_tokens": STEPS}).encode())
-        assert status == 200 and json.loads(body) == {"model_name": "llm", "model_version": "1", "id": "g",
-                                                      "text_output": expected["llama-tied"]}
-        status, headers, body = running.request("POST", "/v2/models/llm/generate_stream", json.dumps(
-            {"text_input": PROMPT, "parameters": {"max_tokens": STEPS, "stream": True}}).encode())
-        assert status == 200 and headers["content-type"].startswith("text/event-stream")
-        events = [json.loads(line[len(b"data: "):]) for line in body.split(b"\n\n") if line.startswith(b"data: ")]
-        assert "".join(event["text_output"] for event in events) == expected["llama-tied"] and len(events) > 1
-        status, _, body = running.request("POST", "/v2/models/llm/generate", json.dumps(
-            {"text_input": PROMPT, "stream": True}).encode())
-        assert status == 400 and "POST to generate_stream instead" in json.loads(body)["error"]
-
-        status, refusal = running.infer_json("llm", json.dumps({"inputs": [
-            {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]}],
-            "parameters": {"max_tokens": 4, "beam_width": 2}}).encode())
-        assert status == 400 and "does not take the parameter 'beam_width'" in refusal["error"]
-    finally:
-        output = stop(running)
-    assert "Traceback" not in output
 
 
 def test_serve_hf_on_a_checkpoint_that_does_not_fit_exits_with_one_line(made, tmp_path):
@@ -181,3 +138,122 @@ def test_serve_hf_classifier_lists_its_text_input_and_answers_labels(tmp_path):
     finally:
         output = stop(running)
     assert "Traceback" not in output
+
+
+@pytest.fixture(scope="module")
+def llm(made):
+    """``jitserve serve --hf`` of the tied Llama, as model ``llm``."""
+    running = start_server(f"--hf={made('llama-tied')}", "--name", "llm")
+    yield running
+    assert "Traceback" not in stop(running)
+
+
+def tensor(module, name, value, datatype, shape=(1,)):
+    array = np.array(value, dtype=object if datatype == "BYTES" else None).reshape(shape)
+    made = module.InferInput(name, list(shape), datatype)
+    made.set_data_from_numpy(array.astype({"INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32,
+                                           "UINT64": np.uint64}.get(datatype, object)))
+    return made
+
+
+def streamed(running, inputs, **options):
+    """The responses of one request over the gRPC stream (``ModelStreamInfer``), up to the last one."""
+    pieces: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+    try:
+        client.start_stream(callback=lambda result, error: pieces.put(error or result))
+        client.async_stream_infer("llm", inputs, enable_empty_final_response=True, **options)
+        answers = []
+        while True:
+            item = pieces.get(timeout=60)
+            assert not isinstance(item, Exception), item
+            if item.get_response().parameters["triton_final_response"].bool_param:
+                return answers
+            answers.append(item.as_numpy("text_output").reshape(-1)[0].decode())
+    finally:
+        client.stop_stream()
+        client.close()  # no gRPC channel left in this process: a later fork would wait on its threads
+
+
+def test_serve_hf_answers_tritonclient_over_http_and_the_grpc_stream_as_in_process(llm, expected):
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{llm.port}")
+    metadata = http.get_model_metadata("llm")
+    assert [(t["name"], t["datatype"]) for t in metadata["outputs"]] == [("text_output", "BYTES")]
+    answer = http.infer("llm", [text_input(httpclient)], parameters={"max_tokens": STEPS})
+    assert answer.as_numpy("text_output")[0].decode() == expected["llama-tied"]
+    pieces = streamed(llm, [text_input(grpcclient)], parameters={"max_tokens": STEPS})
+    assert "".join(pieces) == expected["llama-tied"] and len(pieces) > 1
+
+    status, _, body = llm.request("POST", "/v2/models/llm/generate", json.dumps(
+        {"id": "g", "text_input": PROMPT, "max_tokens": STEPS}).encode())
+    assert status == 200 and json.loads(body) == {"model_name": "llm", "model_version": "1", "id": "g",
+                                                  "text_output": expected["llama-tied"]}
+    status, headers, body = llm.request("POST", "/v2/models/llm/generate_stream", json.dumps(
+        {"text_input": PROMPT, "parameters": {"max_tokens": STEPS, "stream": True}}).encode())
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len(b"data: "):]) for line in body.split(b"\n\n") if line.startswith(b"data: ")]
+    assert "".join(event["text_output"] for event in events) == expected["llama-tied"] and len(events) > 1
+    status, _, body = llm.request("POST", "/v2/models/llm/generate", json.dumps(
+        {"text_input": PROMPT, "stream": True}).encode())
+    assert status == 400 and "POST to generate_stream instead" in json.loads(body)["error"]
+
+    status, refusal = llm.infer_json("llm", json.dumps({"inputs": [
+        {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]}],
+        "parameters": {"max_tokens": 4, "beam_width": 2}}).encode())
+    assert status == 400 and "does not take the parameter 'beam_width'" in refusal["error"]
+
+
+def test_tensorrtllm_and_vllm_requests_as_genai_perf_sends_them(llm, expected):
+    """The optional inputs are in the metadata and, ``optional``, in the config over both protocols (so that
+    perf_analyzer sends them); TensorRT-LLM's tensors ([1, 1]: its batch axis) and vLLM's
+    ``sampling_parameters`` give the text of the same ``max_tokens`` as the parameter does."""
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{llm.port}")
+    inputs = [(t["name"], t["datatype"], t["shape"]) for t in http.get_model_metadata("llm")["inputs"]]
+    assert inputs == [("text_input", "BYTES", [1]), ("max_tokens", "INT32", [1]), ("temperature", "FP32", [1]),
+                      ("top_p", "FP32", [1]), ("top_k", "INT32", [1]), ("seed", "UINT64", [1]),
+                      ("stop", "BYTES", [-1]), ("stream", "BOOL", [1]), ("exclude_input_in_output", "BOOL", [1]),
+                      ("sampling_parameters", "BYTES", [1])]
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{llm.grpc_port}")
+    for config in (http.get_model_config("llm"), grpc.get_model_config("llm", as_json=True)["config"]):
+        assert [(t["name"], t.get("optional", False)) for t in config["input"]] == \
+            [(name, name != "text_input") for name, _, _ in inputs]
+    grpc.close()
+
+    tensorrtllm = [tensor(grpcclient, "text_input", [PROMPT.encode()], "BYTES", (1, 1)),
+                   tensor(grpcclient, "max_tokens", [STEPS], "INT32", (1, 1)),
+                   tensor(grpcclient, "stream", [True], "BOOL", (1, 1)),
+                   tensor(grpcclient, "exclude_input_in_output", [True], "BOOL", (1, 1))]
+    pieces = streamed(llm, tensorrtllm)
+    assert "".join(pieces) == expected["llama-tied"] and len(pieces) > 1
+    vllm = [text_input(grpcclient), tensor(grpcclient, "sampling_parameters",
+                                           [json.dumps({"max_tokens": str(STEPS)}).encode()], "BYTES"),
+            tensor(grpcclient, "exclude_input_in_output", [True], "BOOL")]
+    pieces = streamed(llm, [*vllm, tensor(grpcclient, "stream", [True], "BOOL")])
+    assert "".join(pieces) == expected["llama-tied"] and len(pieces) > 1
+    assert streamed(llm, [*vllm, tensor(grpcclient, "stream", [False], "BOOL")]) == [expected["llama-tied"]]
+
+    echoed = http.infer("llm", [text_input(httpclient), tensor(httpclient, "exclude_input_in_output", [False], "BOOL")],
+                        parameters={"max_tokens": STEPS})
+    assert echoed.as_numpy("text_output")[0].decode() == PROMPT + expected["llama-tied"]
+    sampled = [http.infer("llm", [text_input(httpclient), tensor(httpclient, "max_tokens", [STEPS], "INT32"),
+                                  tensor(httpclient, "temperature", [1.0], "FP32"),
+                                  tensor(httpclient, "seed", [seed], "UINT64")]).as_numpy("text_output")[0]
+               for seed in (5, 5, 6)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    assert http.infer("llm", [text_input(httpclient)], parameters={"max_tokens": STEPS, "temperature": 1.0,
+                                                                   "seed": 5}).as_numpy("text_output")[0] == sampled[0]
+
+    for inputs, message in [
+            ([text_input(httpclient), tensor(httpclient, "stream", [True], "BOOL")],
+             "'stream' true asks for a response per token, which infer does not give"),
+            ([text_input(httpclient), tensor(httpclient, "max_tokens", [4], "INT32"),
+              tensor(httpclient, "sampling_parameters", [b'{"max_tokens": 5}'], "BYTES")],
+             "'max_tokens' is given twice with different values: 4 (the 'max_tokens' input) and 5 ('max_tokens' "
+             "in sampling_parameters); give it once"),
+            ([text_input(httpclient), tensor(httpclient, "bad_words", [b"x"], "BYTES")],
+             "model 'llm' does not take the input 'bad_words'"),
+            ([text_input(httpclient), tensor(httpclient, "sampling_parameters", [b'{"min_tokens": 2}'], "BYTES")],
+             "does not take 'min_tokens'; its sampling parameters are max_tokens, temperature")]:
+        with pytest.raises(InferenceServerException, match=re.escape(message)) as refused:
+            http.infer("llm", inputs)
+        assert refused.value.status() == "400"

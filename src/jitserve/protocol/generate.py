@@ -15,9 +15,10 @@ from .http_request import json_object, parameters_of
 
 
 def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
-    """A generate request's id, tensors and parameters: the generation's inputs by name (a string is a
-    BYTES tensor of one element, a list of numbers a tensor of the input's datatype), every other field,
-    and those under ``parameters``, a parameter. ``stream``, where sent, must match the endpoint."""
+    """A generate request's id, tensors and parameters: the generation's inputs by name, optional ones
+    included (a string is a BYTES tensor of one element, a list a tensor of the input's datatype), every
+    other field, and those under ``parameters``, a parameter. ``stream``, where sent, is a parameter that
+    must match the endpoint."""
     inputs = {tensor.name: tensor.datatype for tensor in getattr(spec, "inputs", ())}
     if not hasattr(spec, "generate"):
         raise ProtocolError(f"model '{spec.name}' is not a generation: the generate endpoints serve generations; "
@@ -28,7 +29,7 @@ def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[st
     request.pop("parameters", None)
     tensors: dict[str, np.ndarray] = {}
     for name, value in request.items():
-        if name not in inputs:
+        if name not in inputs or name == "stream":  # the endpoint says whether to stream: checked below
             if name in parameters:
                 raise ProtocolError(f"the generate request gives '{name}' twice: top-level and in 'parameters'")
             parameters = {**parameters, name: value}

@@ -26,7 +26,8 @@ from ..errors import OptionError, ProtocolError
 from ..serving.generation import Delivery, GenerationFront, Sampling, stacked
 from ..serving.server import Server
 from ..template import Template, is_template
-from .codec import BYTES, datatype_of, dtype_of
+from .codec import BYTES, datatype_of, dtype_of, shown
+from .llm import OPTIONAL_INPUTS, PROMPT, SAMPLING, read_fields
 
 
 def _tensor_names(tree: Any, prefix: str) -> list[str]:
@@ -53,18 +54,26 @@ def _computed_dtype(serving: Any, dtype: np.dtype) -> np.dtype:
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """A tensor of a model: ``row_shape``, the shape of one row, which metadata gives after the batch axis
+    (-1) unless the model has none (``batched`` False: a generation's, whose ``max_batch_size`` is 0); an
+    ``optional`` input may be left out."""
+
     name: str
     datatype: str
     row_shape: tuple[int, ...]
+    optional: bool = False
+    batched: bool = True
 
     def metadata(self) -> dict[str, Any]:
-        return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.row_shape]}
+        return {"name": self.name, "datatype": self.datatype,
+                "shape": [-1, *self.row_shape] if self.batched else list(self.row_shape)}
 
     def config(self) -> dict[str, Any]:
         """The tensor in Triton's model configuration: ``dims`` without the batch axis (Triton calls BYTES
         ``TYPE_STRING`` there)."""
-        return {"name": self.name, "data_type": "TYPE_STRING" if self.datatype == BYTES else "TYPE_" + self.datatype,
-                "dims": list(self.row_shape)}
+        config = {"name": self.name, "data_type": "TYPE_STRING" if self.datatype == BYTES else "TYPE_" + self.datatype,
+                  "dims": list(self.row_shape)}
+        return {**config, "optional": True} if self.optional else config
 
 
 class ModelSpec:
@@ -236,27 +245,41 @@ def classify(array: np.ndarray, count: int, labels: Sequence[str] | None, name: 
     return classes
 
 
-class GenerationSpec:
-    """A :class:`~jitserve.Generation` as the network sees it (Triton's decoupled model): one input,
-    ``prompt`` (a prompt's token ids, INT32 or INT64, shaped ``[n]`` or ``[1, n]``), and one output,
-    ``output``, answered once per step (shaped ``[1, ...]``: the one sequence). The request's parameters
-    say how long to go, ``max_steps`` (default ``DEFAULT_STEPS``, vLLM's), and how to pick tokens
-    (``temperature``, ``top_k``, ``top_p``, ``seed``; a ``logits=True`` generation) and where its text ends
-    (``stop``, one stop sequence; a text generation, see :class:`~jitserve.serving.generation.StopText`).
-    A generation with a ``preprocess`` takes the prompt as it comes (a BYTES tensor of one element: that
-    element, the text), and one with a ``postprocess`` answers what it gives per output (BYTES for bytes
-    or str), its datatype and shape learnt at start from the ``postprocess`` of a zero output.
+@dataclass(frozen=True)
+class Asked:
+    """What one generation request asks: its prompt, its most outputs, how to pick them, what its caller
+    gets (a ``Delivery``: its stop text), whether to stream (None: as the call does; False: the whole text
+    in one response, even to a stream) and the text that comes first (the prompt's, where a text
+    generation's ``exclude_input_in_output`` is false)."""
 
-    A text generation (one with a ``detokenizer``: a checkpoint's) speaks Triton's LLM convention, as
-    genai-perf and Triton's TensorRT-LLM and vLLM back ends do: input ``text_input`` (BYTES), output
-    ``text_output`` (BYTES: a piece per streamed response, the whole text otherwise), parameters
-    ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and ``stop``; any other is refused by
-    name."""
+    prompt: np.ndarray
+    steps: int
+    sampling: Sampling
+    delivery: Delivery
+    stream: bool | None = None
+    echo: str = ""
+
+
+class GenerationSpec:
+    """A :class:`~jitserve.Generation` as the network sees it (Triton's decoupled model, ``max_batch_size``
+    0): a prompt in, an output per step. A token generation takes one input, ``prompt`` (a prompt's token
+    ids, INT32 or INT64, shaped ``[n]`` or ``[1, n]``), answers ``output`` once per step (shaped ``[1, ...]``:
+    the one sequence), and takes as parameters how long to go, ``max_steps`` (default ``DEFAULT_STEPS``,
+    vLLM's), how to pick tokens (``temperature``, ``top_k``, ``top_p``, ``seed``; a ``logits=True``
+    generation) and where its text ends (``stop``, a text ``postprocess``'s; see
+    :class:`~jitserve.serving.generation.StopText`). A generation with a ``preprocess`` takes the prompt as
+    it comes (a BYTES tensor of one element: that element, the text), and one with a ``postprocess``
+    answers what it gives per output (BYTES for bytes or str), its datatype and shape learnt at start from
+    the ``postprocess`` of a zero output.
+
+    A text generation (one with a ``detokenizer``: a checkpoint's) speaks Triton's LLM convention: input
+    ``text_input`` (BYTES, dims ``[1]``), output ``text_output`` (BYTES: a piece per streamed response, the
+    whole text otherwise), and the fields of :data:`jitserve.protocol.llm.FIELDS` (``max_tokens`` for how
+    long to go) as optional inputs, parameters or keys of vLLM's ``sampling_parameters`` input. Its
+    metadata lists those inputs, and its config marks them ``optional``, as Triton's vLLM and TensorRT-LLM
+    models do, so that perf_analyzer (genai-perf's) sends them. Anything else is refused by name."""
 
     DEFAULT_STEPS = 16
-    SAMPLING = ("temperature", "top_k", "top_p", "seed")
-    TEXT_PARAMETERS = ("max_tokens", *SAMPLING, "stop")
-    PROTOCOL_PARAMETERS = ("binary_data_output", "priority", "timeout", "triton_enable_empty_final_response")
 
     def __init__(self, name: str, server: GenerationFront, version: str = "1") -> None:
         self.name = name
@@ -265,9 +288,15 @@ class GenerationSpec:
         generation = server.generation
         output = server.output_template
         self.text = generation.detokenizer is not None
-        self.input_name, self.output_name = ("text_input", "text_output") if self.text else ("prompt", "output")
+        self.input_name, self.output_name = (PROMPT, "text_output") if self.text else ("prompt", "output")
         self.steps_parameter = "max_tokens" if self.text else "max_steps"
-        self.inputs = [TensorSpec(self.input_name, "INT32" if generation.preprocess is None else BYTES, ())]
+        if self.text:
+            self.inputs = [TensorSpec(PROMPT, BYTES, (1,), batched=False),
+                           *(TensorSpec(name, datatype, dims, optional=True, batched=False)
+                             for name, (datatype, dims) in OPTIONAL_INPUTS.items())]
+        else:
+            self.inputs = [TensorSpec("prompt", "INT32" if generation.preprocess is None else BYTES, (-1,),
+                                      batched=False)]
         if generation.postprocess is not None or self.text:
             sample = stacked(["" if self.text else generation.output_of(output.zeros())])
             output = Template(sample.shape[1:], sample.dtype)
@@ -283,28 +312,24 @@ class GenerationSpec:
         generation = self.server.generation
         parameters = {"slots": generation.slots, "max_length": generation.max_length}
         return {"name": self.name, "platform": "jitserve", "backend": f"jitserve-{generation.compiler_name}",
-                "max_batch_size": 0, "input": [{**self.inputs[0].config(), "dims": [-1]}],
+                "max_batch_size": 0, "input": [t.config() for t in self.inputs],
                 "output": [t.config() for t in self.outputs], "model_transaction_policy": {"decoupled": True},
                 "parameters": {name: {"string_value": str(value)} for name, value in parameters.items()}}
 
-    def request(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
-                ) -> tuple[np.ndarray, int, Sampling, Delivery]:
-        """A request's prompt, ``max_steps``, sampling and what its caller gets (its ``stop`` sequence, a
-        text generation's), checked (the prompt's length by the server)."""
-        if set(tensors) != {self.input_name}:
+    def request(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> Asked:
+        """What a request asks (:class:`Asked`), checked (the prompt's length by the server)."""
+        if self.input_name not in tensors or (not self.text and len(tensors) > 1):
             takes = "(BYTES: the prompt's text)" if self.text else "(INT32 or INT64 token ids)"
-            raise ProtocolError(f"model '{self.name}' takes one input, '{self.input_name}' {takes}; got "
-                                f"{', '.join(repr(name) for name in tensors) or 'none'}")
-        if self.text:
-            unknown = sorted(set(parameters) - {*self.TEXT_PARAMETERS, *self.PROTOCOL_PARAMETERS})
-            if unknown:
-                raise ProtocolError(f"model '{self.name}' does not take the parameter '{unknown[0]}'; a text "
-                                    f"generation takes {', '.join(self.TEXT_PARAMETERS)}")
-        prompt = tensors[self.input_name]
+            raise ProtocolError(f"model '{self.name}' takes {'the' if self.text else 'one'} input, "
+                                f"'{self.input_name}' {takes}; got "
+                                f"{', '.join(repr(shown(name)) for name in tensors) or 'none'}")
+        fields = read_fields(self.name, self.text, {name: array for name, array in tensors.items()
+                                                    if name != self.input_name}, parameters)
+        prompt = given = tensors[self.input_name]
         generation = self.server.generation
         if generation.preprocess is not None:  # it checks the prompt, and the server its token ids
-            prompt = generation.prompt_of(prompt.reshape(-1)[0] if prompt.dtype.kind == "O" and prompt.size == 1
-                                          else prompt)
+            given = prompt.reshape(-1)[0] if prompt.dtype.kind == "O" and prompt.size == 1 else prompt
+            prompt = generation.prompt_of(given)
         elif prompt.dtype.kind not in "iu":
             raise ProtocolError(f"input 'prompt' has datatype {datatype_of(prompt.dtype)}, but model "
                                 f"'{self.name}' expects INT32 or INT64 token ids")
@@ -313,31 +338,45 @@ class GenerationSpec:
         if generation.preprocess is None and prompt.ndim != 1:
             raise ProtocolError(f"input 'prompt' has shape {list(tensors['prompt'].shape)}; model '{self.name}' "
                                 f"takes one prompt per request, shaped [n] or [1, n]")
-        steps = parameters.get(self.steps_parameter, self.DEFAULT_STEPS)
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ProtocolError(f"the '{self.steps_parameter}' parameter must be a positive integer, got {steps!r}")
         try:
-            sampling = Sampling(**{key: parameters[key] for key in self.SAMPLING if key in parameters})
+            sampling = Sampling(**{key: fields[key] for key in SAMPLING if key in fields})
         except OptionError as error:
             raise ProtocolError(f"a sampling parameter: {error}") from None
         try:
-            delivery = Delivery(generation, parameters.get("stop"), prompt)
+            delivery = Delivery(generation, fields.get("stop"), prompt)
         except OptionError as error:
             raise ProtocolError(f"the 'stop' parameter: {error}") from None
-        return prompt, steps, sampling, delivery
+        echo = "" if fields.get("exclude_input_in_output", True) else \
+            given.decode(errors="replace") if isinstance(given, bytes) else str(given)
+        return Asked(prompt, fields.get(self.steps_parameter, self.DEFAULT_STEPS), sampling, delivery,
+                     fields.get("stream"), echo)
 
-    def generate(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
-                 timeout: float | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+    def generate(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any], timeout: float | None,
+                 streaming: bool) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """Check and queue the request now (on the running event loop: its errors raise here, before a
-        response starts); its outputs as they come, one ``[("output", array)]`` per step."""
-        prompt, steps, sampling, delivery = self.request(tensors, parameters)
-        request = self.server.submit(prompt, steps, asyncio.get_running_loop(), sampling)
-        return self._outputs(delivery.each_async(self.server.outputs_async(request, timeout)))
+        response starts); its outputs as they come, one ``[("output", array)]`` per step, or the whole text
+        at once where a streaming call's request says ``stream`` false. ``streaming``: the call answers
+        more than once (a stream), else once (``infer``, which refuses ``stream`` true)."""
+        asked = self.request(tensors, parameters)
+        if asked.stream and not streaming:
+            raise ProtocolError(f"model '{self.name}': 'stream' true asks for a response per token, which infer "
+                                f"does not give; send the request over ModelStreamInfer (gRPC) or to infer_stream "
+                                f"or generate_stream (HTTP)")
+        request = self.server.submit(asked.prompt, asked.steps, asyncio.get_running_loop(), asked.sampling)
+        items = asked.delivery.each_async(self.server.outputs_async(request, timeout))
+        return self._outputs(items, asked.echo, streaming and asked.stream is False)
 
-    async def _outputs(self, items: AsyncGenerator[Any, None]) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+    async def _outputs(self, items: AsyncGenerator[Any, None], echo: str, whole: bool
+                       ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         try:
+            if whole:
+                yield [(self.output_name, stacked([echo + "".join([item async for item in items])]))]
+                return
             async for item in items:
-                yield [(self.output_name, stacked([item]))]
+                yield [(self.output_name, stacked([echo + item if echo else item]))]
+                echo = ""
+            if echo:  # no text came: the prompt alone
+                yield [(self.output_name, stacked([echo]))]
         finally:
             await items.aclose()
 

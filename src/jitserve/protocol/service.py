@@ -330,7 +330,7 @@ class InferenceService:
             REQUEST_ROWS.set(_rows(spec, tensors))
         if isinstance(spec, GenerationSpec):
             with self._tallied(spec):
-                steps = [outputs async for outputs in self._generated(spec, tensors, parameters, priority)]
+                steps = [outputs async for outputs in self._generated(spec, tensors, parameters, priority, False)]
             return spec.version, select_outputs(spec.whole(steps), requested, model)
         value = spec.value(tensors)
         server = spec.server
@@ -364,7 +364,7 @@ class InferenceService:
         if self.access_log:
             REQUEST_ROWS.set(_rows(spec, tensors))
         if isinstance(spec, GenerationSpec):
-            return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority),
+            return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority, True),
                                               requested)
         try:
             items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
@@ -383,12 +383,12 @@ class InferenceService:
                 yield select_outputs(named(outputs), requested, spec.name, labels)
 
     def _generated(self, spec: GenerationSpec, tensors: Mapping[str, np.ndarray],
-                   parameters: Mapping[str, Any] | None, priority: int | None
+                   parameters: Mapping[str, Any] | None, priority: int | None, streaming: bool
                    ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         if priority is not None:
             raise ProtocolError(f"model '{spec.name}' is a generation: it admits prompts in arrival order and has "
                                 f"no priority levels; send no 'priority' parameter")
-        return spec.generate(tensors, parameters or {}, self.request_timeout)
+        return spec.generate(tensors, parameters or {}, self.request_timeout, streaming)
 
     def _current(self, spec: Spec) -> ModelSpec:
         """After ``spec``'s server refused a request as stopped: the model that replaced it (a reload), else

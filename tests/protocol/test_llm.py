@@ -1,0 +1,83 @@
+"""What a generation reads from the wire (protocol/llm.py), without a server: the fields as genai-perf's
+``tensorrtllm`` back end sends them (tensors), as its ``vllm`` back end does (``sampling_parameters``, a JSON
+tensor whose numbers are strings), as parameters; one value given in two places; and every refusal by
+name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jitserve.errors import ProtocolError
+from jitserve.protocol.llm import FIELDS, OPTIONAL_INPUTS, read_fields
+
+
+def texts(*values: str) -> np.ndarray:
+    return np.array([value.encode() for value in values], dtype=object)
+
+
+def test_tensorrtllm_tensors_as_genai_perf_sends_them():
+    tensors = {"max_tokens": np.array([[8]], np.int32), "exclude_input_in_output": np.array([True]),
+               "stream": np.array([[True]]), "temperature": np.array([0.5], np.float32),
+               "seed": np.array([7], np.uint64), "stop": texts("\n", "THE END")}
+    assert read_fields("m", True, tensors, {}) == {"max_tokens": 8, "exclude_input_in_output": True,
+                                                   "stream": True, "temperature": 0.5, "seed": 7,
+                                                   "stop": ["\n", "THE END"]}
+
+
+def test_vllm_sampling_parameters_read_numbers_in_strings_as_vllm_does():
+    tensors = {"sampling_parameters": texts('{"max_tokens": "4", "temperature": "0.25", "top_k": 3, "stop": "x"}'),
+               "stream": np.array([False]), "exclude_input_in_output": np.array([True])}
+    assert read_fields("m", True, tensors, {}) == {"max_tokens": 4, "temperature": 0.25, "top_k": 3, "stop": "x",
+                                                   "stream": False, "exclude_input_in_output": True}
+
+
+def test_a_field_given_twice_must_agree():
+    tensors = {"max_tokens": np.array([4], np.int32), "sampling_parameters": texts('{"max_tokens": "4"}')}
+    assert read_fields("m", True, tensors, {"max_tokens": 4}) == {"max_tokens": 4}
+    with pytest.raises(ProtocolError, match=r"^'max_tokens' is given twice with different values: 4 \(the "
+                                            r"'max_tokens' input\) and 5 \('max_tokens' in sampling_parameters\); "
+                                            r"give it once$"):
+        read_fields("m", True, {**tensors, "sampling_parameters": texts('{"max_tokens": 5}')}, {})
+    with pytest.raises(ProtocolError, match=r"2 \(the 'top_k' parameter\)"):
+        read_fields("m", True, {"top_k": np.array([1], np.int32)}, {"top_k": 2})
+
+
+@pytest.mark.parametrize(("tensors", "parameters", "message"), [
+    ({"bad_words": texts("x")}, {}, "model 'm' does not take the input 'bad_words'; it takes text_input and, "
+                                    "optionally, max_tokens, temperature, top_p, top_k, seed, stop, stream, "
+                                    "exclude_input_in_output, sampling_parameters"),
+    ({}, {"beam_width": 2}, "model 'm' does not take the parameter 'beam_width'; a text generation takes "
+                            "max_tokens, temperature, top_p, top_k, seed, stop, stream, exclude_input_in_output"),
+    ({"sampling_parameters": texts('{"min_tokens": "4"}')}, {},
+     "the 'sampling_parameters' input: model 'm' does not take 'min_tokens'; its sampling parameters are "
+     "max_tokens, temperature, top_p, top_k, seed, stop"),
+    ({"sampling_parameters": texts("max_tokens=4")}, {},
+     "the 'sampling_parameters' input must be a JSON object (vLLM's sampling parameters), got 'max_tokens=4'"),
+    ({"sampling_parameters": texts("[4]")}, {}, "must be a JSON object (vLLM's sampling parameters), got '[4]'"),
+    ({"sampling_parameters": texts('{"max_tokens": "four"}')}, {},
+     "'max_tokens' in sampling_parameters must be a positive integer, got 'four'"),
+    ({"max_tokens": np.array([4, 5], np.int32)}, {}, "the 'max_tokens' input must hold one value, got shape [2]"),
+    ({"max_tokens": np.array([4.0], np.float32)}, {}, "the 'max_tokens' input must be a positive integer, got 4.0"),
+    ({"max_tokens": np.array([0], np.int32)}, {}, "the 'max_tokens' input must be a positive integer, got 0"),
+    ({"stream": np.array([1], np.int32)}, {}, "the 'stream' input must be true or false, got 1"),
+    ({}, {"temperature": "hot"}, "the 'temperature' parameter must be a number, got 'hot'"),
+    ({}, {"stop": ["a", 1]}, "the 'stop' parameter must be a string or a list of strings, got ['a', 1]"),
+])
+def test_refusals_name_the_field_and_what_it_takes(tensors, parameters, message):
+    with pytest.raises(ProtocolError) as refused:
+        read_fields("m", True, tensors, parameters)
+    assert message in str(refused.value)
+
+
+def test_a_token_generation_takes_its_fields_as_parameters():
+    assert read_fields("g", False, {}, {"max_steps": 3, "seed": 1, "priority": 0}) == {"max_steps": 3, "seed": 1}
+    with pytest.raises(ProtocolError, match="does not take the parameter 'max_tokens'; a token generation takes "
+                                            "max_steps, temperature, top_p, top_k, seed, stop$"):
+        read_fields("g", False, {}, {"max_tokens": 3})
+
+
+def test_the_optional_inputs_are_the_fields_with_a_datatype_and_vllms_json():
+    assert list(OPTIONAL_INPUTS) == [*(name for name, field in FIELDS.items() if field.datatype),
+                                     "sampling_parameters"]
+    assert OPTIONAL_INPUTS["max_tokens"] == ("INT32", (1,)) and OPTIONAL_INPUTS["stop"] == ("BYTES", (-1,))
