@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import resource
 import signal
 import socket
@@ -18,6 +19,19 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# perf_analyzer, Triton's benchmark (genai-perf drives it): tritonclient 2.51.0's binary and the CUDA runtime it
+# links (no GPU needed), which python3 dev.py test installs beside the environment
+PERF_ANALYZER = Path(sys.prefix) / "perf-analyzer"
+
+
+def perf_analyzer_environment() -> dict[str, str]:
+    """This process's environment with perf_analyzer on PATH and its CUDA runtime on LD_LIBRARY_PATH; the
+    test fails, never skips, where python3 dev.py test has not installed it."""
+    binary = PERF_ANALYZER / "bin" / "perf_analyzer"
+    assert binary.exists(), f"no perf_analyzer at {binary}: python3 dev.py test installs it (tritonclient 2.51.0's)"
+    runtime = PERF_ANALYZER / "nvidia" / "cuda_runtime" / "lib"
+    return {**os.environ, "PATH": f"{binary.parent}:{os.environ.get('PATH', '')}",
+            "LD_LIBRARY_PATH": f"{runtime}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
 
 
 def free_port() -> int:

@@ -99,10 +99,11 @@ def save(folder: Path, model: torch.nn.Module, tokenizer: Tokenizer, bos: str | 
 VOCABULARY = 320
 
 
-def gpt2(folder: Path, heads: int = 8, tied: bool = True, seed: int = 0, dtype=torch.float32, **save_options) -> Path:
+def gpt2(folder: Path, heads: int = 8, tied: bool = True, seed: int = 0, dtype=torch.float32, positions: int = 256,
+         **save_options) -> Path:
     tokenizer = byte_level_tokenizer(VOCABULARY, "<|endoftext|>", "<|endoftext|>", add_bos=False)
     eos = tokenizer.token_to_id("<|endoftext|>")
-    config = GPT2Config(vocab_size=VOCABULARY, n_positions=256, n_embd=64, n_layer=2, n_head=heads,
+    config = GPT2Config(vocab_size=VOCABULARY, n_positions=positions, n_embd=64, n_layer=2, n_head=heads,
                         tie_word_embeddings=tied, bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(seed)
     model = widen_gpt2(GPT2LMHeadModel(config), seed).to(dtype)
