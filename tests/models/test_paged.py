@@ -96,3 +96,24 @@ def test_a_request_that_could_never_fit_the_pool_is_refused_before_any_output(ma
         assert str(refused.value).endswith(f"need {positions} positions of KV cache; the whole cache of generation "
                                            f"server 'tiny' holds 64 (4 blocks of 16)")
         assert js.generate("tiny", "Once", max_steps=4)
+
+
+def test_the_evaluator_pages_as_xla_does_and_iree_keeps_the_slot_cache(made):
+    folder = made(VARIANT)
+    small = {"slots": 2, "max_length": 64, "prefill_lengths": [16], "kv_cache_tokens": 128}
+    answers = []
+    for compiler in ("xla", "evaluator"):
+        generation = js.from_pretrained(folder, compiler=compiler, **small)
+        assert generation.engine == "paged"
+        with js.serve(generation, name=f"paged-{compiler}"):
+            answers.append(js.generate(f"paged-{compiler}", "Once upon a time", max_steps=10))
+    assert answers[0] == answers[1]
+    on_iree = {name: value for name, value in small.items() if name != "kv_cache_tokens"}
+    assert js.from_pretrained(folder, compiler="iree", **on_iree).engine == "slots", \
+        "IREE writes through block tables to other tokens"
+    with pytest.raises(js.OptionError, match=r"kv_cache_tokens size a paged cache; this generation keeps a slot "
+                                             r"cache \(kv_cache='slots', as its compiler or devices ask\)"):
+        js.from_pretrained(folder, compiler="iree", **small)
+    with pytest.raises(js.OptionError, match="compiler 'iree' does not run a paged cache's programs as XLA does; "
+                                             "serve this generation with compiler 'xla' or 'evaluator'"):
+        js.from_pretrained(folder, compiler="iree", kv_cache="paged", **small)

@@ -165,9 +165,10 @@ class Generation:
         chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
                                                          **compiler_options})
         self.compiler_name = chosen.name
-        if cache is not None and not chosen.compiles:
-            raise OptionError(f"a paged cache's programs are traced and compiled; compiler {chosen.name!r} runs "
-                              f"functions as written (serve it with xla, iree or evaluator)")
+        if cache is not None and not chosen.pages:
+            raise OptionError(f"compiler {chosen.name!r} does not run a paged cache's programs as XLA does; serve "
+                              f"this generation with compiler 'xla' or 'evaluator', or with a slot cache (prefill "
+                              f"and decode; from_pretrained's kv_cache='slots')")
         self.mesh = _checked_mesh(mesh, chosen, self.compiler_options)
         if cache is not None and mesh is not None:
             raise OptionError("a paged cache runs on one device for now; a generation over several devices "
