@@ -145,6 +145,21 @@ def test_a_prompt_reuses_the_cached_blocks_of_its_longest_prefix_and_prefills_th
         "a prompt cached whole computes its last block again, for its first output's logits"
 
 
+def test_a_prompt_shares_only_blocks_computed_by_plans_before_its_own():
+    s = PagedScheduler(generation(chunk_lengths=(16, 64)))
+    short, first, twin = request(tokens=5, start=200), request(tokens=40), request(tokens=40)
+    for r in (short, first, twin):
+        s.submit(r)
+    plan = s.plan()
+    assert plan.admitted == [short, first, twin] and twin.blocks[0] != first.blocks[0]
+    assert [c.tokens.shape[1] for c in plan.prefills] == [16, 64], \
+        "the twin's program could run before the one writing blocks it would share: it computes its own"
+    later = request(tokens=40)
+    s.submit(later)
+    s.plan()
+    assert later.blocks[:2] == first.blocks[:2] or later.blocks[:2] == twin.blocks[:2]
+
+
 @pytest.mark.parametrize("tokens, max_steps, needs", [(100, 200, 127), (10, 300, 127), (60, 20, 79)])
 def test_a_request_that_could_never_fit_the_pool_is_refused_naming_the_sizes(tokens, max_steps, needs):
     small = generation(tokens=64)

@@ -85,6 +85,7 @@ class PagedScheduler(Scheduler[R]):
         self.prefix_caching = g.cache.prefix_caching
         self.prefilling: dict[R, tuple[np.ndarray, list[bytes]]] = {}  # admitted, not prefilled: sequence, keys
         self.admitted_order: dict[R, int] = {}  # running request -> when it was admitted (the newest is preempted)
+        self.completed: list[tuple[int, bytes]] = []  # (block, key): full blocks of prompts this plan computes
         self.admissions = 0
         self.preemptions = 0
 
@@ -135,6 +136,11 @@ class PagedScheduler(Scheduler[R]):
                 break
             admitted.append(self.waiting.popleft())
             budget -= chunks[-1][3]
+        # blocks computed in this plan join the prefix cache once it is planned: a prompt of this plan taking
+        # them could be prefilled by a program that runs before the one that writes them
+        for block, key in self.completed:
+            self.pool.register(block, key)
+        self.completed.clear()
         return Plan(self._chunks(chunks), self._paged_step(), len(self.running), admitted)
 
     def _ready(self, request: R) -> bool:
@@ -210,9 +216,8 @@ class PagedScheduler(Scheduler[R]):
             return False
         request.blocks += self.pool.take(max(wanted, 0))
         request.computed = start + count
-        for index in range(request.computed // self.block_size):
-            if index < len(keys):
-                self.pool.register(request.blocks[index], keys[index])
+        for index in range(start // self.block_size, min(request.computed // self.block_size, len(keys))):
+            self.completed.append((request.blocks[index], keys[index]))
         chunks.append((request, sequence, start, count))
         if final:
             del self.prefilling[request]
