@@ -17,8 +17,8 @@ theirs (``bench/pretrained.py``'s maker; ``--size small`` or ``medium``, ~30 M p
 from __future__ import annotations
 
 import argparse
-import json
 import concurrent.futures
+import json
 import statistics
 import sys
 import tempfile
