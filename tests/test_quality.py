@@ -51,7 +51,7 @@ FOLDER_CAPS = {
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
     # 1,775: the corridor an object each server owns, its entry points given on the server
     "serving": 1_775,
-    "serving/generation": 1_300,
+    "serving/generation": 1_350,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

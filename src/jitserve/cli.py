@@ -465,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "host (tensor parallel; default one device)")
     for flag, (kind, text) in GENERATION_FLAGS.items():
         serve_parser.add_argument(f"--{flag.replace('_', '-')}", type=kind, metavar="N" if kind is int else None,
-                                  **({"choices": ("paged", "slots")} if flag == "kv_cache" else {}),
+                                  choices=("paged", "slots") if flag == "kv_cache" else None,
                                   help=f"with --hf, a generation: {text}")
     serve_parser.add_argument("--model-repository", metavar="DIR", help="serve DIR/NAME/model.py (each defines "
                               "'serving'), or DIR/NAME/config.json (a checkpoint), as model NAME, instead of a "

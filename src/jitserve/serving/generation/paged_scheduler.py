@@ -195,7 +195,7 @@ class PagedScheduler(Scheduler[R]):
         self.admissions += 1
         request.slot = self.free.pop(0)
         self.running[request.slot] = request
-        self.sampling += 0 if request.sampling.greedy else 1
+        self.sampling += 0 if request.sampling.plain else 1
         return True
 
     def _prefill(self, request: R, budget: int, chunks: list[tuple[R, np.ndarray, int, int]],
@@ -273,7 +273,7 @@ class PagedScheduler(Scheduler[R]):
             positions[slot] = request.prompt.size + request.dispatched - 1
         samplings: list[Sampling] | None = None
         steps: list[int] | None = None
-        if any(not request.sampling.greedy for request in requests):
+        if any(not request.sampling.plain for request in requests):
             samplings = [decoding[s].sampling if s in decoding else GREEDY for s in range(self.slots)]
             steps = [decoding[s].dispatched if s in decoding else 0 for s in range(self.slots)]
         self._dispatched(requests, self.steps_per_launch)
