@@ -142,3 +142,16 @@ def test_stop_token_ids_and_min_tokens_in_the_paged_cache_as_in_the_slot_cache(m
     ended, held, first = answers["paged"]
     assert ended == plain[:2] and first == plain[:1]
     assert len(held) >= 6 and not {eos, stop} & set(held[:6])
+
+
+def test_n_samples_of_one_prompt_share_its_blocks_and_equal_their_runs_alone(made):
+    paged = js.from_pretrained(made(VARIANT), slots=8, max_length=MAX_LENGTH, prefill_lengths=[16, 64])
+    prompt = PROMPTS[-1]
+    requests = [(prompt, {**SAMPLED, "seed": seed}) for seed in range(4)]
+    with js.serve(paged, name="n-samples") as server:
+        together = run_all("n-samples", requests)
+        shared = server.stats().prefix_hits
+        alone = [js.generate("n-samples", p, max_steps=STEPS, **o) for p, o in requests]
+    blocks = (len(paged.prompt_of(prompt)) - 1) // 16
+    assert blocks >= 3 and shared >= 3 * blocks, "the 3 twins took the first's prompt blocks"
+    assert together == alone and len(set(together)) > 1

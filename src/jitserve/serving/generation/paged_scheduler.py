@@ -179,6 +179,9 @@ class PagedScheduler(Scheduler[R]):
         sequence = np.concatenate([request.prompt, np.asarray(history, np.int32)]) if history else request.prompt
         keys = block_keys(sequence, self.block_size) if self.prefix_caching else []
         looked = keys[:(sequence.size - 1) // self.block_size]  # the last token is computed again, at least
+        cached = self.pool.cached_prefix(looked)
+        if cached < len(looked) and any(key == looked[cached] for _, key in self.completed):
+            return False  # a prompt of this plan computes its next block (a twin, n > 1): wait, then share it
         shared = self.pool.share(looked)
         request.blocks = list(shared)
         request.computed = len(shared) * self.block_size
