@@ -212,27 +212,37 @@ class Programs:
         """The options of a program of kind ``sampled`` for ``rows`` idle rows (greedy, at their first step)."""
         return self._arrays([GREEDY] * rows, [0] * rows) if sampled else []
 
-    def admit(self, params: Any, carry: Any, length: int, prompts: Sequence[np.ndarray], slots: Sequence[int],
-              samplings: Sequence[Sampling]) -> tuple[Any, Any]:
-        """Queue the prefill of ``prompts`` (as many as a compiled number of prompts), padded with zeros to
-        the compiled ``length``, and the write of their rows into ``slots``, their first outputs picked as
-        ``samplings`` say: the next carry, and those outputs."""
+    def admission(self, length: int, prompts: Sequence[np.ndarray], slots: Sequence[int],
+                  samplings: Sequence[Sampling]) -> list[np.ndarray]:
+        """What :meth:`admit` takes for ``prompts`` (as many as a compiled number of prompts), made on the
+        host: their tokens padded with zeros to the compiled ``length``, their lengths, their ``slots``, and
+        the options of ``samplings`` unless all are greedy."""
         count = len(prompts)
         tokens = np.zeros((count, length), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, :prompt.size] = prompt
-        rows, first = self.prefill(length, count)(params, tokens, np.array([p.size for p in prompts], np.int32))
         sampled = any(not sampling.greedy for sampling in samplings)
         options = self._arrays(samplings, [0] * count) if sampled else []  # a prompt's first output is its step 0
-        return self.update(count, sampled)(carry, rows, first, np.array(slots, np.int32), *options)
+        return [tokens, np.array([p.size for p in prompts], np.int32), np.array(slots, np.int32), *options]
 
-    def step(self, params: Any, carry: Any, samplings: Sequence[Sampling] | None,
-             positions: Sequence[int] | None) -> tuple[Any, Any]:
-        """Queue a launch of decode steps of every slot: greedy (``samplings`` None), or each slot picking as
-        its ``samplings`` say from its ``positions``: the next carry, and the outputs (steps, slots, ...)."""
-        if samplings is None or positions is None:
-            return self.steps[False](params, carry)
-        return self.steps[True](params, carry, *self._arrays(samplings, positions))
+    def admit(self, params: Any, carry: Any, tokens: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
+              *options: np.ndarray) -> tuple[Any, Any]:
+        """Queue the prefill of the prompts :meth:`admission` made and the write of their rows into their
+        slots, their first outputs picked greedily or as ``options`` say: the next carry, and those outputs."""
+        count, length = tokens.shape
+        rows, first = self.prefill(length, count)(params, tokens, lengths)
+        return self.update(count, bool(options))(carry, rows, first, slots, *options)
+
+    def step_options(self, samplings: Sequence[Sampling] | None, positions: Sequence[int] | None
+                     ) -> list[np.ndarray]:
+        """What :meth:`step` takes: nothing for a greedy launch (``samplings`` None), else each slot's
+        options from its ``samplings`` and ``positions``."""
+        return [] if samplings is None or positions is None else self._arrays(samplings, positions)
+
+    def step(self, params: Any, carry: Any, *options: np.ndarray) -> tuple[Any, Any]:
+        """Queue a launch of decode steps of every slot, greedy or picking as ``options`` say: the next carry,
+        and the outputs (steps, slots, ...)."""
+        return self.steps[bool(options)](params, carry, *options)
 
     def zeros(self) -> Any:
         return jax.tree_util.tree_map(lambda t: t.zeros(), self.carry_template, is_leaf=is_template)
