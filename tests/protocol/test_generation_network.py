@@ -125,7 +125,8 @@ def test_tritonclient_grpc_streams_a_generation_with_parameters(server):
         received = [results.get(timeout=30) for _ in range(6)]
         assert all(error is None for _, error in received)
         assert [r.as_numpy("output").tolist() for r, _ in received[:5]] == [[t] for t in expected(PROMPT, 5)]
-        assert received[5][0].get_response().parameters["triton_final_response"].bool_param
+        assert [r.get_response().parameters["triton_final_response"].bool_param for r, _ in received] == \
+            [False] * 5 + [True]
         client.async_stream_infer("gen", [prompt], request_id="g2",
                                   parameters={"max_steps": 5, "temperature": 1.0, "seed": 3})
         sampled = [results.get(timeout=30)[0].as_numpy("output").item() for _ in range(5)]

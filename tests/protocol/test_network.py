@@ -638,7 +638,8 @@ def test_tritonclient_grpc_streaming_works_unchanged(server):
         received = [results.get(timeout=30) for _ in range(3)]
         assert all(error is None for _, error in received)
         assert [r.as_numpy("output").ravel().tolist() for r, _ in received[:2]] == [[2.0, 4.0], [6.0]]
-        assert received[2][0].get_response().parameters["triton_final_response"].bool_param
+        assert [r.get_response().parameters["triton_final_response"].bool_param for r, _ in received] == \
+            [False, False, True], "Triton's decoupled protocol: each response says whether it is the last"
         step = grpcclient.InferInput("input", [1, 1], "FP32")
         step.set_data_from_numpy(np.array([[5.0]], np.float32))
         client.async_stream_infer("steps", [step], request_id="b")
