@@ -24,7 +24,8 @@ class Phases:
     """Seconds spent in the three phases of running a batch (or a generation's launch), as Triton splits
     an execution: ``input_s`` preparing the inputs (rows stacked and padded into the batch, copied to the
     device where the engine copies them itself), ``infer_s`` the compiled program, ``output_s`` the outputs
-    to the host, cut into each request's rows and handed over. Summed with ``+``."""
+    copied to the host and cut to the real rows (handing them to their callers is not counted: a request's
+    phases end before it is answered). Summed with ``+``."""
 
     input_s: float = 0.0
     infer_s: float = 0.0

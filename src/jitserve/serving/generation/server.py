@@ -347,14 +347,14 @@ class GenerationServer(GenerationFront):
         self._ready = now
         steps = outputs.shape[0]
         queued = item.queued
+        # the hand-over is not in it (nor is a serving's delivery): each request's phases end before it hears
+        phases = Phases(queued.input_s, queued.infer_s + computed - waiting, queued.output_s + now - computed)
+        for request in item.requests:  # floats, not a Phases each: this runs for every slot at every launch
+            request.input_s += phases.input_s
+            request.infer_s += phases.infer_s
+            request.output_s += phases.output_s
         with self._lock:  # so that a caller handed its last output finds itself counted
             delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos)
-            phases = Phases(queued.input_s, queued.infer_s + computed - waiting,
-                            queued.output_s + time.perf_counter() - computed)
-            for request in item.requests:  # floats, not a Phases each: this runs for every slot at every launch
-                request.input_s += phases.input_s
-                request.infer_s += phases.infer_s
-                request.output_s += phases.output_s
             stats = self._stats
             stats.outputs += delivered
             if item.step:
