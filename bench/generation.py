@@ -57,12 +57,13 @@ CONTEXT = 32  # the longest prompt, and the longest prefill length
 
 
 def gpt2() -> js.Generation:
-    """``examples/gpt2.py``'s generation (its folder importable, for its sibling ``make_checkpoint``)."""
+    """``examples/gpt2.py``'s checkpoint with the slot cache (its ``prefill`` and ``decode``, which the
+    request-level arm calls too; ``bench/paged.py`` measures the paged cache against it)."""
     sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location("example_gpt2", EXAMPLES / "gpt2.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.generation
+    return js.from_pretrained(module.gpt2(), kv_cache="slots", slots=8)
 
 
 def workload(requests: int, rate: float, vocab: int, context: int, seed: int = 0):

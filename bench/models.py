@@ -57,7 +57,8 @@ def bert_case():
 
 
 def decoder_case(name: str):
-    generation = example(name).generation
+    example(name)
+    generation = js.from_pretrained(getattr(sys.modules["make_checkpoint"], name)(), kv_cache="slots")
     many_prefill = jax.vmap(generation.prefill, in_axes=(None, 0, 0))
 
     def next_token(params, entry):

@@ -276,9 +276,9 @@ def floor_answers(port: int) -> tuple[dict[bytes, tuple[list, bytes]], dict[byte
             for rows, request, expected in load_requests(sizes, protocol, "/v2/models/mlp/infer", port):
                 outputs = [("output", expected.reshape(rows, FEATURES))]
                 if protocol == "grpc":
-                    grpc[request] = _infer_response("mlp", "1", "", outputs).SerializeToString()
+                    grpc[request] = _infer_response("mlp", "1", "", outputs, {}).SerializeToString()
                     continue
-                binary = {"output": True} if protocol == "http-binary" else {}  # as the request asks
+                binary = {"output": (True, None)} if protocol == "http-binary" else {}  # as the request asks
                 _, headers, body = _encode_response("mlp", "1", None, outputs, binary, False)
                 http[request.split(b"\r\n\r\n", 1)[1]] = ([*headers, (b"content-length", b"%d" % len(body))], body)
     return http, grpc

@@ -61,9 +61,10 @@ SIZES = {
 }
 VOCABULARY = 512  # the most tokens a tokenizer learns from TEXT
 LABELS = ("negative", "positive")  # the BERT classifier's id2label
-# a chat template in Llama 3's shape: how chat messages become a prompt (without <|begin_of_text|>, which
-# the tokenizer adds)
-CHAT_TEMPLATE = ("{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+# a chat template in Llama 3's shape: how chat messages become a prompt, <|begin_of_text|> first (the rendered
+# text is encoded without adding special tokens, as transformers' apply_chat_template encodes it)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+                 "<|end_header_id|>\n\n"
                  "{{ message['content'] }}<|eot_id|>{% endfor %}"
                  "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 

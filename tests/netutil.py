@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import resource
@@ -103,6 +104,15 @@ def start_server(target: str, *extra: str, tls_ca: str | None = None, open_files
             time.sleep(0.2)
     process.kill()
     raise AssertionError("jitserve serve did not become ready in 120 s")
+
+
+@contextlib.contextmanager
+def serving(target: str, *extra: str):
+    """``start_server`` for a ``with`` block (a module's server fixture), stopped after it; its log must show
+    no traceback."""
+    running = start_server(target, *extra)
+    yield running
+    assert "Traceback" not in stop(running)
 
 
 def stop(running: Running) -> str:

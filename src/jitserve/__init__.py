@@ -38,6 +38,7 @@ from .params import load_params
 from .serving import (
     BatchReport,
     Generation,
+    PagedCache,
     Sampling,
     Server,
     Serving,
@@ -76,6 +77,7 @@ __all__ = [
     "Node",
     "OptionError",
     "OutputShapeError",
+    "PagedCache",
     "PromptTooLongError",
     "QueueFullError",
     "RepositoryError",

@@ -142,15 +142,16 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
     from .serving import Serving
     from .serving.registry import is_servable
 
-    hf, task, dtype = (getattr(args, name, None) for name in ("hf", "task", "dtype"))  # serve's, not bench's
+    # serve's, not bench's
+    hf, task, dtype, devices = (getattr(args, name, None) for name in ("hf", "task", "dtype", "devices"))
     if hf:
         if args.name is not None and len(hf) > 1:
             raise OptionError("--name names one model: leave it out with several --hf folders (each is named "
                               "after its folder)")
         found: Any = {args.name or Path(folder).resolve().name: from_pretrained(
-            folder, task=task, dtype=dtype, compiler=args.compiler) for folder in hf}
-    elif task is not None or dtype is not None:
-        raise OptionError("--task and --dtype apply to a checkpoint: give them with --hf DIR")
+            folder, task=task, dtype=dtype, compiler=args.compiler, devices=devices) for folder in hf}
+    elif task is not None or dtype is not None or devices is not None:
+        raise OptionError("--task, --dtype and --devices apply to a checkpoint: give them with --hf DIR")
     else:
         found = load_target(args.target)
     if not (isinstance(found, dict) or is_servable(found)):
@@ -222,7 +223,7 @@ def _network_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
             "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, "limits": limits,
             "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls, "access_log": args.access_log,
-            "trace_endpoint": args.trace_endpoint}
+            "trace_endpoint": args.trace_endpoint, "allow_client_shm": args.allow_client_shm}
 
 
 def _logging(args: argparse.Namespace) -> None:
@@ -410,6 +411,9 @@ def _add_security(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     parser.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                         help="a browser origin allowed to call the server (repeat; '*' for any; default none)")
+    parser.add_argument("--allow-client-shm", action="store_true", help="let clients on this machine register "
+                        "system shared memory regions for inputs and outputs (Triton's extension; off by default: "
+                        "a client may then read and write any shared memory object this server may open)")
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -448,6 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               help="with --hf: what to serve the checkpoint as (default: its architecture's task)")
     serve_parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                               help="with --hf: the weights' dtype (default: as stored)")
+    serve_parser.add_argument("--devices", type=int, metavar="N",
+                              help="with --hf: split a generation's weights and KV cache over N devices of this "
+                              "host (tensor parallel; default one device)")
     serve_parser.add_argument("--model-repository", metavar="DIR", help="serve DIR/NAME/model.py (each defines "
                               "'serving'), or DIR/NAME/config.json (a checkpoint), as model NAME, instead of a "
                               "TARGET")

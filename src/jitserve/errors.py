@@ -86,6 +86,17 @@ class ProtocolError(JitserveError, ValueError):
     """A network request does not follow the Open Inference Protocol or does not fit the model."""
 
 
+class ParameterError(ProtocolError):
+    """One field of a network request is missing, wrong, unknown or not supported (HTTP 400): ``param`` names
+    it and ``code`` says which of these it is, as OpenAI's errors do (``invalid_value``,
+    ``unknown_parameter``, ``unsupported_parameter``, ``missing_parameter``...)."""
+
+    def __init__(self, message: str, param: str | None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 class BodyTooLargeError(ProtocolError):
     """A network request body is larger than the server's limit (HTTP 413)."""
 

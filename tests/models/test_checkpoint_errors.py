@@ -69,7 +69,7 @@ def test_the_head_count_comes_from_the_config(made):
     """gpt2-8-heads has GPT-2's shapes for any head count: only config.json says 8 (the greedy text test
     shows the answers are then right)."""
     generation = js.from_pretrained(made("gpt2-8-heads"))
-    assert generation.prefill.args[0].heads == 8
+    assert generation.functions[0].args[0].heads == 8
 
 
 def test_a_max_length_beyond_the_context_is_refused_naming_the_field(made):

@@ -62,7 +62,7 @@ def test_logits_equal_transformers(made, variant):
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].numpy()
     generation = js.from_pretrained(folder, dtype="float32")
-    family = generation.prefill.args[0]
+    family = generation.functions[0].args[0]
     got = np.asarray(layers.forward(family, generation.params, jnp.asarray(ids, jnp.int32)))
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
@@ -75,7 +75,7 @@ def test_a_bfloat16_checkpoint_computes_in_bfloat16_close_to_transformers(made):
         expected = model(torch.tensor([ids])).logits[0].float().numpy()
     generation = js.from_pretrained(folder)
     assert {leaf.dtype.name for leaf in js.params.flatten(generation.params).values()} == {"bfloat16"}
-    family = generation.prefill.args[0]
+    family = generation.functions[0].args[0]
     got = np.asarray(layers.forward(family, generation.params, jnp.asarray(ids, jnp.int32)))
     assert np.abs(got - expected).max() <= 0.05 * np.abs(expected).max()
 
@@ -97,8 +97,7 @@ def test_sampling_is_reproducible_by_seed_and_bad_prompts_are_refused_by_name(ma
     with js.serve(generation, name="edges"):
         sampled = [js.generate("edges", "Once", max_steps=8, temperature=0.9, seed=3, top_k=20) for _ in range(2)]
         assert sampled[0] == sampled[1] and isinstance(sampled[0], str)
-        with pytest.raises(js.PromptTooLongError, match=r"the prompt has \d+ tokens, more than the longest prefill "
-                                                        r"length \(64; max_length is 64\)"):
+        with pytest.raises(js.PromptTooLongError, match=r"the prompt has \d+ tokens, more than max_length \(64\)"):
             js.generate("edges", "word " * 80, max_steps=4)
         with pytest.raises(js.ModelError, match=r"a prompt is one text \(str, or UTF-8 bytes\); got int"):
             js.generate("edges", 123, max_steps=4)

@@ -40,6 +40,17 @@ def test_an_unfinished_character_at_the_end_comes_out_as_decoding_shows_it(made)
     assert stream.finish() == tokenizer.decode(ids[:-1])
 
 
+def test_encoding_without_special_tokens_is_transformers(made):
+    """What a chat template renders is encoded as apply_chat_template(tokenize=True) encodes it: no BOS added."""
+    folder = made("llama-tied")
+    ours = Tokenizer(Checkpoint(folder))
+    reference = AutoTokenizer.from_pretrained(folder)
+    for text in ("<|begin_of_text|>Hello", "Hello ✓ there"):
+        assert ours.encode(text, special=False).tolist() == reference(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text).tolist() == reference(text)["input_ids"]
+    assert ours.encode("Hello")[0] == ours.bos and ours.encode("Hello", special=False)[0] != ours.bos
+
+
 def test_the_chat_template_renders_as_transformers(made):
     folder = made("llama-tied")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓"}]

@@ -1,5 +1,6 @@
 """Fixtures the network tests share."""
 
+import importlib
 import shutil
 import subprocess
 
@@ -17,3 +18,12 @@ def certificate(tmp_path_factory):
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
     return cert, key
+
+
+@pytest.fixture(params=["http", "grpc"])
+def triton(request, server):
+    """(tritonclient.http or tritonclient.grpc, a client of it on the test module's ``server``)."""
+    module = importlib.import_module(f"tritonclient.{request.param}")
+    client = module.InferenceServerClient(f"127.0.0.1:{server.port if request.param == 'http' else server.grpc_port}")
+    yield module, client
+    client.close()

@@ -280,7 +280,7 @@ BAD_REQUESTS = [
     (mlp_input(data=["a"] * 16), 400, "input 'input': 'a' is not a number (strings allowed in float data"),
     (mlp_input(name="inputs"), 400, "unknown input 'inputs' for model 'mlp'; expected: input"),
     (mlp_input(data=None) | {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16]}]}, 400,
-     "input 'input' has neither 'data' nor a binary_data_size parameter"),
+     "input 'input' has no 'data', binary_data_size or shared_memory_region parameter"),
     ({**mlp_input(), "outputs": [{"name": "logits"}]}, 400, "unknown output 'logits' for model 'mlp'; it has: output"),
     ({**mlp_input(), "outputs": 5}, 400, "'outputs' must be a list of objects with a string 'name'"),
     (mlp_input(shape=[0] * 70, data=[]), 400, "input 'input': shape has 70 dimensions; at most 32 are supported"),

@@ -55,7 +55,7 @@ def test_a_request_whose_last_output_is_in_the_plan_gives_up_its_slot_at_once():
     assert s.free == [] and two.dispatched == 2
     plan = s.plan()
     assert plan.step is not None and plan.step.positions == [2] and s.free == [0], "its last step is dispatched"
-    assert s.plan() == ([], None, 0), "nothing runs, nothing waits: nothing to launch"
+    assert s.plan() == ([], None, 0, []), "nothing runs, nothing waits: nothing to launch"
 
 
 def test_a_launch_of_several_steps_counts_them_all_and_can_overshoot_what_a_request_needs():

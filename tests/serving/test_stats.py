@@ -5,6 +5,7 @@ measured times add up."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -14,6 +15,7 @@ import pytest
 
 import jitserve as js
 from jitserve.serving.stats import NO_TIME, GenerationStats, Phases, ServerStats
+from netutil import ROOT
 
 
 def refuses_negatives(x):
@@ -102,3 +104,22 @@ def test_stats_add_up_phases_and_sizes():
     assert summed.executions() == {4: (2, Phases(2.0, 3.0, 4.0)), 8: (2, Phases(2.0, 2.0, 2.0))}
     assert ServerStats.total([]).executions() == {} and GenerationStats().executions() == {}
     assert NO_TIME.total_s == 0.0 and Phases(1.0, 2.0, 3.0).total_s == 6.0
+
+
+def test_a_checkpoint_generation_with_a_paged_cache_counts_alike():
+    """from_pretrained's default: a paged KV cache, its prompts prefilled in chunks (examples/gpt2.py's
+    checkpoint, text in and out)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from make_checkpoint import gpt2
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    generation = js.from_pretrained(gpt2(), max_length=64, slots=2)
+    with js.serve(generation, name="counted-paged") as server:
+        latencies = [timed(lambda: js.generate("counted-paged", "Once upon a time", max_steps=6)) for _ in range(3)]
+        stats = server.stats()
+    assert stats.kv_blocks > 0, "the paged cache"
+    assert (stats.completed, stats.inferences) == (3, 3)
+    assert stats.executions() == {2: (stats.launches, stats.launch_phases)} and stats.launches > 0
+    assert stats.completed_phases.infer_s > 0
+    assert stats.completed_queue_s + stats.completed_phases.total_s <= sum(latencies)

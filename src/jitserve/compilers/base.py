@@ -59,12 +59,17 @@ class Compiler(abc.ABC):
     ``default_isolation`` is where a server runs its executables unless the serving says: ``"thread"``
     (in the server's process) or ``"process"`` (a worker process per partition, which a native crash
     cannot take the server down with).
+    ``shards`` is True for a compiler that runs one program over several devices (:meth:`compile_sharded`).
+    ``pages`` is True for one that runs a paged KV cache's programs (writes through block tables, reads
+    gathered by them) as XLA does, checked by a test against XLA's tokens.
     """
 
     name: ClassVar[str]
     options: ClassVar[frozenset[str]] = frozenset()
     compiles: ClassVar[bool] = True
     default_isolation: ClassVar[str] = "thread"
+    shards: ClassVar[bool] = False
+    pages: ClassVar[bool] = False
 
     def check_options(self, options: Mapping[str, Any]) -> None:
         unknown = sorted(set(options) - COMMON_OPTIONS - self.options)
@@ -80,6 +85,15 @@ class Compiler(abc.ABC):
         """Compile ``fn`` for positional arguments shaped like ``templates`` (pytrees of templates).
         ``donate``: positions of arguments the caller never uses again after the call (a generation's
         decode state), whose buffers a compiler may reuse for the results; one that cannot ignores it."""
+
+    def compile_sharded(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
+                        shardings: tuple[Any, Any], donate: Sequence[int] = ()) -> Executable:
+        """``fn`` compiled as one program over several devices (tensor parallel): ``shardings`` is the pair
+        (of the arguments, of the results) of trees of ``jax.sharding.Sharding`` where each array lies, as
+        ``jax.jit``'s ``in_shardings`` and ``out_shardings``. A compiler whose programs run on one device
+        refuses."""
+        raise OptionError(f"compiler {self.name!r} runs each program on one device; a program over several "
+                          f"devices (tensor parallel) needs compiler 'xla'")
 
     @abc.abstractmethod
     def devices(self) -> list[Device]:

@@ -81,18 +81,34 @@ def _output_container(out_info: Any) -> Any:
 class XlaCompiler(Compiler):
     name = "xla"
     options = frozenset({"device"})
+    shards = True
+    pages = True
 
-    def _jit(self, fn: Callable[..., Any], options: Mapping[str, Any], donate: Sequence[int] = ()) -> Any:
+    def _jit(self, fn: Callable[..., Any], options: Mapping[str, Any], donate: Sequence[int] = (),
+             shardings: tuple[Any, Any] | None = None) -> Any:
         enable_persistent_cache(options.get("cache_dir"))
         device = options.get("device")
-        if device is None:
+        if shardings is None and device is None:
             return jax.jit(fn, donate_argnums=tuple(donate))
-        sharding = SingleDeviceSharding(resolve_device(device))
-        return jax.jit(fn, in_shardings=sharding, out_shardings=sharding, donate_argnums=tuple(donate))
+        if shardings is None:
+            sharding = SingleDeviceSharding(resolve_device(device))
+            shardings = (sharding, sharding)
+        return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=tuple(donate))
 
     def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
                 donate: Sequence[int] = ()) -> Executable:
-        compiled = self._jit(fn, options, donate).lower(*abstract_tree(tuple(templates))).compile()
+        return self._compiled(self._jit(fn, options, donate), templates)
+
+    def compile_sharded(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],
+                        shardings: tuple[Any, Any], donate: Sequence[int] = ()) -> Executable:
+        """See :meth:`Compiler.compile_sharded`; XLA's GSPMD partitions the program and adds the collectives
+        (the all-reduce after a matrix split on its input axis). The ``device`` option is not used: the
+        shardings name the devices."""
+        return self._compiled(self._jit(fn, options, donate, shardings), templates)
+
+    @staticmethod
+    def _compiled(jitted: Any, templates: Sequence[Any]) -> Executable:
+        compiled = jitted.lower(*abstract_tree(tuple(templates))).compile()
         flat, tree = flat_templates(templates)
         return Executable(compiled, flat, tree, _output_container(compiled.out_info))
 

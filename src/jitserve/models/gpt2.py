@@ -31,6 +31,7 @@ class GPT2:
         c.choice("add_cross_attention", False, [False])
         if self.width % self.heads:
             raise c.unsupported("n_head", self.heads, f"it must divide n_embd ({self.width})")
+        self.kv_heads, self.head_dim = self.heads, self.width // self.heads
         self.scale = 1 / math.sqrt(self.width // self.heads) if c.field("scale_attn_weights", True, bool) else 1.0
 
     def weights(self) -> dict[str, tuple[int, ...]]:

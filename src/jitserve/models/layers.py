@@ -97,6 +97,8 @@ class Decoder(Protocol):
     attention, and the head."""
 
     layers: int
+    kv_heads: int
+    head_dim: int
     scale: float
 
     def embed(self, params: Any, tokens: Any, positions: Any) -> Any: ...
@@ -155,3 +157,33 @@ def _decode_one(model: Decoder, params: Any, state: Any, token: Any) -> tuple[An
 def decode(model: Decoder, params: Any, state: Any, last: Any) -> tuple[Any, Any]:
     """``js.Generation``'s step, every slot at once: each slot's last token in, its next token's logits out."""
     return jax.vmap(lambda row, token: _decode_one(model, params, row, token))(state, last)
+
+
+def paged_forward(model: Decoder, block_size: int, params: Any, cache: Any, tokens: Any, positions: Any,
+                  tables: Any, last: Any) -> tuple[Any, Any]:
+    """``js.Generation``'s ``forward`` over a paged cache (see :mod:`jitserve.serving.generation.paged_programs`):
+    rows of ``tokens`` at their ``positions`` (rows, n) write their keys and values through their rows of the
+    block ``tables`` (a position past a table goes to the reserved block 0) and attend over their own
+    sequence up to their own position; the logits of each row's token ``last``."""
+    rows, length = tokens.shape
+    width = tables.shape[1]
+    index = positions // block_size
+    blocks = jnp.take_along_axis(tables, jnp.minimum(index, width - 1), axis=1)
+    writes = (jnp.where(index < width, blocks, 0) * block_size + positions % block_size).reshape(-1)
+    reads = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(rows, width * block_size)
+    visible = jnp.arange(width * block_size)[None, None, :] <= positions[:, :, None]
+    x = jax.vmap(model.embed, in_axes=(None, 0, 0))(params, tokens, positions)
+    keys, values = cache["k"], cache["v"]
+
+    def written(new: Any) -> Any:  # (rows, heads, n, depth) -> one (heads, depth) per token, as the pool holds them
+        return jnp.swapaxes(new, 1, 2).reshape(rows * length, *new.shape[1::2]).astype(keys.dtype)
+
+    for layer, block in enumerate(model.blocks(params)):
+        q, k, v = jax.vmap(model.qkv, in_axes=(None, 0, 0))(block, x, positions)
+        keys = keys.at[layer, writes].set(written(k))
+        values = values.at[layer, writes].set(written(v))
+        context_k, context_v = (jnp.swapaxes(pool[layer][reads], 1, 2) for pool in (keys, values))
+        mixed = jax.vmap(attend, in_axes=(0, 0, 0, 0, None))(q, context_k, context_v, visible, model.scale)
+        x = jax.vmap(model.finish, in_axes=(None, 0, 0))(block, x, mixed)
+    hidden = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    return {"k": keys, "v": values}, model.logits(params, hidden)

@@ -2,7 +2,8 @@
 take. A causal LM becomes a text :class:`~jitserve.Generation` (its tokenizer in and out, eos from the
 checkpoint), a BERT classifier or encoder a text :class:`~jitserve.Serving` (labels and probabilities,
 or one vector per text). The checkpoint is checked (config fields, then every weight's name and shape)
-before anything compiles; everything the model needs comes from ``config.json``."""
+before anything compiles; everything the model needs comes from ``config.json``. The served model's
+``preprocess`` is a :class:`TextHook`: a front reads the tokenizer and the task from it (:func:`text_hook`)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from ..batch import Batch
+from ..defn import resolve_options
 from ..errors import CheckpointError, ModelError, OptionError
-from ..serving.generation import Generation
+from ..serving.generation import Generation, PagedCache
 from ..serving.options import powers_of_two_up_to
 from ..serving.serving import Serving
 from ..template import template
@@ -24,8 +27,11 @@ from .bert import POOLINGS, Bert
 from .checkpoint import Checkpoint, check_dtype
 from .gpt2 import GPT2
 from .llama import Llama
+from .sharding import mesh_of, tensor_parallel
 from .tokenizer import Tokenizer
 
+PAGED_OPTIONS = ("kv_cache_tokens", "block_size", "prefix_caching")  # what only a paged cache takes
+KV_CACHES = ("paged", "slots")  # a generation's KV cache: blocks of a pool (the default), or a row per slot
 DEFAULT_MAX_LENGTH = 2048  # a generation's default room per sequence, where the context is longer
 SHORTEST_BUCKET = 16  # the shortest compiled prompt or text length
 
@@ -41,6 +47,26 @@ ARCHITECTURES: dict[str, tuple[Callable[..., Any], str, tuple[str, ...]]] = {
 }
 
 
+class TextHook:
+    """The ``preprocess`` of a checkpoint's served model, which reads text: ``read(value)``, with the
+    ``tokenizer`` it reads with and the ``task`` the model does, for the fronts that need more than the
+    model's tensors (the OpenAI door renders chats and counts tokens with them: ``protocol/openai.py``)."""
+
+    def __init__(self, read: Callable[[Any], Any], tokenizer: Tokenizer, task: str) -> None:
+        self.read = read
+        self.tokenizer = tokenizer
+        self.task = task
+
+    def __call__(self, value: Any) -> Any:
+        return self.read(value)
+
+
+def text_hook(servable: Any) -> TextHook | None:
+    """The :class:`TextHook` of a ``Generation`` or ``Serving`` that ``from_pretrained`` made, else None."""
+    hook = getattr(servable, "preprocess", None)
+    return hook if isinstance(hook, TextHook) else None
+
+
 def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dtype: str | None = None,
                     max_length: int | None = None, compiler: str | None = None, devices: Any = None,
                     **options: Any) -> Generation | Serving:
@@ -48,12 +74,15 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     ``classification`` or ``embedding`` (default: the architecture's own); ``dtype``: ``float32``,
     ``bfloat16`` or ``float16`` (default: as stored); ``max_length``: a generation's tokens per sequence
     (default: the context, at most 2,048), a text's tokens for the encoders (default: the context);
-    ``options``: the serving's (``slots``, ``batch_size``, ``prefill_lengths``, ...; for an embedding
-    also ``pooling="mean"`` or ``"cls"`` and ``normalize=False``). Raises :class:`CheckpointError` naming
-    the field or weight that does not fit."""
-    if devices not in (None, 1):
-        raise OptionError(f"devices={devices!r}: serving one model across several devices (tensor parallel) is "
-                          f"not implemented yet; leave devices out to serve on one")
+    ``options``: the serving's (``slots``, ``batch_size``, ``prefill_lengths``, ...; for a generation also
+    ``kv_cache="paged"`` (blocks of ``block_size=16`` positions from a pool of ``kv_cache_tokens``, by default
+    eight sequences' ``max_length``, ``prefix_caching=True``; ``slots``, 32 by default, is then the most
+    sequences a step runs) or ``"slots"`` (a ``max_length`` row per slot, 8 by default); for an embedding
+    also ``pooling="mean"`` or ``"cls"`` and ``normalize=False``); ``devices``: a generation's number of
+    devices, or a ``jax.sharding.Mesh``, to split its weights and KV cache over (tensor parallel,
+    :mod:`~jitserve.models.sharding`, with the slot cache; None or 1: one device). Raises
+    :class:`CheckpointError` naming the field or weight that does not fit."""
+    mesh = mesh_of(devices)
     checkpoint = Checkpoint(path)
     architecture = checkpoint.architecture
     if architecture not in ARCHITECTURES:
@@ -64,6 +93,9 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     task = tasks[0] if task is None else task
     if task not in tasks:
         raise OptionError(f"task {task!r} is not one {architecture} can do; it does {', '.join(tasks)}")
+    if mesh is not None and task != "generation":
+        raise OptionError(f"devices={devices!r}: tensor parallel splits a generation (a causal LM); {architecture} "
+                          f"as {task!r} runs on one device (leave devices out; partitions=N serves copies on N)")
     context = checkpoint.count(context_field)
     if max_length is None:
         max_length = min(context, DEFAULT_MAX_LENGTH) if task == "generation" else context
@@ -76,6 +108,8 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     tokenizer = Tokenizer(checkpoint)
     options = {**({"compiler": compiler} if compiler else {}), **options}
     if task == "generation":
+        if mesh is not None:
+            options["mesh"] = tensor_parallel(model, mesh, params, checkpoint.folder)
         return _generation(checkpoint, model, params, tokenizer, max_length, options)
     return _encoder(model, params, tokenizer, task, max_length, options)
 
@@ -89,10 +123,31 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
             raise ModelError(f"a prompt is one text (str, or UTF-8 bytes); got {type(prompt).__name__}")
         return tokenizer.encode(prompt)
 
-    options.setdefault("slots", 8)
-    return Generation(functools.partial(layers.prefill, model, max_length), functools.partial(layers.decode, model),
-                      params=params, max_length=max_length, eos=_eos(checkpoint, tokenizer), logits=True,
-                      preprocess=prompt_ids, detokenizer=tokenizer.stream, **options)
+    chosen, _ = resolve_options({key: options[key] for key in ("compiler",) if key in options})
+    # the paged cache where it runs: on one device, with a compiler that pages as XLA does (not IREE)
+    given = dict(options)
+    kv_cache = options.pop("kv_cache", "paged" if chosen.pages and "mesh" not in options else "slots")
+    if kv_cache not in KV_CACHES:
+        raise OptionError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+    common = {"params": params, "max_length": max_length, "eos": _eos(checkpoint, tokenizer), "logits": True,
+              "preprocess": TextHook(prompt_ids, tokenizer, "generation"), "detokenizer": tokenizer.stream}
+    if kv_cache == "slots":
+        paged_only = [name for name in PAGED_OPTIONS if name in options]
+        if paged_only:
+            why = "" if "kv_cache" in given else ", as its compiler or devices ask"
+            raise OptionError(f"{', '.join(paged_only)} size a paged cache; this generation keeps a slot cache "
+                              f"(kv_cache='slots'{why})")
+        options.setdefault("slots", 8)
+        return Generation(functools.partial(layers.prefill, model, max_length),
+                          functools.partial(layers.decode, model), **common, **options)
+    block_size = options.pop("block_size", 16)
+    cache = PagedCache(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
+                       dtype=jax.tree_util.tree_leaves(params)[0].dtype, block_size=block_size,
+                       tokens=options.pop("kv_cache_tokens", None),
+                       prefix_caching=options.pop("prefix_caching", True))
+    options.setdefault("slots", 32)
+    return Generation(forward=functools.partial(layers.paged_forward, model, cache.block_size), cache=cache,
+                      **common, **options)
 
 
 def _eos(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int] | None:
@@ -162,7 +217,8 @@ def _encoder(model: Bert, params: Any, tokenizer: Tokenizer, task: str, max_leng
     options = {"batch_size": 8, "batch_timeout": 0.002, **options}
     if task == "classification":  # Triton's classification extension names each class by its label
         options.setdefault("labels", {"probabilities": model.labels})
-    return Serving(run, params=params, batch_keys=buckets, preprocess=preprocess, postprocess=postprocess,
+    return Serving(run, params=params, batch_keys=buckets, preprocess=TextHook(preprocess, tokenizer, task),
+                   postprocess=postprocess,
                    input_template={"input_ids": row, "attention_mask": row, "token_type_ids": row},
                    wire={"inputs": {"text": ("BYTES", ())}, "outputs": outputs}, **options)
 

@@ -66,20 +66,22 @@ class Tokenizer:
     def vocabulary(self) -> int:
         return int(self.rust.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: Any) -> np.ndarray:
-        """One text's token ids (int32), special tokens added as ``transformers`` adds them."""
-        return self.encode_many([text])[0][0]
+    def encode(self, text: Any, special: bool = True) -> np.ndarray:
+        """One text's token ids (int32), special tokens added as ``transformers`` adds them (``special``), or
+        none added: a chat template's text, which holds its own (``apply_chat_template(tokenize=True)``)."""
+        return self.encode_many([text], special)[0][0]
 
-    def encode_many(self, texts: Sequence[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def encode_many(self, texts: Sequence[Any], special: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each text's token ids and token type ids (int32)."""
         decoded = [_as_text(text, i) for i, text in enumerate(texts)]
         encoded = []
-        for encoding in self.rust.encode_batch(decoded, add_special_tokens=True):
+        add_bos, add_eos = (self.add_bos, self.add_eos) if special else (None, None)
+        for encoding in self.rust.encode_batch(decoded, add_special_tokens=special):
             ids, types = list(encoding.ids), list(encoding.type_ids)
-            if self.add_bos is not None and (not ids or ids[0] != self.add_bos):
-                ids, types = [self.add_bos, *ids], [0, *types]
-            if self.add_eos is not None and (not ids or ids[-1] != self.add_eos):
-                ids, types = [*ids, self.add_eos], [*types, 0]
+            if add_bos is not None and (not ids or ids[0] != add_bos):
+                ids, types = [add_bos, *ids], [0, *types]
+            if add_eos is not None and (not ids or ids[-1] != add_eos):
+                ids, types = [*ids, add_eos], [*types, 0]
             encoded.append((np.array(ids, np.int32), np.array(types, np.int32)))
         return encoded
 

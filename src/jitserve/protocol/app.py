@@ -181,7 +181,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         grpc_port: int | None = 8001, request_timeout: float | None = None, limits: Limits = Limits(),
         on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None, access: Access = Access(),
         tls: Tls | None = None, attach: Callable[[InferenceService], Attached] | None = None,
-        access_log: bool = False, trace_endpoint: str | None = None) -> None:
+        access_log: bool = False, trace_endpoint: str | None = None, allow_client_shm: bool = False) -> None:
     """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal, holding clients to ``limits``
     and ``access`` (API key, CORS), over TLS when ``tls`` is given.
     ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers), and
@@ -189,7 +189,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     cluster front's ``FrontSync``), stopped at exit before the servers; at exit every server is stopped
     (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs. ``access_log``: one
     line per inference request (``protocol/access.py``); ``trace_endpoint``: OpenTelemetry spans sent to
-    that OTLP/HTTP collector (``protocol/tracing.py``), flushed at exit."""
+    that OTLP/HTTP collector (``protocol/tracing.py``), flushed at exit; ``allow_client_shm``: clients may
+    register system shared memory regions (``protocol/shared_memory.py``), all unregistered at exit."""
     optional_seconds("request_timeout", request_timeout)  # checked before anything starts: a NaN drain
     optional_seconds("drain_timeout", drain_timeout)  # timeout would otherwise fail only at exit
     check_ports_free(host, [port, grpc_port])
@@ -207,7 +208,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         tracing = Tracing.exporting_to(trace_endpoint)
     try:
         start(servers)
-        service = InferenceService(servers, request_timeout, access_log, tracing)
+        service = InferenceService(servers, request_timeout, access_log, tracing, allow_client_shm)
         if attach is not None:
             attached = attach(service)
         if grpc_port is not None:
@@ -228,7 +229,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         gc.collect()
         gc.freeze()
         http_server = _HttpServer(config, stop_accepting)
-        log.info("HTTP: %s://%s:%d/v2 (models: %s; metrics at /metrics)%s", "https" if tls else "http", host, port,
+        log.info("HTTP: %s://%s:%d/v2 (models: %s; OpenAI's API at /v1; metrics at /metrics)%s",
+                 "https" if tls else "http", host, port,
                  ", ".join(service.models) or "none", "; API key required" if access.api_key is not None else "")
         with asyncio.Runner(loop_factory=event_loop_factory(tls is not None)) as runner:
             runner.run(http_server.serve())
@@ -242,6 +244,8 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         for name, server in (servers if service is None else service.servers()).items():
             server.stop(timeout=drain_timeout)
             log.info("model '%s' drained and stopped: %s", name, server.stats())
+        if service is not None:
+            service.shared_memory.close()
         if on_exit is not None:
             on_exit()
         if tracing is not None:

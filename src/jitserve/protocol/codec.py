@@ -3,8 +3,9 @@
 Numbers travel little-endian; ``BYTES`` tensors (text) travel as Triton sends
 them: JSON strings, or each element as a 4-byte little-endian length and its
 bytes (the binary extension's and gRPC's raw form), and reach the serving as
-numpy object arrays of ``bytes``. A leaf of the protocol package: numpy and
-jitserve's errors only.
+numpy object arrays of ``bytes``. ``BF16`` tensors are ``ml_dtypes.bfloat16`` arrays (JAX's own
+bfloat16): 2 bytes per element in binary data, numbers in JSON as ``FP16`` ones are (Triton refuses both
+in JSON). A leaf of the protocol package: numpy, ml_dtypes and jitserve's errors only.
 """
 
 from __future__ import annotations
@@ -12,23 +13,30 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import ProtocolError
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy has no bfloat16 of its own; JAX's is this one
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
     "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64),
     "INT8": np.dtype(np.int8), "INT16": np.dtype(np.int16),
     "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64), "BF16": BFLOAT16,
 }
 DATATYPE_OF: dict[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
 _LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items()}  # how binary data holds them
 BYTES = "BYTES"
 _TEXT_KINDS = "OSU"  # numpy kinds that travel as BYTES: objects (bytes or str), fixed-size bytes and str
 _LENGTH = np.dtype("<u4")  # the length before each element of a binary BYTES tensor
+
+
+def number_kind(dtype: np.dtype) -> str:
+    """A dtype's numpy kind, bfloat16 (``V`` to numpy, a type of ml_dtypes) counted a float as FP16 is."""
+    return "f" if dtype == BFLOAT16 else dtype.kind
 
 
 def datatype_of(dtype: Any) -> str:
@@ -125,6 +133,14 @@ def check_shape(tensor: str, shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
+SHOWN_CHARACTERS = 100
+
+
+def shown(text: str) -> str:
+    """A name a client sent, as an error message repeats it: at most ``SHOWN_CHARACTERS`` characters."""
+    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
+
+
 def _short(value: Any, limit: int = 80) -> str:
     """A client's value as it may appear in an error message: its repr, cut to ``limit`` characters."""
     text = repr(value)
@@ -200,7 +216,7 @@ def json_values(array: np.ndarray) -> list[Any]:
         except UnicodeDecodeError:
             raise ProtocolError("a BYTES output holds bytes that are not UTF-8 text, which JSON cannot carry; "
                                 "ask for it as binary data (binary_data_output)") from None
-    if flat.dtype.kind != "f" or np.isfinite(flat).all():
+    if number_kind(flat.dtype) != "f" or np.isfinite(flat).all():
         return flat.tolist()
     return [value if math.isfinite(value) else ("NaN" if value != value else "Infinity" if value > 0 else "-Infinity")
             for value in flat.tolist()]
@@ -212,7 +228,7 @@ def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.nda
     if datatype == BYTES:
         return _decode_texts(tensor, dims, values)
     array = _array(tensor, values)
-    if dtype.kind == "f" and array.dtype.kind in "UO":  # strings among the numbers: non-finite floats?
+    if number_kind(dtype) == "f" and array.dtype.kind in "UO":  # strings among the numbers: non-finite floats?
         values = _with_non_finite(tensor, values)
         array = _array(tensor, values)
     return _tensor(tensor, datatype, dtype, dims, array, values)
@@ -231,7 +247,7 @@ def _tensor(tensor: str, datatype: str, dtype: np.dtype, dims: tuple[int, ...], 
         raise ProtocolError(f"input '{tensor}': {array.size} values, expected {math.prod(dims)} for shape {list(dims)}")
     if array.size == 0:
         return np.zeros(dims, dtype)
-    if array.dtype.kind not in _SOURCE_KINDS[dtype.kind] or (
+    if array.dtype.kind not in _SOURCE_KINDS[number_kind(dtype)] or (
             dtype.kind != "b" and values is not None and _holds_bool(values, array)):
         raise ProtocolError(f"input '{tensor}': data must be {datatype} values (true/false only for BOOL)")
     if dtype in _LARGEST:
@@ -243,7 +259,8 @@ def _tensor(tensor: str, datatype: str, dtype: np.dtype, dims: tuple[int, ...], 
 
 
 # narrow float dtype -> its largest finite value: a larger number would become an infinity in it
-_LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in (np.dtype(np.float16), np.dtype(np.float32))}
+_LARGEST = {dtype: float(ml_dtypes.finfo(dtype).max)
+            for dtype in (np.dtype(np.float16), np.dtype(np.float32), BFLOAT16)}
 
 
 def _refuse_overflow(tensor: str, datatype: str, dtype: np.dtype, array: np.ndarray) -> None:

@@ -11,7 +11,7 @@ import orjson
 
 from ..errors import ProtocolError
 from .codec import decode_values, json_values
-from .http_request import parameters_of
+from .http_request import json_object, parameters_of
 
 
 def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
@@ -22,12 +22,7 @@ def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[st
     if not hasattr(spec, "generate"):
         raise ProtocolError(f"model '{spec.name}' is not a generation: the generate endpoints serve generations; "
                             f"call /v2/models/{spec.name}/infer")
-    try:
-        request = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise ProtocolError(f"the generate request body is not valid JSON: {error}") from None
-    if not isinstance(request, dict):
-        raise ProtocolError(f"the generate request must be a JSON object, got {type(request).__name__}")
+    request = json_object(body, "the generate request")
     request_id = request.pop("id", None)
     parameters = parameters_of(request, "the generate request")
     request.pop("parameters", None)

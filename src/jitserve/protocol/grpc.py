@@ -10,6 +10,7 @@ loop of its own thread; inference goes through the same servers as HTTP.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -27,10 +28,11 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from ..errors import ProtocolError
 from .access import REQUEST_ARRIVED, Access, ApiKeyInterceptor, begin_request
-from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents
+from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents, shown
 from .limits import Limits, Tls
 from .model import class_count
-from .service import InferenceService, refuse_unsupported, shown, status_of
+from .service import InferenceService, refuse_unsupported, status_of
+from .shared_memory import CALLS, OutputSlot, SystemSharedMemory, output_placement, placement
 
 log = logging.getLogger("jitserve.grpc")
 
@@ -135,6 +137,11 @@ class GrpcFront:
             await context.abort(getattr(grpc.StatusCode, status), message)
         return MESSAGES[response]()
 
+    async def shared_memory(self, method: str, request: Any, context: Any) -> Any:
+        """One of Triton's shared memory calls (``shared_memory.CALLS``)."""
+        return await _answer(context, f"{method}Response",
+                             lambda: CALLS[method](self.service.shared_memory, request) or {})
+
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         model = request.model_name
         if self.service.draining:
@@ -143,12 +150,15 @@ class GrpcFront:
         tracing = self.service.tracing
         span = None if tracing is None else tracing.request("grpc", model, context.invocation_metadata() or ())
         try:
-            tensors = _decode_inputs(request)
+            tensors = _decode_inputs(request, self.service.shared_memory)
+            names, slots = _requested(request, self.service.shared_memory)
             if span is not None:
                 span.phase("receive")
-            served, outputs = await self.service.infer(model, tensors, _requested(request),
-                                                       _priority(request), request.model_version,
-                                                       _parameter_values(request))
+            served, outputs = await self.service.infer(model, tensors, names, _priority(request),
+                                                       request.model_version, _parameter_values(request))
+            if span is not None:
+                span.phase(None)  # the queue and batch spans come from the batches
+            response = _infer_response(model, served, request.id, outputs, slots)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error, request.model_version)
             if span is not None:
@@ -158,9 +168,6 @@ class GrpcFront:
             self.calls -= 1
             self.last_call = asyncio.get_running_loop().time()
         self.service.count(model, "grpc", "OK", served)
-        if span is not None:
-            span.phase(None)  # the queue and batch spans come from the batches
-        response = _infer_response(model, served, request.id, outputs)
         if span is not None:
             span.phase("send")
             span.end(status="OK")
@@ -281,8 +288,8 @@ class StreamCall:
             model = request.model_name
             if service.tracing is not None:
                 span = service.tracing.request("grpc", model, self.context.invocation_metadata() or (), "stream infer")
-            tensors = _decode_inputs(request)
-            names = _requested(request)
+            tensors = _decode_inputs(request, service.shared_memory)
+            names, slots = _requested(request, service.shared_memory)
             if span is not None:
                 span.phase("receive")
             served, stream = service.infer_stream(model, tensors, names, _priority(request), request.model_version,
@@ -291,7 +298,7 @@ class StreamCall:
             async for outputs in stream:
                 if span is not None:
                     span.output()
-                response = _infer_response(model, served, request.id, outputs)
+                response = _infer_response(model, served, request.id, outputs, slots)
                 if marked:
                     response.parameters["triton_final_response"].bool_param = False
                 await self._put(MESSAGES["ModelStreamInferResponse"](infer_response=response))
@@ -361,11 +368,17 @@ async def _answer(context: Any, response: str, make: Callable[[], dict[str, Any]
     return json_format.ParseDict(fields, MESSAGES[response]())
 
 
-def _infer_response(model: str, version: str, request_id: str, outputs: list[tuple[str, np.ndarray]]) -> Any:
+def _infer_response(model: str, version: str, request_id: str, outputs: list[tuple[str, np.ndarray]],
+                    slots: dict[str, OutputSlot]) -> Any:
+    """The answer: each output's raw contents, or, for one written into its shared memory slot, none (an
+    empty entry, as Triton's, so that the contents stay in the outputs' order)."""
     response = MESSAGES["ModelInferResponse"](model_name=model, model_version=version, id=request_id)
     for name, array in outputs:
         response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
-        response.raw_output_contents.append(raw_contents(array))
+        slot = slots.get(name)
+        if slot is not None:
+            slot.write(array)
+        response.raw_output_contents.append(raw_contents(array) if slot is None else b"")
     return response
 
 
@@ -380,16 +393,21 @@ def _parameter_values(request: Any) -> dict[str, Any]:
             for name, parameter in request.parameters.items()}
 
 
-def _requested(request: Any) -> dict[str, int] | None:
+def _requested(request: Any, shared_memory: SystemSharedMemory
+               ) -> tuple[dict[str, int] | None, dict[str, OutputSlot]]:
     """The outputs a request asks for, each with its classification count (0: the tensor), or None for all;
-    an output parameter jitserve does not implement is refused, not ignored."""
-    requested = {}
+    and where in shared memory those it wants there go. An output parameter jitserve does not implement is
+    refused, not ignored."""
+    requested, slots = {}, {}
     for output in request.outputs:
         where = f"output '{shown(output.name)}'"
         parameters = _parameter_values(output)
         refuse_unsupported(set(parameters) - {"classification", "binary_data"}, where)
         requested[output.name] = class_count(parameters.get("classification", 0), where)
-    return requested or None
+        place = output_placement(parameters, where) if parameters else None
+        if place is not None:
+            slots[output.name] = shared_memory.slot(output.name, place)
+    return requested or None, slots
 
 
 def _priority(request: Any) -> int | None:
@@ -403,19 +421,31 @@ def _priority(request: Any) -> int | None:
     return int(getattr(parameter, kind))
 
 
-def _decode_inputs(request: Any) -> dict[str, np.ndarray]:
+def _decode_inputs(request: Any, shared_memory: SystemSharedMemory) -> dict[str, np.ndarray]:
+    """The request's input tensors: from raw contents (one entry per input not in shared memory, in order),
+    typed contents, or the shared memory regions they name."""
+    places = {position: place for position, tensor in enumerate(request.inputs) if tensor.parameters and
+              (place := placement(_parameter_values(tensor), f"input '{shown(tensor.name)}'")) is not None}
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+    if raw and len(raw) != len(request.inputs) - len(places):
+        raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs) - len(places)} "
+                            f"inputs{' not in shared memory' if places else ''}")
     if raw and any(tensor.HasField("contents") for tensor in request.inputs):
         raise ProtocolError("the request has both raw_input_contents and typed contents; the protocol allows one")
     tensors: dict[str, np.ndarray] = {}
+    contents = iter(raw)
     for position, tensor in enumerate(request.inputs):
         if tensor.name in tensors:
             raise ProtocolError(f"input '{tensor.name}' is given twice")
         shape = list(tensor.shape)
+        place = places.get(position)
+        if place is not None:
+            if tensor.HasField("contents"):
+                raise ProtocolError(f"input '{tensor.name}' has both contents and shared_memory_region; send one")
+            tensors[tensor.name] = shared_memory.read(tensor.name, tensor.datatype, shape, place)
+            continue
         if raw:
-            tensors[tensor.name] = decode_raw(tensor.name, tensor.datatype, shape, raw[position])
+            tensors[tensor.name] = decode_raw(tensor.name, tensor.datatype, shape, next(contents))
             continue
         dtype_of(tensor.name, tensor.datatype)
         field = CONTENTS_FIELDS.get(tensor.datatype)
@@ -462,6 +492,10 @@ def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:
                    "RepositoryModelUnload"):
         pool[method] = grpc.unary_unary_rpc_method_handler(
             _parsing(getattr(front, method), MESSAGES[f"{method}Request"]),
+            response_serializer=MESSAGES[f"{method}Response"].SerializeToString)
+    for method in CALLS:
+        pool[method] = grpc.unary_unary_rpc_method_handler(
+            _parsing(functools.partial(front.shared_memory, method), MESSAGES[f"{method}Request"]),
             response_serializer=MESSAGES[f"{method}Response"].SerializeToString)
     pool["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         front.ModelStreamInfer, response_serializer=MESSAGES["ModelStreamInferResponse"].SerializeToString)

@@ -5,6 +5,11 @@ Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2``,
 Triton's ``/v2/models/{m}[/versions/{v}]/config``, ``/v2/models[/{m}[/versions/{v}]]/stats``,
 ``POST /v2/repository/index`` (and ``GET /v2/models``, the same list),
 ``POST /v2/repository/models/{m}/load`` and ``/unload`` (see ``InferenceService.control``),
+Triton's shared memory extension (``protocol/shared_memory.py``):
+``GET /v2/systemsharedmemory[/region/{r}]/status``,
+``POST /v2/systemsharedmemory/region/{r}/register`` and
+``POST /v2/systemsharedmemory[/region/{r}]/unregister`` (``cudasharedmemory``
+likewise, supported only as far as a server without GPUs answers it),
 ``POST /v2/models/{m}[/versions/{v}]/infer`` (JSON tensors and the binary
 tensor extension that tritonclient uses by default),
 ``POST /v2/models/{m}[/versions/{v}]/infer_stream`` (the same request; the
@@ -14,7 +19,10 @@ on failure), Triton's generate extension for generations,
 ``POST /v2/models/{m}[/versions/{v}]/generate`` and ``/generate_stream`` (a
 flat JSON object: the model's inputs by name, e.g. ``text_input``, and its
 parameters, top-level or under ``parameters``; the answer's outputs by name,
-a text as a string; the stream's as server-sent events) and ``GET /metrics``.
+a text as a string; the stream's as server-sent events), ``GET /metrics``, and OpenAI's API for
+text generations and embedding models (``protocol/openai.py``): ``GET /v1/models[/{id}]``,
+``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings``, whose errors, 401 included,
+are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server.
 
@@ -30,7 +38,7 @@ import gzip
 import logging
 import re
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -38,12 +46,14 @@ import orjson
 
 from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access, begin_request
-from .codec import datatype_of, json_values, raw_contents
+from .codec import BFLOAT16, datatype_of, json_values, raw_contents
 from .generate import generate_request, generated
-from .http_request import parse_request
+from .http_request import Requested, parse_request
 from .limits import Limits
 from .metrics import CONTENT_TYPE
+from .openai import OpenAIDoor, openai_error
 from .service import InferenceService, loggable, status_of
+from .shared_memory import OutputSlot, cuda_register, cuda_status
 
 log = logging.getLogger("jitserve.http")
 
@@ -85,7 +95,9 @@ class HttpFront:
         self.max_body_bytes = limits.max_body_bytes
         self.offload_bytes = limits.offload_bytes
         self._offloaded = asyncio.Semaphore(1)  # large bodies are decoded/encoded one at a time: bounded memory
+        self.openai = OpenAIDoor(service)
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+        memory = r"/v2/(?P<kind>system|cuda)sharedmemory(?:/region/(?P<region>[^/]+))?"
         self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response | _Events]]]] = [
             ("POST", re.compile(model + "/infer"), self.infer),
             ("POST", re.compile(model + "/infer_stream"), self.infer_stream),
@@ -104,6 +116,11 @@ class HttpFront:
             ("GET", re.compile(model + "/stats"), self.statistics),
             ("GET", re.compile(model), self.model_metadata),
             ("GET", re.compile(r"/metrics"), self.metrics),
+            ("GET", re.compile(r"/v1/models"), self.openai.models),
+            ("GET", re.compile(r"/v1/models/(?P<model>[^/]+)"), self.openai.model),
+            ("POST", re.compile(r"/v1/(?P<endpoint>completions|chat/completions|embeddings)"), self.openai_request),
+            ("GET", re.compile(memory + "/status"), self.shared_memory_status),
+            ("POST", re.compile(memory + "/(?P<action>register|unregister)"), self.shared_memory_control),
         ]
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -116,8 +133,9 @@ class HttpFront:
             await _send(send, 204, [(b"allow", CORS_METHODS), *self.access.preflight_headers(headers)], b"", False)
             return
         if not self.access.http_allows(scope["path"], headers):
-            response: Response | _Events = (401, [*JSON_HEADERS, (b"www-authenticate", b"Bearer")],
-                                            orjson.dumps({"error": UNAUTHORIZED}))
+            status, json_headers, body = openai_error(401, UNAUTHORIZED, None, "invalid_api_key") \
+                if scope["path"].startswith("/v1/") else (401, JSON_HEADERS, orjson.dumps({"error": UNAUTHORIZED}))
+            response: Response | _Events = (status, [*json_headers, (b"www-authenticate", b"Bearer")], body)
         else:
             try:
                 response = await self.route(scope, headers, receive)
@@ -154,9 +172,10 @@ class HttpFront:
             if method == "POST":
                 return await handler(headers, receive, **match.groupdict())
             return await handler(**match.groupdict())
+        refuse = openai_error if path.startswith("/v1/") else _error
         if allowed:
-            return _error(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
-        return _error(404, f"no such endpoint: {method} {path}")
+            return refuse(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
+        return refuse(404, f"no such endpoint: {method} {path}")
 
     async def live(self) -> Response:
         return _json(200, {"live": True})
@@ -216,6 +235,35 @@ class HttpFront:
         ready = self.service.ready()
         return _json(200 if ready else 503, {"name": model, "ready": ready})
 
+    async def shared_memory_status(self, kind: str, region: str | None) -> Response:
+        """Triton's shared memory status: every region, or the one named."""
+        status = self.service.shared_memory.status if kind == "system" else cuda_status
+        return _answer(lambda: status(region or ""))
+
+    async def shared_memory_control(self, headers: dict[bytes, bytes], receive: Callable[..., Any], kind: str,
+                                    region: str | None, action: Literal["register", "unregister"]) -> Response:
+        """Triton's shared memory register (a body ``{"key", "offset", "byte_size"}``) and unregister (the
+        region named, or every one)."""
+        memory = self.service.shared_memory
+        try:
+            body, _ = await self._read_body(headers, receive)
+            if action == "unregister":
+                if kind == "system":
+                    memory.unregister(region or "")
+            elif kind == "cuda":
+                cuda_register(region or "")
+            else:
+                try:
+                    request = orjson.loads(body)
+                except orjson.JSONDecodeError as error:
+                    raise ProtocolError(f"the register request body is not valid JSON: {error}") from None
+                if not isinstance(request, dict):
+                    raise ProtocolError('the register request must be a JSON object {"key", "offset", "byte_size"}')
+                memory.register(region or "", request.get("key"), request.get("offset", 0), request.get("byte_size"))
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            return _error(status_of(error)[0], str(error))
+        return _json(200, {})
+
     async def metrics(self) -> Response:
         return 200, [(b"content-type", CONTENT_TYPE.encode())], self.service.metrics.render()
 
@@ -252,7 +300,7 @@ class HttpFront:
         try:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, binary_outputs = await self._off_loop(
-                len(body), lambda: parse_request(body, header_length))
+                len(body), lambda: parse_request(body, header_length, self.service.shared_memory))
             if span is not None:
                 span.phase("receive")
             served, outputs = await self.service.infer(model, tensors, _classes(requested),
@@ -260,8 +308,7 @@ class HttpFront:
             if span is not None:
                 span.phase(None)  # the queue and batch spans come from the batches
             response = await self._off_loop(sum(array.nbytes for _, array in outputs), lambda: _encode_response(
-                model, served, request.get("id"), outputs, {name: binary for name, binary, _ in requested},
-                binary_outputs))
+                model, served, request.get("id"), outputs, _how(requested), binary_outputs))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
             failed = self._failed(model, error, version)
             if span is not None:
@@ -296,7 +343,7 @@ class HttpFront:
         try:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, _ = await self._off_loop(
-                len(body), lambda: parse_request(body, header_length))
+                len(body), lambda: parse_request(body, header_length, self.service.shared_memory))
             if span is not None:
                 span.phase("receive")
             served, stream = self.service.infer_stream(model, tensors, _classes(requested),
@@ -306,7 +353,10 @@ class HttpFront:
             if span is not None:
                 span.end(error, failed[0])
             return failed
-        return _Events(self._events(model, served, request.get("id"), stream, span))
+        slots = {name: (None, slot) for name, (_, slot) in _how(requested).items()}  # events are JSON
+        return _Events(self._events(model, served, request.get("id"), stream, span,
+                                    lambda name, version, request_id, outputs: _encode_response(
+                                        name, version, request_id, outputs, slots, False)[2]))
 
     async def generate(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str,
                        version: str | None) -> Response:
@@ -331,20 +381,27 @@ class HttpFront:
             return self._failed(model, error, version)
         return _Events(self._events(model, served, request_id, stream, None, generated))
 
+    async def openai_request(self, headers: dict[bytes, bytes], receive: Callable[..., Any],
+                             endpoint: str) -> Response | _Events:
+        """OpenAI's ``POST /v1/{endpoint}`` (``protocol/openai.py``): the answer, or its stream's events."""
+        try:
+            body, _ = await self._read_body(headers, receive)
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            return self.openai.refused("", error)
+        answer = await self.openai.post(endpoint, body)
+        return answer if isinstance(answer, tuple) else _Events(answer)
+
     async def _events(self, model: str, served: str, request_id: Any,
                       stream: AsyncIterator[list[tuple[str, np.ndarray]]], span: Any,
-                      encode: Callable[[str, str, Any, list[tuple[str, np.ndarray]]], bytes] | None = None
-                      ) -> AsyncIterator[bytes]:
-        """Each of ``stream``'s outputs as an event, encoded by ``encode`` (default: an infer response)."""
+                      encode: Callable[[str, str, Any, list[tuple[str, np.ndarray]]], bytes]) -> AsyncIterator[bytes]:
+        """Each of ``stream``'s outputs as an event, encoded by ``encode``."""
         failure: BaseException | None = None
         status: int | str = "disconnected"  # unless it ends or fails
         try:
             async for outputs in stream:
                 if span is not None:
                     span.output()
-                data = _encode_response(model, served, request_id, outputs, {}, False)[2] if encode is None \
-                    else encode(model, served, request_id, outputs)
-                yield b"data: " + data + b"\n\n"
+                yield b"data: " + encode(model, served, request_id, outputs) + b"\n\n"
             status = 200
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
             failure = error
@@ -433,9 +490,15 @@ def _too_large(size: int, limit: int) -> BodyTooLargeError:
     return BodyTooLargeError(f"request body of {size} bytes exceeds the limit of {limit} bytes")
 
 
-def _classes(requested: list[tuple[str, bool | None, int]]) -> dict[str, int] | None:
+def _classes(requested: list[Requested]) -> dict[str, int] | None:
     """The outputs a request asks for, each with its classification count (0: the tensor), or None for all."""
-    return {name: classes for name, _, classes in requested} or None
+    return {name: classes for name, _, classes, _ in requested} or None
+
+
+def _how(requested: list[Requested]) -> dict[str, tuple[bool | None, OutputSlot | None]]:
+    """How each output a request names goes back: binary or not (None: the request's default), or into
+    shared memory."""
+    return {name: (binary, slot) for name, binary, _, slot in requested}
 
 
 def _priority(request: dict[str, Any]) -> int | None:
@@ -451,18 +514,24 @@ def _json_data(array: np.ndarray) -> Any:
     """A tensor's ``data`` for orjson: the flat array itself where orjson writes it exactly (finite values of a
     native dtype), else the values as JSON-safe Python objects (non-finite floats as strings)."""
     flat = np.ascontiguousarray(array.reshape(-1))
+    if flat.dtype == BFLOAT16:  # each value exactly a float32, which orjson writes from memory
+        flat = flat.astype(np.float32)
     if flat.dtype in ORJSON_DTYPES and (flat.dtype.kind != "f" or np.isfinite(flat).all()):
         return flat
     return json_values(flat)
 
 
 def _encode_response(model: str, version: str, request_id: Any, outputs: list[tuple[str, np.ndarray]],
-                     binary_requested: dict[str, bool | None], binary_all: bool) -> Response:
+                     how: Mapping[str, tuple[bool | None, OutputSlot | None]], binary_all: bool) -> Response:
+    """The answer: each output as JSON data, binary data after the JSON, or written into its shared memory
+    slot (then without data, as Triton answers it)."""
     described, blobs = [], []
     for name, array in outputs:
         entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
-        as_binary = binary_requested.get(name)
-        if as_binary if as_binary is not None else binary_all:
+        as_binary, slot = how.get(name, (None, None))
+        if slot is not None:
+            slot.write(array)
+        elif as_binary if as_binary is not None else binary_all:
             blob = raw_contents(array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)

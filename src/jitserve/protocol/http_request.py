@@ -1,6 +1,7 @@
 """An HTTP inference request's body as tensors: its JSON header (small ones read by orjson, large ones by
-simdjson, each input's flat list of numbers straight into an array) and the binary tensor extension's
-blobs after it, checked input by input; and the outputs it asks for, and how."""
+simdjson, each input's flat list of numbers straight into an array), the binary tensor extension's
+blobs after it and the system shared memory regions it names, checked input by input; and the outputs it
+asks for, and how (JSON, binary, classes, or written into a shared memory region)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import orjson
 import simdjson
 
 from ..errors import ProtocolError
-from .codec import DATATYPES, decode_numbers, decode_raw, decode_values
+from .codec import DATATYPES, decode_numbers, decode_raw, decode_values, number_kind
 from .model import class_count
 from .service import refuse_unsupported
+from .shared_memory import OutputSlot, SystemSharedMemory, output_placement, placement
 
 # a JSON document up to this size (a binary request's header, a tiny tensor) is read by orjson into Python objects
 # at once, which costs less than simdjson's per-key conversions; larger ones by simdjson, which reads each
@@ -22,16 +24,20 @@ from .service import refuse_unsupported
 SMALL_JSON_BYTES = 512
 # numeric datatype -> how the JSON parser reads a flat list of them into memory (as_buffer's of_type), and its dtype
 _BUFFER_KIND_OF: dict[str, Literal["d", "i", "u"]] = {"f": "d", "i": "i", "u": "u"}  # by numpy dtype kind
-BUFFER_KINDS = {name: _BUFFER_KIND_OF[dtype.kind] for name, dtype in DATATYPES.items() if dtype.kind in _BUFFER_KIND_OF}
+BUFFER_KINDS = {name: _BUFFER_KIND_OF[number_kind(dtype)] for name, dtype in DATATYPES.items()
+                if number_kind(dtype) in _BUFFER_KIND_OF}
 BUFFER_DTYPES = {"d": np.float64, "i": np.int64, "u": np.uint64}
+# an output the request asks for: its name, binary or not (None: the request's default), its classification
+# count (0: the tensor) and the shared memory it goes into, if any
+Requested = tuple[str, bool | None, int, OutputSlot | None]
 
 
-def parse_request(body: bytes, header_length: int | None
-                  ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[tuple[str, bool | None, int]], bool]:
+def parse_request(body: bytes, header_length: int | None, shared_memory: SystemSharedMemory
+                  ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[Requested], bool]:
     """The request object, its input tensors, the outputs it asks for (and how), and whether binary output is
     its default."""
     request, binary = _split_body(body, header_length)
-    return (request, *_decode_request(request, binary))
+    return (request, *_decode_request(request, binary, shared_memory))
 
 
 def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], memoryview]:
@@ -91,8 +97,8 @@ def _json_tensor(name: str, datatype: str, shape: Any, data: Any) -> np.ndarray:
     return decode_values(name, datatype, shape, data)
 
 
-def _decode_request(request: dict[str, Any], binary: memoryview
-                    ) -> tuple[dict[str, np.ndarray], list[tuple[str, bool | None, int]], bool]:
+def _decode_request(request: dict[str, Any], binary: memoryview, shared_memory: SystemSharedMemory
+                    ) -> tuple[dict[str, np.ndarray], list[Requested], bool]:
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ProtocolError("the request needs a non-empty 'inputs' list")
@@ -109,9 +115,15 @@ def _decode_request(request: dict[str, Any], binary: memoryview
             raise ProtocolError(f"input '{name}' needs a string 'datatype'")
         parameters = parameters_of(tensor, f"input '{name}'")
         size = parameters.get("binary_data_size")
-        if size is not None and "data" in tensor:
-            raise ProtocolError(f"input '{name}' has both 'data' and a binary_data_size parameter; send one")
-        if size is not None:
+        place = placement(parameters, f"input '{name}'") if parameters else None
+        if ("data" in tensor) + (size is not None) + (place is not None) > 1:
+            given = [what for what, there in (("'data'", "data" in tensor),
+                                              ("a binary_data_size parameter", size is not None),
+                                              ("a shared_memory_region parameter", place is not None)) if there]
+            raise ProtocolError(f"input '{name}' has both {given[0]} and {given[1]}; send one")
+        if place is not None:
+            tensors[name] = shared_memory.read(name, datatype, shape, place)
+        elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise ProtocolError(f"input '{name}': binary_data_size {size!r} does not fit the "
                                     f"{len(binary) - offset} binary bytes left in the body")
@@ -120,7 +132,7 @@ def _decode_request(request: dict[str, Any], binary: memoryview
         elif "data" in tensor:
             tensors[name] = _json_tensor(name, datatype, shape, tensor["data"])
         else:
-            raise ProtocolError(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
+            raise ProtocolError(f"input '{name}' has no 'data', binary_data_size or shared_memory_region parameter")
     if offset != len(binary):
         raise ProtocolError(f"the body has {len(binary) - offset} bytes after the last binary input; "
                             f"binary_data_size must account for every byte")
@@ -129,7 +141,7 @@ def _decode_request(request: dict[str, Any], binary: memoryview
     outputs = request.get("outputs") or []
     if not isinstance(outputs, list):
         raise ProtocolError("'outputs' must be a list of objects with a string 'name'")
-    requested: list[tuple[str, bool | None, int]] = []
+    requested: list[Requested] = []
     for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise ProtocolError("each requested output must be an object with a string 'name'")
@@ -138,8 +150,21 @@ def _decode_request(request: dict[str, Any], binary: memoryview
         classes = class_count(output_parameters.get("classification", 0), where)
         refuse_unsupported(set(output_parameters) - {"classification"}, where)
         chosen = _flag(output_parameters, "binary_data", where) if "binary_data" in output_parameters else None
-        requested.append((output["name"], chosen, classes))
+        place = output_placement(output_parameters, where) if output_parameters else None
+        slot = None if place is None else shared_memory.slot(output["name"], place)
+        requested.append((output["name"], chosen, classes, slot))
     return tensors, requested, binary_all
+
+
+def json_object(body: bytes, what: str) -> dict[str, Any]:
+    """A request body that is one JSON object (``what``: the request, as its errors name it)."""
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise ProtocolError(f"{what} body is not valid JSON: {error}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError(f"{what} must be a JSON object, got {type(request).__name__}")
+    return request
 
 
 def parameters_of(holder: dict[str, Any], where: str) -> dict[str, Any]:

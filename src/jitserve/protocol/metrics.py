@@ -39,7 +39,13 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _REPLICA_COUNTERS = {"requests": "Requests a cluster replica took", "batches": "Batches a cluster replica ran",
                      "rows": "Rows a cluster replica ran", "errors": "Failed batches on a cluster replica"}
 _GENERATION_GAUGES = {"slots_busy": "Slots of a generation server decoding a request",
-                      "slots": "Slots of a generation server"}
+                      "slots": "Slots of a generation server",
+                      "slots_prefilling": "Slots of a generation server still prefilling their prompts",
+                      "kv_blocks": "Blocks of a generation server's paged KV cache",
+                      "kv_blocks_used": "Blocks of a generation server's paged KV cache held by sequences"}
+_GENERATION_COUNTERS = {"prefix_lookups": "Prompt blocks looked up in a generation server's prefix cache",
+                        "prefix_hits": "Prompt blocks a generation server reused from its prefix cache",
+                        "preemptions": "Sequences a generation server preempted for lack of KV cache blocks"}
 _GENERATION_TIMES = {"first_output": "Time from a generation request's arrival to its first output",
                      "step": "Time of one decode step of every busy slot"}
 _TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -61,8 +67,11 @@ class _ServerStats:
                    for key, help in _REPLICA_COUNTERS.items()}
         replica_depth = GaugeMetricFamily("jitserve_replica_queue_depth", "Rows waiting on a cluster replica",
                                           labels=[*LABELS, "replica"])
-        slots = {key: GaugeMetricFamily(f"jitserve_generation_{key}", help, labels=LABELS)
-                 for key, help in _GENERATION_GAUGES.items()}
+        slots: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            **{key: GaugeMetricFamily(f"jitserve_generation_{key}", help, labels=LABELS)
+               for key, help in _GENERATION_GAUGES.items()},
+            **{key: CounterMetricFamily(f"jitserve_generation_{key}", help, labels=LABELS)
+               for key, help in _GENERATION_COUNTERS.items()}}
         clustered = False
         for labels, server in list(self.servers.items()):
             stats = server.stats()

@@ -39,8 +39,10 @@ from ..serving.server import Server
 from ..serving.stats import Phases
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
+from .codec import shown
 from .metrics import Metrics
 from .model import GenerationSpec, ModelSpec, select_outputs
+from .shared_memory import SystemSharedMemory
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is configured
     from .tracing import Tracing
@@ -153,15 +155,17 @@ class InferenceService:
     ``servers`` is keyed by model name, or ``name/version`` for a model served in several versions; a
     request that names no version gets the highest one (Triton's default version policy). A model
     repository changes the models while they serve (:meth:`put`, :meth:`remove`); ``control`` is what
-    loads and unloads them."""
+    loads and unloads them. ``shared_memory`` holds the system shared memory regions clients register
+    (protocol/shared_memory.py: off unless ``allow_client_shm``)."""
 
     def __init__(self, servers: Mapping[str, Front], request_timeout: float | None = None,
-                 access_log: bool = False, tracing: Tracing | None = None) -> None:
+                 access_log: bool = False, tracing: Tracing | None = None, allow_client_shm: bool = False) -> None:
         self.versions: dict[str, dict[str, Spec]] = {}
         self.access_log = access_log  # one line per inference request (protocol/access.py)
         self.tracing = tracing  # OpenTelemetry spans of requests and batches (protocol/tracing.py), if configured
         self.models: dict[str, Spec] = {}
         self.request_timeout = request_timeout
+        self.shared_memory = SystemSharedMemory(allow_client_shm)
         self.metrics = Metrics()
         self.tallies: dict[tuple[str, str], Tally] = {}
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
@@ -302,7 +306,8 @@ class InferenceService:
         }
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "jitserve", "version": __version__, "extensions": EXTENSIONS}
+        shared_memory = ["system_shared_memory"] if self.shared_memory.allowed else []
+        return {"name": "jitserve", "version": __version__, "extensions": sorted(EXTENSIONS + shared_memory)}
 
     def ready(self) -> bool:
         return not self.draining and all(not spec.server.stopping for spec in self.models.values())
@@ -510,13 +515,6 @@ def _version_order(version: str) -> tuple[int, int | str]:
 
 
 LOGGED_CHARACTERS = 300
-SHOWN_CHARACTERS = 100
-
-
-def shown(text: str) -> str:
-    """A name a client sent, as an error message repeats it: at most ``SHOWN_CHARACTERS`` characters."""
-    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
-
 
 
 def loggable(text: str) -> str:

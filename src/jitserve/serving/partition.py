@@ -142,6 +142,7 @@ class BatchRunner:
     def _work(self, partition: Partition) -> None:
         while (work := self._next_batch()) is not None:
             self._execute(partition, *work)
+            del work  # the batch and its requests' arrays go now, not once the next batch comes
 
     def _execute(self, partition: Partition, pieces: list[Piece], batch: Batch, weights: Weights | None,
                  formed: float) -> None:

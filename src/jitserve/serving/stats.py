@@ -136,7 +136,9 @@ class GenerationStats(FrontStats):
     """A generation server's own counters: outputs delivered, decode steps, the launches that ran them
     (``steps_per_launch`` steps each) and their phases, prefills run, seconds to each request's first
     output and in steps, the most slots busy at once, and the slots (``slots``) and busy ones
-    (``slots_busy``) now."""
+    (``slots_busy``) now. With a paged KV cache also its blocks (``kv_blocks``) and those held now
+    (``kv_blocks_used``), the prefix cache's blocks looked up and reused (``prefix_lookups``,
+    ``prefix_hits``), the sequences preempted, and those still prefilling their prompts now."""
 
     outputs: int = 0
     steps: int = 0
@@ -148,6 +150,12 @@ class GenerationStats(FrontStats):
     max_slots_busy: int = 0
     slots: int = 0
     slots_busy: int = 0
+    kv_blocks: int = 0
+    kv_blocks_used: int = 0
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    slots_prefilling: int = 0
 
     def executions(self) -> dict[int, tuple[int, Phases]]:
         """Decode launches, each of every slot (the size of the compiled step)."""

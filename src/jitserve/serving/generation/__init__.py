@@ -17,8 +17,12 @@ The package is in rooms, each importing only from those above it in this list:
 
 - ``spec``: :class:`Generation`, :class:`Sampling`, the checks of a request;
 - ``scheduler``: slots and requests as plain data, a plan per launch;
-- ``programs``: the compiled prefills, slot updates and decode launches, and
-  how they pick tokens;
+- ``blocks`` and ``paged_scheduler``: with a paged KV cache
+  (``Generation(forward=..., cache=PagedCache(...))``), the pool's blocks and
+  prefix cache, and the scheduler that hands them out (chunked prefill,
+  preemption);
+- ``programs`` and ``paged_programs``: the compiled prefills, slot updates and
+  decode launches of each engine, and how they pick tokens;
 - ``delivery``: outputs handed over to the callers' streams, and what each
   caller makes of them (:class:`Delivery`, :class:`StopText`, :func:`stacked`);
 - ``server``: :class:`GenerationServer`'s loop (plan -> programs -> deliver)
@@ -28,7 +32,7 @@ The package is in rooms, each importing only from those above it in this list:
 
 from .delivery import Delivery, StopText, stacked
 from .server import GenerationFront, GenerationServer
-from .spec import GREEDY, Generation, Sampling
+from .spec import GREEDY, Generation, PagedCache, Sampling
 
-__all__ = ["GREEDY", "Delivery", "Generation", "GenerationFront", "GenerationServer", "Sampling", "StopText",
-           "stacked"]
+__all__ = ["GREEDY", "Delivery", "Generation", "GenerationFront", "GenerationServer", "PagedCache", "Sampling",
+           "StopText", "stacked"]

@@ -60,7 +60,10 @@ def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], output
             if request.ended or request.cancelled:
                 break
             request.produced += 1
-            deliveries.append((request.stream, outputs[step, row]))
+            output = outputs[step, row]
+            if request.history is not None:  # a paged cache's request: its state may be computed again from it
+                request.history.append(int(output))
+            deliveries.append((request.stream, output))
             if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]):
                 deliveries.append((request.stream, END))
                 request.ended = True

@@ -13,7 +13,9 @@ one picks the most likely tokens (:func:`greedy_tokens`), the other samples
 with each row's options (:func:`sample_tokens`). The host picks the program,
 as it knows every request's options: a ``lax.cond`` on the device would be read
 back to the host by XLA on a GPU, and the host would wait for each step before
-it could queue the next.
+it could queue the next. A generation given a mesh (tensor parallel) runs each
+program over the mesh's devices, its weights and its slots' state split as the
+:class:`~jitserve.mesh.MeshPlacement` says.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from ... import compilers
 from ...defn import defn_errors
+from ...mesh import STATE, WEIGHTS, MeshLayout
 from ...packed import PackedLayout
 from ...template import Template, is_template
 from ..serving import owned_host_array
@@ -59,39 +62,53 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
     return jnp.where(temperature > 0, drawn, greedy_tokens(logits))
 
 
+CARRY = (STATE, None)  # the slots' carry: their state rows, and their last outputs (replicated on a mesh)
+
+
 class Programs:
     """The compiled functions of one generation server: prefills per bucket, slot updates, one launch of
     decode steps; each takes the weights packed and placed (:meth:`place`) and the slots' carry (the
     decode state of every slot and its last outputs), and gives the next carry and the outputs."""
 
     def __init__(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
+        self._common(generation, options, on_compile)
+        g = generation
+        assert g.prefill is not None and g.decode is not None  # a Generation without a paged cache has both
+        self.user_prefill, self.user_decode = g.prefill, g.decode
+        self.updates: dict[tuple[int, bool], Callable[..., Any]] = {}
+        # what prefill gives per prompt: a state row, and an output or logits
+        self.row_template, self.first_template, self.output_template = g.shapes()
+        output = self.output_template
+        stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
+                                         is_leaf=is_template)
+        self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
+        self.steps = {sampled: self._compile(self._steps, [self.layout.templates, self.carry_template,
+                                                          *self._option_templates(g.slots, sampled)],
+                                                (WEIGHTS, CARRY), (CARRY, None), donate=(1,))
+                      for sampled in self.kinds}
+
+    def _common(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
+        """What the programs of both engines keep: the generation, its compiler and options, how they take the
+        weights, and how they pick tokens."""
         self.generation = generation
         self.compiler = compilers.get(generation.compiler_name)
         self.options = options
         self.on_compile = on_compile
         self.prefills: dict[tuple[int, int], Callable[..., Any]] = {}
-        g = generation
         # picking tokens is jitserve's code: compiled with the step, or on its own beside functions run as written
         self.greedy, self.sample = ((greedy_tokens, sample_tokens) if self.compiler.compiles
                                     else (jax.jit(greedy_tokens), jax.jit(sample_tokens)))
         # a logits generation has a program of each kind, greedy (no options, nothing sorted) and sampled; the
         # host picks one per step: a lax.cond would make the host wait for the device on a GPU (XLA reads the
         # predicate back), and the pipeline would stall
-        self.kinds = (False, True) if g.logits else (False,)
-        self.updates: dict[tuple[int, bool], Callable[..., Any]] = {}
-        # what prefill gives per prompt: a state row, and an output or logits
-        self.row_template, self.first_template, self.output_template = g.shapes()
-        self.layout = PackedLayout(g.params_template)  # the programs take the weights packed
-        output = self.output_template
-        stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
-                                         is_leaf=is_template)
-        self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
-        self.steps = {sampled: self._compile(self._steps, [self.layout.templates, self.carry_template,
-                                                          *self._option_templates(g.slots, sampled)], donate=(1,))
-                      for sampled in self.kinds}
+        self.kinds = (False, True) if generation.logits else (False,)
+        self.layout = PackedLayout(generation.params_template)  # the programs take the weights packed
+        self.mesh = None if generation.mesh is None else MeshLayout(generation.mesh, self.layout)  # None: one device
 
     def place(self, params: Any) -> Any:
         """``params`` packed as the programs take them, on the server's device."""
+        if self.mesh is not None:
+            return self.mesh.place(self.layout.pack(params))
         return self.compiler.place(self.layout.pack(params), self.options)
 
     @staticmethod
@@ -118,9 +135,16 @@ class Programs:
             return outputs
         return self.sample(outputs, *options) if options else self.greedy(outputs)
 
-    def _compile(self, fn: Callable[..., Any], templates: list[Any], donate: tuple[int, ...] = ()) -> Any:
+    def _compile(self, fn: Callable[..., Any], templates: list[Any], takes: tuple[Any, ...],
+                 gives: tuple[Any, ...], donate: tuple[int, ...] = ()) -> Any:
+        """``fn`` compiled for ``templates``; on a mesh, its arguments and results placed as the roles
+        ``takes`` and ``gives`` say (see :meth:`~jitserve.mesh.MeshLayout.shardings`)."""
         with defn_errors():
-            executable = self.compiler.compile(fn, templates, self.options, donate=donate)
+            if self.mesh is None:
+                executable = self.compiler.compile(fn, templates, self.options, donate=donate)
+            else:
+                shardings = (self.mesh.shardings(takes, len(templates)), self.mesh.shardings(gives))
+                executable = self.compiler.compile_sharded(fn, templates, self.options, shardings, donate=donate)
         if self.compiler.compiles:
             self.on_compile()
         return executable.run
@@ -134,7 +158,7 @@ class Programs:
         outputs = []
         for step in range(self.generation.steps_per_launch):
             state, last = carry
-            state, logits_or_outputs = self.generation.decode(params, state, last)
+            state, logits_or_outputs = self.user_decode(params, state, last)
             chosen = self._chosen(logits_or_outputs, [*options[:-1], options[-1] + step] if options else ())
             carry = (state, chosen)
             outputs.append(chosen)
@@ -146,7 +170,7 @@ class Programs:
         if run is None:
             templates = [self.layout.templates, Template((count, length), np.int32),
                          Template((count,), np.int32)]
-            run = self.prefills[key] = self._compile(self._prefills, templates)
+            run = self.prefills[key] = self._compile(self._prefills, templates, (WEIGHTS,), (STATE, None))
         return run
 
     def _prefills(self, packed: Any, tokens: Any, lengths: Any) -> Any:
@@ -154,8 +178,8 @@ class Programs:
         by one (functions run as written on numpy, which ``jax.vmap`` cannot batch)."""
         params = self.layout.unpack(packed)
         if self.compiler.compiles:
-            return jax.vmap(self.generation.prefill, in_axes=(None, 0, 0))(params, tokens, lengths)
-        rows = [self.generation.prefill(params, tokens[i], lengths[i]) for i in range(len(lengths))]
+            return jax.vmap(self.user_prefill, in_axes=(None, 0, 0))(params, tokens, lengths)
+        rows = [self.user_prefill(params, tokens[i], lengths[i]) for i in range(len(lengths))]
         return jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *rows)
 
     def update(self, count: int, sampled: bool) -> Callable[..., Any]:
@@ -179,7 +203,7 @@ class Programs:
             first = Template((count, *self.first_template.shape), self.first_template.dtype)
             run = self.updates[count, sampled] = self._compile(
                 write, [self.carry_template, rows, first, Template((count,), np.int32),
-                        *self._option_templates(count, sampled)], donate=(0,))
+                        *self._option_templates(count, sampled)], (CARRY, STATE), (CARRY, None), donate=(0,))
         return run
 
     def compile_all(self) -> None:
@@ -212,37 +236,40 @@ class Programs:
         """The options of a program of kind ``sampled`` for ``rows`` idle rows (greedy, at their first step)."""
         return self._arrays([GREEDY] * rows, [0] * rows) if sampled else []
 
-    def admission(self, length: int, prompts: Sequence[np.ndarray], slots: Sequence[int],
-                  samplings: Sequence[Sampling]) -> list[np.ndarray]:
-        """What :meth:`admit` takes for ``prompts`` (as many as a compiled number of prompts), made on the
-        host: their tokens padded with zeros to the compiled ``length``, their lengths, their ``slots``, and
-        the options of ``samplings`` unless all are greedy."""
-        count = len(prompts)
-        tokens = np.zeros((count, length), np.int32)
-        for row, prompt in enumerate(prompts):
-            tokens[row, :prompt.size] = prompt
+    def prefill_inputs(self, prefill: Any) -> list[np.ndarray]:
+        """What :meth:`prefill_of` takes for a plan's prefill (a :class:`~.scheduler.Prefill`), made on the
+        host: its padded prompts' tokens, zeros after each up to its compiled length, their lengths, their
+        slots, and their samplings' options unless all are greedy."""
+        padded = prefill.padded
+        count = len(padded)
+        tokens = np.zeros((count, prefill.length), np.int32)
+        for row, request in enumerate(padded):
+            tokens[row, :request.prompt.size] = request.prompt
+        samplings = [request.sampling for request in padded]
         sampled = any(not sampling.greedy for sampling in samplings)
         options = self._arrays(samplings, [0] * count) if sampled else []  # a prompt's first output is its step 0
-        return [tokens, np.array([p.size for p in prompts], np.int32), np.array(slots, np.int32), *options]
+        return [tokens, np.array([r.prompt.size for r in padded], np.int32), np.array([r.slot for r in padded],
+                                                                                       np.int32), *options]
 
-    def admit(self, params: Any, carry: Any, tokens: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
-              *options: np.ndarray) -> tuple[Any, Any]:
-        """Queue the prefill of the prompts :meth:`admission` made and the write of their rows into their
-        slots, their first outputs picked greedily or as ``options`` say: the next carry, and those outputs."""
+    def prefill_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        """Queue the prefill :meth:`prefill_inputs` made and the write of its rows into their slots, their
+        first outputs picked greedily or as its options say: the next carry, and those outputs."""
+        tokens, lengths, slots, *options = inputs
         count, length = tokens.shape
         rows, first = self.prefill(length, count)(params, tokens, lengths)
         return self.update(count, bool(options))(carry, rows, first, slots, *options)
 
-    def step_options(self, samplings: Sequence[Sampling] | None, positions: Sequence[int] | None
-                     ) -> list[np.ndarray]:
-        """What :meth:`step` takes: nothing for a greedy launch (``samplings`` None), else each slot's
-        options from its ``samplings`` and ``positions``."""
-        return [] if samplings is None or positions is None else self._arrays(samplings, positions)
+    def step_inputs(self, step: Any) -> list[np.ndarray]:
+        """What :meth:`step_of` takes for a plan's decode launch (a :class:`~.scheduler.Step`): nothing for a
+        greedy launch, else each slot's options from its samplings and positions."""
+        if step.samplings is None or step.positions is None:
+            return []
+        return self._arrays(step.samplings, step.positions)
 
-    def step(self, params: Any, carry: Any, *options: np.ndarray) -> tuple[Any, Any]:
-        """Queue a launch of decode steps of every slot, greedy or picking as ``options`` say: the next carry,
-        and the outputs (steps, slots, ...)."""
-        return self.steps[bool(options)](params, carry, *options)
+    def step_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        """Queue a launch of decode steps of every slot, greedy or picking as ``inputs``
+        (:meth:`step_inputs`) say: the next carry, and the outputs (steps, slots, ...)."""
+        return self.steps[bool(inputs)](params, carry, *inputs)
 
     def zeros(self) -> Any:
         return jax.tree_util.tree_map(lambda t: t.zeros(), self.carry_template, is_leaf=is_template)

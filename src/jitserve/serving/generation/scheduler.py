@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import bisect
 import collections
-from typing import Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from .spec import GREEDY, Sampling
+from .spec import GREEDY, Generation, Sampling
 
 
 class SlotRequest:
@@ -30,9 +30,13 @@ class SlotRequest:
     ``eos`` ends it first (``max_steps``, or as many as fit ``max_length``; the first always), how many are
     ``dispatched`` (in a plan: being computed or computed, ahead of ``produced`` by a launch at most) and
     ``produced`` (delivered), whether it ``ended`` (it got its end or an error: later outputs computed for
-    it are dropped) or was ``cancelled``, and its ``slot`` once admitted (-1 before)."""
+    it are dropped) or was ``cancelled``, and its ``slot`` once admitted (-1 before). In a paged cache
+    (:mod:`~.paged_scheduler`) also the ``blocks`` it holds, how many positions of its sequence are
+    ``computed`` (their keys and values written, or on their way), and its outputs so far (``history``,
+    from which its state is computed again after a preemption)."""
 
-    __slots__ = ("prompt", "sampling", "needed", "dispatched", "produced", "ended", "cancelled", "slot")
+    __slots__ = ("prompt", "sampling", "needed", "dispatched", "produced", "ended", "cancelled", "slot", "blocks",
+                 "computed", "history")
 
     def __init__(self, prompt: np.ndarray, max_steps: int, sampling: Sampling, max_length: int) -> None:
         self.prompt = prompt
@@ -43,6 +47,9 @@ class SlotRequest:
         self.ended = False
         self.cancelled = False
         self.slot = -1
+        self.blocks: list[int] = []
+        self.computed = 0
+        self.history: list[int] | None = None
 
 
 R = TypeVar("R", bound=SlotRequest)
@@ -56,6 +63,11 @@ class Prefill(NamedTuple, Generic[R]):
     length: int
     requests: list[R]
     padded: list[R]
+
+    @property
+    def rows(self) -> list[int]:
+        """Each request's row of the prefill's outputs."""
+        return list(range(len(self.requests)))
 
 
 class Step(NamedTuple, Generic[R]):
@@ -72,11 +84,13 @@ class Step(NamedTuple, Generic[R]):
 
 class Plan(NamedTuple, Generic[R]):
     """What one turn of a server's loop launches: the prefills of the prompts it admitted, then a decode
-    launch (None when no slot runs); ``busy``: the slots running once the prompts were admitted."""
+    launch (None when no slot runs); ``busy``: the slots running once the prompts were admitted;
+    ``admitted``: the requests that took a slot in this plan."""
 
-    prefills: list[Prefill[R]]
-    step: Step[R] | None
+    prefills: list[Any]
+    step: Any
     busy: int
+    admitted: list[R]
 
     @property
     def requests(self) -> list[R]:
@@ -98,6 +112,16 @@ class Scheduler(Generic[R]):
         self.waiting: collections.deque[R] = collections.deque()
         self.running: dict[int, R] = {}
         self.sampling = 0  # running requests that sample (not greedy): a launch samples while any runs
+
+    @classmethod
+    def of(cls, generation: Generation) -> Scheduler[Any]:
+        """The scheduler of ``generation``'s slots."""
+        g = generation
+        return cls(g.slots, g.prefill_lengths, g.prefill_batches, g.steps_per_launch, g.max_queue)
+
+    def counters(self) -> dict[str, Any]:
+        """The engine's own readings for the statistics (a paged cache's; none here)."""
+        return {}
 
     @property
     def full(self) -> bool:
@@ -177,7 +201,7 @@ class Scheduler(Generic[R]):
         if admitted:
             prefills = self._prefills(admitted)
             self._dispatched(admitted, 1)
-        return Plan(prefills, self._step(), busy)
+        return Plan(prefills, self._step(), busy, admitted)
 
     def _prefills(self, admitted: list[R]) -> list[Prefill[R]]:
         """``admitted`` grouped by the compiled length their prompts pad to, each group padded to a compiled

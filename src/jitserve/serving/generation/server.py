@@ -34,11 +34,17 @@ from ..request import Reading, read, read_async
 from ..serving import owned_host_array
 from ..stats import GenerationStats, Phases
 from .delivery import GenerationRequest, hand_over
+from .paged_programs import PagedPrograms
+from .paged_scheduler import PagedScheduler
 from .programs import Programs, to_host
 from .scheduler import Plan, Scheduler
 from .spec import GREEDY, Generation, Sampling, stop_outputs
 
 log = logging.getLogger("jitserve.generation")
+
+# Generation.engine -> its programs and its scheduler
+ENGINES: dict[str, tuple[type[Programs], type[Scheduler[Any]]]] = {"slots": (Programs, Scheduler),
+                                                                    "paged": (PagedPrograms, PagedScheduler)}
 
 
 class GenerationFront(Front):
@@ -97,12 +103,12 @@ class GenerationServer(GenerationFront):
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         g = generation
-        self._scheduler: Scheduler[GenerationRequest] = Scheduler(g.slots, g.prefill_lengths, g.prefill_batches,
-                                                                  g.steps_per_launch, g.max_queue)
+        programs, scheduler = ENGINES[g.engine]
+        self._scheduler: Scheduler[GenerationRequest] = scheduler.of(g)
         self._stopping = False
         self._stats = GenerationStats(slots=g.slots)
         options = compilers.get(generation.compiler_name).partitions(generation.compiler_options)[0]
-        self._programs = Programs(generation, options, self._count_compile)
+        self._programs = programs(generation, options, self._count_compile)
         self._params = self._programs.place(generation.params)
         self._new_params: Any = None  # weights given to update_params, live once no slot runs with the old ones
         self._update_lock = threading.Lock()
@@ -204,7 +210,7 @@ class GenerationServer(GenerationFront):
 
     def stats(self) -> GenerationStats:
         with self._lock:
-            return self._stats.snapshot(slots_busy=len(self._scheduler.running),
+            return self._stats.snapshot(**self._scheduler.counters(), slots_busy=len(self._scheduler.running),
                                         queue_depth=len(self._scheduler.waiting))
 
     # callers ---------------------------------------------------------------------------------------
@@ -279,9 +285,11 @@ class GenerationServer(GenerationFront):
                     self._wake.notify_all()
                 # while new weights wait, nothing is admitted: the slots run empty of the old weights' requests
                 plan = scheduler.plan(admit=self._new_params is None)
-                for prefill in plan.prefills:
-                    for request in prefill.requests:
-                        request.admitted.set()
+                planned = time.perf_counter()
+                for request in plan.admitted:
+                    if not request.admitted.is_set():  # its wait for a slot (not again once preempted)
+                        request.waited_s = planned - request.submitted
+                    request.admitted.set()
                 self._stats.prefills += len(plan.prefills)
                 self._stats.max_slots_busy = max(self._stats.max_slots_busy, plan.busy)
             dispatched: list[_Dispatched] = []
@@ -305,22 +313,18 @@ class GenerationServer(GenerationFront):
         decode launch; each adds its outputs, on their way to the host, to ``dispatched``."""
         programs = self._programs
         for prefill in plan.prefills:
-            padded = prefill.padded
             started = time.perf_counter()
-            for request in prefill.requests:
-                request.waited_s = started - request.submitted
-            arrays = programs.admission(prefill.length, [r.prompt for r in padded], [r.slot for r in padded],
-                                        [r.sampling for r in padded])
+            inputs = programs.prefill_inputs(prefill)
             calling = time.perf_counter()
-            self._carry, first = programs.admit(self._params, self._carry, *arrays)
-            dispatched.append(self._dispatched(prefill.requests, list(range(len(prefill.requests))), first,
-                                               started, calling, False))
+            self._carry, first = programs.prefill_of(self._params, self._carry, inputs)
+            if prefill.requests:  # else a chunk of prompts whose prefill goes on
+                dispatched.append(self._dispatched(prefill.requests, prefill.rows, first, started, calling, False))
         step = plan.step
         if step is not None:
             started = time.perf_counter()
-            options = programs.step_options(step.samplings, step.positions)
+            inputs = programs.step_inputs(step)
             calling = time.perf_counter()
-            self._carry, outputs = programs.step(self._params, self._carry, *options)
+            self._carry, outputs = programs.step_of(self._params, self._carry, inputs)
             dispatched.append(self._dispatched(step.requests, step.slots, outputs, started, calling, True))
 
     @staticmethod

@@ -21,6 +21,7 @@ import numpy as np
 from ... import compilers
 from ...defn import resolve_options
 from ...errors import BatchError, OptionError, PromptTooLongError
+from ...mesh import MeshPlacement
 from ...params import load_params
 from ...template import Template, is_template, params_template, templates_of
 from ..options import count_option, finite_number, optional_count, powers_of_two_up_to
@@ -58,9 +59,44 @@ class Sampling:
 
 GREEDY = Sampling(seed=0)
 
+PAGED_PREFILL_BATCHES = 8  # a paged generation prefills at most this many prompts' chunks in one program
+PAGED_CHUNK = 256  # a paged generation's longest compiled prompt chunk, by default
+
+
+class PagedCache:
+    """The layout of a paged KV cache (see :mod:`~jitserve.serving.generation.paged_scheduler`): ``layers``
+    of keys and values, ``kv_heads`` heads of ``head_dim`` each, in ``dtype``; positions in blocks of
+    ``block_size``; ``tokens``: the positions of the whole pool (every sequence's together; None: room for
+    eight sequences of ``max_length``, what eight slots of a slot cache take); ``prefix_caching``: prompts
+    reuse the blocks of a prefix computed before."""
+
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, dtype: Any = "float32", block_size: int = 16,
+                 tokens: int | None = None, prefix_caching: bool = True) -> None:
+        self.layers = count_option("layers", layers)
+        self.kv_heads = count_option("kv_heads", kv_heads)
+        self.head_dim = count_option("head_dim", head_dim)
+        self.dtype = np.dtype(dtype)
+        self.block_size = count_option("block_size", block_size)
+        self.tokens = optional_count("tokens", tokens)
+        if not isinstance(prefix_caching, bool):
+            raise OptionError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        self.prefix_caching = prefix_caching
+
+    def blocks(self, max_length: int) -> int:
+        """The blocks of the pool, the reserved one included (see :class:`~.blocks.BlockPool`)."""
+        tokens = self.tokens if self.tokens is not None else 8 * max_length
+        return 1 + -(-tokens // self.block_size)
+
+    def __repr__(self) -> str:
+        return (f"PagedCache(layers={self.layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype.name!r}, block_size={self.block_size}, tokens={self.tokens}, "
+                f"prefix_caching={self.prefix_caching})")
+
 
 class Generation:
-    """A generation serving: ``prefill`` and ``decode`` (see :mod:`jitserve.serving.generation`), its weights
+    """A generation serving: ``prefill`` and ``decode`` (see :mod:`jitserve.serving.generation`), or with a
+    paged KV cache, one ``forward`` and the ``cache``'s layout (:class:`PagedCache`; see
+    :mod:`~jitserve.serving.generation.paged_programs` for what ``forward`` takes), its weights
     (``params``: a tree of arrays, or a file that :func:`jitserve.load_params` reads, remembered for
     ``reload_params``), and its slots. With ``logits=True`` both return logits (a vector per sequence)
     instead of outputs: the server picks each token on the device, greedy or sampled per request
@@ -72,19 +108,28 @@ class Generation:
     instead of ``postprocess``, a new incremental decoder per request, whose ``feed(token)`` gives the text
     that can go out and ``finish()`` what it still held at the end (a real tokenizer's text, which one token
     alone cannot give); such a generation answers text, and :func:`jitserve.generate` one string. All run in
-    the caller."""
+    the caller. ``mesh``: a :class:`~jitserve.mesh.MeshPlacement`, to run every program over the devices of
+    its mesh (tensor parallel, compiler ``xla``), the weights and the slots' state split as it says
+    (``from_pretrained(..., devices=N)`` makes one); None: one device."""
 
     generates = True  # its server generates (a Serving's batches rows)
 
-    def __init__(self, prefill: Callable[..., Any], decode: Callable[..., Any], *, params: Any, slots: int,
-                 max_length: int, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
+    def __init__(self, prefill: Callable[..., Any] | None = None, decode: Callable[..., Any] | None = None, *,
+                 params: Any, slots: int, max_length: int, forward: Callable[..., Any] | None = None,
+                 cache: PagedCache | None = None, prefill_lengths: Sequence[int] | None = None, eos: Any = None,
                  compiler: str | None = None, max_queue: int | None = None, logits: bool = False,
                  steps_per_launch: int = 1, preprocess: Callable[[Any], Any] | None = None,
                  postprocess: Callable[[Any], Any] | None = None,
-                 detokenizer: Callable[[np.ndarray], Any] | None = None, **compiler_options: Any) -> None:
-        if not callable(prefill) or not callable(decode):
+                 detokenizer: Callable[[np.ndarray], Any] | None = None, mesh: MeshPlacement | None = None,
+                 **compiler_options: Any) -> None:
+        if cache is None and (not callable(prefill) or not callable(decode) or forward is not None):
             raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
-                              "decode(params, state, last_outputs)")
+                              "decode(params, state, last_outputs) (or forward= and cache=, for a paged cache)")
+        if cache is not None and (not callable(forward) or prefill is not None or decode is not None
+                                  or not isinstance(cache, PagedCache) or not logits):
+            raise OptionError("a Generation with a paged cache needs cache=js.PagedCache(...), one function "
+                              "forward(params, cache, tokens, positions, tables, last) that gives logits "
+                              "(logits=True), and no prefill or decode")
         for name, hook in (("preprocess", preprocess), ("postprocess", postprocess), ("detokenizer", detokenizer)):
             if hook is not None and not callable(hook):
                 raise OptionError(f"{name} must be a function or None, got {type(hook).__name__}")
@@ -96,18 +141,23 @@ class Generation:
         self.detokenizer = detokenizer
         self.prefill = prefill
         self.decode = decode
+        self.forward = forward
+        self.cache = cache
         self.params_source = os.fspath(params) if isinstance(params, str | os.PathLike) else None  # a reload reads it
         self.params = params if self.params_source is None else load_params(self.params_source)
         self.params_template = params_template(self.params)
         self.slots = count_option("slots", slots)
         self.max_length = count_option("max_length", max_length)
-        lengths = powers_of_two_up_to(self.max_length, 16) if prefill_lengths is None else \
+        longest = self.max_length if cache is None else min(self.max_length, PAGED_CHUNK)
+        lengths = powers_of_two_up_to(longest, 16) if prefill_lengths is None else \
             sorted({count_option(f"each of prefill_lengths {list(prefill_lengths)}", n) for n in prefill_lengths})
         if not lengths or lengths[-1] > self.max_length:
             raise OptionError(f"prefill_lengths must be positive and at most max_length ({self.max_length}), "
                               f"got {list(prefill_lengths or [])}")
         self.prefill_lengths = lengths
-        self.prefill_batches = powers_of_two_up_to(self.slots)  # prompts prefilled together, padded to these
+        # prompts prefilled together, padded to these
+        self.prefill_batches = powers_of_two_up_to(self.slots if cache is None else
+                                                   min(self.slots, PAGED_PREFILL_BATCHES))
         self.eos = eos
         self.logits = bool(logits)
         self.steps_per_launch = count_option("steps_per_launch", steps_per_launch)
@@ -115,6 +165,14 @@ class Generation:
         chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
                                                          **compiler_options})
         self.compiler_name = chosen.name
+        if cache is not None and not chosen.pages:
+            raise OptionError(f"compiler {chosen.name!r} does not run a paged cache's programs as XLA does; serve "
+                              f"this generation with compiler 'xla' or 'evaluator', or with a slot cache (prefill "
+                              f"and decode; from_pretrained's kv_cache='slots')")
+        self.mesh = _checked_mesh(mesh, chosen, self.compiler_options)
+        if cache is not None and mesh is not None:
+            raise OptionError("a paged cache runs on one device for now; a generation over several devices "
+                              "(tensor parallel) keeps a slot cache")
 
     def prompt_of(self, prompt: Any) -> Any:
         """The token ids of a caller's prompt: ``preprocess(prompt)`` where given (a tokenizer; run by the
@@ -127,9 +185,16 @@ class Generation:
         return output if self.postprocess is None else model_code(self.postprocess, output)
 
     @property
+    def engine(self) -> str:
+        """How its server keeps the decode state: ``"slots"`` (a row of ``max_length`` per slot) or
+        ``"paged"`` (blocks of a pool)."""
+        return "slots" if self.cache is None else "paged"
+
+    @property
     def functions(self) -> tuple[Callable[..., Any], ...]:
-        """The user's functions it compiles (``prefill``, ``decode``); the last names a server by default."""
-        return (self.prefill, self.decode)
+        """The user's functions it compiles (``prefill``, ``decode``, or ``forward``); the last names a server
+        by default."""
+        return tuple(f for f in (self.prefill, self.decode, self.forward) if f is not None)
 
     @property
     def has_params(self) -> bool:
@@ -145,9 +210,9 @@ class Generation:
     def fingerprint_fields(self) -> dict[str, Any]:
         """What identifies what this generation computes (see ``Serving.fingerprint_fields``): its functions,
         its checked options, and its weights' templates and file, not their values (``params``)."""
-        names = ("prefill", "decode", "preprocess", "postprocess", "detokenizer", "params_source", "params_template",
-                 "slots", "max_length", "prefill_lengths", "prefill_batches", "eos", "logits", "steps_per_launch",
-                 "max_queue", "compiler_name", "compiler_options")
+        names = ("prefill", "decode", "forward", "cache", "preprocess", "postprocess", "detokenizer", "params_source",
+                 "params_template", "slots", "max_length", "prefill_lengths", "prefill_batches", "eos", "logits",
+                 "steps_per_launch", "max_queue", "compiler_name", "compiler_options", "mesh")
         return {name: getattr(self, name) for name in names}
 
     def shapes(self) -> tuple[Any, Template, Template]:
@@ -155,6 +220,7 @@ class Generation:
         and of one output a caller gets per step (a token id, for ``logits=True``), which ``eos`` must be
         (or a list of them)."""
         length = self.prefill_lengths[0]
+        assert self.prefill is not None  # called for a generation without a paged cache
         if compilers.get(self.compiler_name).compiles:
             row, first = jax.eval_shape(self.prefill, *jax.tree_util.tree_map(
                 lambda t: t.abstract(), (self.params_template, Template((length,), np.int32),
@@ -177,7 +243,16 @@ class Generation:
         if sampling is not None and not sampling.greedy and not self.logits:
             raise OptionError(f"generation server {name!r} cannot sample: its decode returns outputs, not "
                               f"logits (serve it with js.Generation(..., logits=True) to sample per request)")
-        return self.check_prompt(prompt)
+        array = self.check_prompt(prompt)
+        if self.cache is not None:  # what it holds at its longest must fit the pool, else it could never finish
+            positions = array.size + max(1, min(int(max_steps), self.max_length - array.size)) - 1
+            blocks = self.cache.blocks(self.max_length) - 1
+            if -(-positions // self.cache.block_size) > blocks:
+                raise PromptTooLongError(
+                    f"the prompt ({array.size} tokens) and its outputs (max_steps {max_steps}) need "
+                    f"{positions} positions of KV cache; the whole cache of generation server {name!r} holds "
+                    f"{blocks * self.cache.block_size} ({blocks} blocks of {self.cache.block_size})")
+        return array
 
     def check_prompt(self, prompt: Any) -> np.ndarray:
         """The prompt as a 1-D int32 array of token ids, else a clear error naming what is wrong."""
@@ -187,10 +262,11 @@ class Generation:
         if array.dtype.kind not in "iu" or array.ndim != 1:
             got = f"; got {Template(array.shape, array.dtype)}" if array.dtype.kind in "biufc" else ""
             raise BatchError(f"a prompt must be a 1-D array of integer token ids{got}")
-        longest = self.prefill_lengths[-1]
+        longest = self.prefill_lengths[-1] if self.cache is None else self.max_length  # paged: prefilled in chunks
         if array.size > longest:
             raise PromptTooLongError(f"the prompt has {array.size} tokens, more than the longest prefill length "
-                                     f"({longest}; max_length is {self.max_length})")
+                                     f"({longest}; max_length is {self.max_length})" if self.cache is None else
+                                     f"the prompt has {array.size} tokens, more than max_length ({self.max_length})")
         if array.dtype != np.int32:
             if array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max:
                 raise BatchError("the prompt's token ids do not fit int32")
@@ -198,9 +274,25 @@ class Generation:
         return array
 
     def __repr__(self) -> str:
-        return (f"Generation({getattr(self.prefill, '__name__', self.prefill)!r}, "
-                f"{getattr(self.decode, '__name__', self.decode)!r}, slots={self.slots}, "
-                f"max_length={self.max_length}, compiler={self.compiler_name!r})")
+        functions = ", ".join(repr(getattr(f, "__name__", f)) for f in self.functions)
+        cache = "" if self.cache is None else f", cache={self.cache!r}"
+        return (f"Generation({functions}, slots={self.slots}, max_length={self.max_length}{cache}, "
+                f"compiler={self.compiler_name!r})")
+
+
+def _checked_mesh(mesh: Any, compiler: compilers.Compiler, options: dict[str, Any]) -> MeshPlacement | None:
+    """``mesh`` where a generation can run over it with ``compiler`` and its ``options``, else a clear error."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, MeshPlacement):
+        raise OptionError(f"mesh must be a jitserve.mesh.MeshPlacement or None, got {type(mesh).__name__}")
+    if not compiler.shards:
+        raise OptionError(f"compiler {compiler.name!r} runs each program on one device; a generation over "
+                          f"several devices (tensor parallel) needs compiler 'xla'")
+    if "device" in options:
+        raise OptionError(f"a generation runs over its mesh's devices or on device={options['device']!r}, not "
+                          f"both")
+    return mesh
 
 
 def stop_outputs(eos: Any, output: Template) -> np.ndarray:

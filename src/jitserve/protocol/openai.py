@@ -1,0 +1,385 @@
+"""OpenAI's API on the HTTP port: the ``/v1`` door to the text generations and embedding models that
+``js.from_pretrained`` made (their ``preprocess`` a ``TextHook``, which gives the tokenizer and the task).
+
+- ``GET /v1/models`` and ``/v1/models/{id}``: those models, in OpenAI's list shape (``owned_by: jitserve``,
+  ``created`` when this server started).
+- ``POST /v1/completions``: ``prompt`` (a text, a list of texts, token ids, or lists of them), ``max_tokens``
+  (default 16), ``temperature`` and ``top_p`` (OpenAI's defaults, 1: a request samples unless it sends
+  ``temperature: 0``), ``top_k`` (vLLM's extension), ``seed``, ``stop``, ``n`` (n requests, the ``i``-th
+  seeded ``seed + i`` when a seed is given), ``echo``, ``stream`` (with ``stream_options.include_usage``).
+- ``POST /v1/chat/completions``: ``messages`` rendered by the checkpoint's chat template and encoded without
+  adding special tokens (the template writes its own, as ``transformers``' ``apply_chat_template`` encodes
+  it); a checkpoint without a chat template is a 400 naming it. ``max_tokens`` (or
+  ``max_completion_tokens``) defaults to the room the model has left.
+- ``POST /v1/embeddings``: ``input`` (a text or a list of texts), ``encoding_format`` ``float`` or
+  ``base64``.
+
+A prompt and its ``max_tokens`` must fit the generation's ``max_length``, as OpenAI's API refuses a
+request past the context. ``usage`` counts the tokens the engine read and produced (an ``eos`` included);
+``finish_reason`` is ``stop`` at an end token or a stop sequence, ``length`` at ``max_tokens``. A stream is
+server-sent ``data:`` chunks ending in ``data: [DONE]``; an error once it started is a chunk
+``{"error": ...}`` before it.
+
+Each request goes to the engine the in-process and KServe callers use (one engine, three doors): a
+generation's ``submit`` and ``outputs_async`` inside a ``Delivery`` (stop sequences, the text), as
+``protocol/model.py`` does; a serving through ``InferenceService.infer``. Fields are checked in
+``protocol/openai_request.py``; errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import numpy as np
+import orjson
+
+from ..errors import OptionError, ParameterError, UnknownServerError
+from ..models.pretrained import TextHook, text_hook
+from ..serving.generation import Delivery, GenerationFront
+from . import openai_request as fields
+from .access import REQUEST_ROWS
+from .http_request import json_object
+from .model import GenerationSpec, ModelSpec
+from .service import InferenceService, Spec, status_of
+
+Response = tuple[int, list[tuple[bytes, bytes]], bytes]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+DONE = b"data: [DONE]\n\n"
+COMPLETION_TOKENS = 16  # /v1/completions' default max_tokens (OpenAI's)
+KINDS = {GenerationSpec: "generation", ModelSpec: "embedding"}  # the OpenAI models of each spec, by the hook's task
+WHAT = {"generation": "a text generation", "embedding": "an embedding model"}
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
+    """An error response in OpenAI's shape (``type``: ``invalid_request_error`` for a client's mistake,
+    ``server_error`` for the server's)."""
+    error = {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+             "param": param, "code": code}
+    headers = [*JSON_HEADERS, (b"retry-after", b"1")] if status == 503 else JSON_HEADERS
+    return status, headers, orjson.dumps({"error": error})
+
+
+def _where(error: BaseException) -> tuple[str | None, str | None]:
+    """The ``param`` and ``code`` of an error."""
+    if isinstance(error, ParameterError):
+        return error.param, error.code
+    return ("model", "model_not_found") if isinstance(error, UnknownServerError) else (None, None)
+
+
+def _event(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
+
+
+class _Choice:
+    """One choice in the making: the text pieces of its request (``pieces``), its tokens counted as they come,
+    and why it ended."""
+
+    __slots__ = ("index", "prompt", "delivery", "eos", "tokens", "last", "pieces")
+
+    def __init__(self, index: int, prompt: str, server: GenerationFront, ids: np.ndarray, max_tokens: int,
+                 chosen: dict[str, Any], stop: Any, timeout: float | None) -> None:
+        self.index = index
+        self.prompt = prompt  # what echo repeats
+        try:
+            self.delivery = Delivery(server.generation, stop, ids)
+        except OptionError as error:
+            raise ParameterError(f"'stop': {error}", "stop") from None
+        eos = server.generation.eos
+        self.eos = frozenset(np.asarray(eos).reshape(-1).tolist()) if eos is not None else frozenset()
+        self.tokens = 0
+        self.last: Any = None
+        request = server.submit(ids, max_tokens, asyncio.get_running_loop(), fields.choice_sampling(chosen, index))
+        self.pieces = self.delivery.each_async(self._counted(server.outputs_async(request, timeout)))
+
+    async def _counted(self, outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+        try:
+            async for token in outputs:
+                self.tokens += 1
+                self.last = token
+                yield token
+        finally:
+            await outputs.aclose()
+
+    @property
+    def finish_reason(self) -> str:
+        at_end = self.delivery.done or (self.last is not None and int(self.last) in self.eos)
+        return "stop" if at_end else "length"
+
+
+class _Choices:
+    """A request's choices, each read by a task of its own from the moment it is submitted (a request nobody
+    reads would run to its last token), their pieces merged as they come."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[_Choice, Any]] = asyncio.Queue()
+        self.all: list[_Choice] = []
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def add(self, choice: _Choice) -> None:
+        self.all.append(choice)
+        self.tasks.append(asyncio.ensure_future(self._read(choice)))
+
+    async def _read(self, choice: _Choice) -> None:
+        try:
+            async for piece in choice.pieces:
+                self.queue.put_nowait((choice, piece))
+            self.queue.put_nowait((choice, None))
+        except Exception as error:  # noqa: BLE001 - handed to the reader of the pieces, which answers with it
+            self.queue.put_nowait((choice, error))
+
+    async def each(self) -> AsyncIterator[tuple[_Choice, str | None]]:
+        """Every choice's text pieces as they come, and ``(choice, None)`` once it ended; the first error
+        raises, and ends the other choices."""
+        try:
+            left = len(self.all)
+            while left:
+                choice, piece = await self.queue.get()
+                if isinstance(piece, Exception):
+                    raise piece
+                left -= piece is None
+                yield choice, piece
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """End every choice still running (its slot freed at the next step)."""
+        await asyncio.sleep(0)  # every task past its first step: one cancelled before it never closes its request
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def usage(self, prompt_tokens: int) -> dict[str, int]:
+        completion = sum(choice.tokens for choice in self.all)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+
+class _Completion:
+    """How ``/v1/completions`` answers: ``text_completion`` objects, ``text`` per choice."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    prefix = "cmpl-"
+
+    def __init__(self, echo: bool) -> None:
+        self.echo = echo
+
+    def opening(self, choice: _Choice) -> dict[str, Any] | None:
+        return self.choice(choice, choice.prompt, None) if self.echo else None
+
+    def choice(self, choice: _Choice, text: str | None, finish: str | None) -> dict[str, Any]:
+        return {"index": choice.index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def whole(self, choice: _Choice, text: str) -> dict[str, Any]:
+        return self.choice(choice, choice.prompt + text if self.echo else text, choice.finish_reason)
+
+
+class _Chat(_Completion):
+    """How ``/v1/chat/completions`` answers: ``chat.completion`` objects, an assistant ``message`` per choice;
+    streamed, a ``delta`` with the role first, then the content's pieces."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    prefix = "chatcmpl-"
+
+    def __init__(self) -> None:
+        super().__init__(False)
+
+    def opening(self, choice: _Choice) -> dict[str, Any] | None:
+        return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def choice(self, choice: _Choice, text: str | None, finish: str | None) -> dict[str, Any]:
+        return {"index": choice.index, "delta": {} if text is None else {"content": text}, "logprobs": None,
+                "finish_reason": finish}
+
+    def whole(self, choice: _Choice, text: str) -> dict[str, Any]:
+        return {"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": choice.finish_reason}
+
+
+class OpenAIDoor:
+    """The ``/v1`` routes' handlers over ``service``'s models."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+        self.started = int(time.time())
+        self.endpoints = {"completions": self.completions, "chat/completions": self.chat,
+                          "embeddings": self.embeddings}
+
+    async def models(self) -> Response:
+        cards = [self._card(name) for name, spec in self.service.models.items() if _hook(spec) is not None]
+        return 200, JSON_HEADERS, orjson.dumps({"object": "list", "data": cards})
+
+    async def model(self, model: str) -> Response:
+        try:
+            self._spec(model, None)
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            return openai_error(status_of(error)[0], str(error), *_where(error))
+        return 200, JSON_HEADERS, orjson.dumps(self._card(model))
+
+    def _card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "jitserve"}
+
+    def _spec(self, model: str, kind: str | None) -> tuple[Any, TextHook]:
+        """The served model ``model`` and its hook, if it is an OpenAI model (of ``kind``, when given)."""
+        spec = self.service.model(model)
+        hook = _hook(spec)
+        if hook is None:
+            raise UnknownServerError(f"model '{model}' is not served by the OpenAI API: it is neither a text "
+                                     f"generation nor an embedding model made by from_pretrained; call "
+                                     f"/v2/models/{model}/infer")
+        if kind is not None and hook.task != kind:
+            raise ParameterError(f"model '{model}' is {WHAT[hook.task]}, not {WHAT[kind]}", "model",
+                                 "model_not_supported")
+        return spec, hook
+
+    def refused(self, model: str, error: BaseException) -> Response:
+        """A failed request: counted, logged (see ``InferenceService.failed``), answered in OpenAI's shape."""
+        status, _, message = self.service.failed("http", model, error)
+        return openai_error(status, message, *_where(error))
+
+    async def post(self, endpoint: str, body: bytes) -> Response | AsyncIterator[bytes]:
+        """``POST /v1/{endpoint}``: the answer, or a stream's events."""
+        model = ""
+        try:
+            request = json_object(body, "the request")
+            model = request["model"] if isinstance(request.get("model"), str) else ""
+            fields.check_fields(request, endpoint)
+            model = fields.model_name(request)
+            return await self.endpoints[endpoint](model, request)
+        except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
+            return self.refused(model, error)
+
+    async def completions(self, model: str, request: dict[str, Any]) -> Response | AsyncIterator[bytes]:
+        spec, hook = self._spec(model, "generation")
+        given = fields.prompts(request.get("prompt"))
+        prompts = [(hook.tokenizer.encode(one) if isinstance(one, str) else
+                    fields.token_ids(one, hook.tokenizer.vocabulary),
+                    one if isinstance(one, str) else hook.tokenizer.decode(one)) for one in given]
+        return await self._generate(spec, request, prompts, "max_tokens", COMPLETION_TOKENS,
+                                    _Completion(fields.flag(request, "echo")))
+
+    async def chat(self, model: str, request: dict[str, Any]) -> Response | AsyncIterator[bytes]:
+        spec, hook = self._spec(model, "generation")
+        messages = fields.messages(request.get("messages"))
+        tokenizer = hook.tokenizer
+        if tokenizer.chat_template is None:
+            raise ParameterError(f"model '{model}' has no chat template (its checkpoint has no chat_template.jinja "
+                                 f"and no chat_template in tokenizer_config.json) to render the messages with; "
+                                 f"send a prompt to /v1/completions instead", "messages", "missing_chat_template")
+        ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True), special=False)
+        given = [name for name in ("max_completion_tokens", "max_tokens") if request.get(name) is not None]
+        if len(given) == 2 and request["max_tokens"] != request["max_completion_tokens"]:
+            raise ParameterError("'max_tokens' and 'max_completion_tokens' differ; send one of them",
+                                 "max_completion_tokens")
+        return await self._generate(spec, request, [(ids, "")], given[0] if given else "max_tokens", None, _Chat())
+
+    async def _generate(self, spec: GenerationSpec, request: dict[str, Any], prompts: list[tuple[np.ndarray, str]],
+                        steps_field: str, default_steps: int | None, shape: _Completion
+                        ) -> Response | AsyncIterator[bytes]:
+        """Submit every choice of every prompt now (their errors raise here, before the answer starts); the
+        answer once they end, or a stream of their pieces."""
+        server = spec.server
+        max_length = server.generation.max_length
+        count = fields.integer(request, "n", 1, 1, fields.MAX_CHOICES) or 1
+        if count * len(prompts) > fields.MAX_CHOICES:
+            raise ParameterError(f"{len(prompts)} prompts of {count} choices each make {count * len(prompts)} "
+                                 f"generations; ask for at most {fields.MAX_CHOICES}", "n")
+        stream = fields.flag(request, "stream")
+        usage_chunk = fields.include_usage(request, stream)
+        chosen = fields.sampling(request)
+        stop = fields.stop_sequences(request)
+        asked = fields.integer(request, steps_field, default_steps)
+        for ids, _ in prompts:
+            room = max_length - ids.size
+            if room < 1 or (asked is not None and asked > room):
+                raise ParameterError(f"model '{spec.name}' generates at most {max_length} tokens per sequence (its "
+                                     f"max_length); the prompt has {ids.size}"
+                                     + (f", which leaves room for {room}: ask for at most {room} with "
+                                        f"'{steps_field}'" if room >= 1 else ": shorten it"), steps_field)
+        if self.service.access_log:
+            REQUEST_ROWS.set(count * len(prompts))
+        choices = _Choices()
+        try:
+            for at, (ids, text) in enumerate(prompts):
+                for index in range(at * count, (at + 1) * count):
+                    choices.add(_Choice(index, text, server, ids, asked or max_length - ids.size, chosen, stop,
+                                        self.service.request_timeout))
+        except BaseException:
+            await choices.close()
+            raise
+        answer = {"id": shape.prefix + os.urandom(12).hex(), "object": shape.object, "created": int(time.time()),
+                  "model": spec.name}
+        prompt_tokens = sum(ids.size for ids, _ in prompts)
+        if stream:
+            return self._stream(spec, choices, shape, answer, prompt_tokens, usage_chunk)
+        pieces: list[list[str]] = [[] for _ in choices.all]
+        with self.service._tallied(spec):
+            async for choice, piece in choices.each():
+                if piece:
+                    pieces[choice.index].append(piece)
+        self.service.count(spec.name, "http", 200, spec.version)
+        answer["choices"] = [shape.whole(choice, "".join(pieces[choice.index])) for choice in choices.all]
+        answer["usage"] = choices.usage(prompt_tokens)
+        return 200, JSON_HEADERS, orjson.dumps(answer)
+
+    async def _stream(self, spec: GenerationSpec, choices: _Choices, shape: _Completion, answer: dict[str, Any],
+                      prompt_tokens: int, usage_chunk: bool) -> AsyncIterator[bytes]:
+        """The chunks of a streamed answer: each choice's opening (a chat's role, a completion's echo), its
+        pieces, its end with its ``finish_reason``; the usage when asked; then ``[DONE]``."""
+        chunk = {**answer, "object": shape.chunk_object, **({"usage": None} if usage_chunk else {})}
+        try:
+            with self.service._tallied(spec):
+                for choice in choices.all:
+                    opening = shape.opening(choice)
+                    if opening is not None:
+                        yield _event({**chunk, "choices": [opening]})
+                async for choice, piece in choices.each():
+                    finish = None if piece is not None else choice.finish_reason
+                    yield _event({**chunk, "choices": [shape.choice(choice, piece, finish)]})
+            if usage_chunk:
+                yield _event({**chunk, "choices": [], "usage": choices.usage(prompt_tokens)})
+        except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last chunk
+            status, _, message = self.service.failed("http", spec.name, error, spec.version)
+            yield _event(orjson.loads(openai_error(status, message, *_where(error))[2]))
+        else:
+            self.service.count(spec.name, "http", 200, spec.version)
+        finally:
+            await choices.close()
+        yield DONE
+
+    async def embeddings(self, model: str, request: dict[str, Any]) -> Response:
+        spec, hook = self._spec(model, "embedding")
+        texts = fields.texts(request.get("input"))
+        encoding = fields.encoding_format(request)
+        width = spec.outputs[0].row_shape[0]
+        if request.get("dimensions") is not None and request["dimensions"] != width:
+            raise ParameterError(f"'dimensions' is {request['dimensions']!r:.40}, but model '{model}' gives vectors "
+                                 f"of {width}; shortening them is not supported: leave it out", "dimensions",
+                                 "unsupported_parameter")
+        tokens = sum(ids.size for ids, _ in hook.tokenizer.encode_many(texts))
+        text = np.empty(len(texts), object)
+        text[:] = texts
+        served, outputs = await self.service.infer(model, {"text": text}, None)
+        vectors = np.asarray(dict(outputs)["embedding"], np.float32)
+        self.service.count(model, "http", 200, served)
+        data = [{"object": "embedding", "index": index,
+                 "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64"
+                 else vector} for index, vector in enumerate(vectors)]
+        return 200, JSON_HEADERS, orjson.dumps({"object": "list", "data": data, "model": model,
+                                                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                                               option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _hook(spec: Spec) -> TextHook | None:
+    """The hook of a model the OpenAI API serves: a checkpoint's text generation or embedding model."""
+    servable = spec.server.generation if isinstance(spec, GenerationSpec) else spec.server.serving
+    hook = text_hook(servable)
+    return hook if hook is not None and KINDS[type(spec)] == hook.task else None
+

@@ -1,0 +1,217 @@
+"""An OpenAI API request's body, checked field by field before anything runs: the fields each endpoint takes
+(any other is refused by name, as OpenAI's own API refuses an unrecognized argument), those jitserve's engine
+does not implement yet (refused by name unless given the value that asks for nothing, such as
+``presence_penalty: 0``), and each value's type and range; prompts, chat messages and embedding inputs in
+the forms OpenAI's API reference gives. Every refusal is a :class:`ParameterError` naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from ..errors import OptionError, ParameterError
+from ..serving.generation import Sampling
+from .service import shown
+
+MAX_CHOICES = 128  # choices of one request (n times its prompts): each is a generation request
+MAX_INPUTS = 2048  # texts of one embeddings request (OpenAI's limit)
+SEEDS = 2**32  # a seed is any integer, taken modulo this (the engine's seeds are 32-bit)
+SAMPLING = ("temperature", "top_p", "top_k", "seed")  # top_k: vLLM's extension, which the engine has
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults: a request samples unless told not to
+
+# fields OpenAI defines that jitserve's engine does not implement yet -> the values that ask for nothing
+# (null always does); any other value is refused by name
+NOT_YET: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+}
+_GENERATING = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user", *SAMPLING,
+               "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+FIELDS: dict[str, frozenset[str]] = {  # endpoint -> the fields it takes
+    "completions": frozenset({*_GENERATING, "prompt", "echo", "best_of", "suffix"}),
+    "chat/completions": frozenset({*_GENERATING, "messages", "max_completion_tokens", "top_logprobs", "tools",
+                                   "tool_choice", "response_format"}),
+    "embeddings": frozenset({"model", "input", "encoding_format", "dimensions", "user"}),
+}
+ENCODINGS = ("float", "base64")
+
+
+def check_fields(request: dict[str, Any], endpoint: str) -> None:
+    """Every field of a request to ``/v1/{endpoint}`` is one it takes, and none asks for what jitserve does
+    not do yet."""
+    known = FIELDS[endpoint]
+    for name, value in request.items():
+        if name not in known:
+            raise ParameterError(f"unknown parameter '{shown(name)}': /v1/{endpoint} takes "
+                                 f"{', '.join(sorted(known))}", shown(name), "unknown_parameter")
+        neutral = NOT_YET.get(name)
+        if neutral is not None and value is not None and not any(
+                type(value) is type(one) and value == one for one in neutral):
+            raise ParameterError(f"'{name}' is not supported yet: jitserve's engine does not implement it; leave "
+                                 f"it out or send {orjson.dumps(neutral[0]).decode()}", name, "unsupported_parameter")
+
+
+def model_name(request: dict[str, Any]) -> str:
+    model = request.get("model")
+    if not isinstance(model, str) or not model:
+        raise ParameterError("'model' must name a served model (GET /v1/models lists them)", "model",
+                             "missing_parameter" if model is None else "invalid_value")
+    return model
+
+
+def _shown(value: Any) -> str:
+    return shown(orjson.dumps(value, default=repr).decode())
+
+
+def integer(request: dict[str, Any], name: str, default: int | None, low: int = 1,
+            high: int | None = None) -> int | None:
+    """An integer field from ``low`` to ``high`` (None: no limit), or ``default`` when null or absent."""
+    value = request.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise ParameterError(f"'{name}' must be an integer {bounds}, got {_shown(value)}", name)
+    return value
+
+
+def flag(request: dict[str, Any], name: str) -> bool:
+    """A true/false field (false when null or absent)."""
+    value = request.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ParameterError(f"'{name}' must be true or false, got {_shown(value)}", name)
+    return value
+
+
+def include_usage(request: dict[str, Any], stream: bool) -> bool:
+    """``stream_options.include_usage``: a last chunk with the usage; given only with ``stream``."""
+    options = request.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise ParameterError("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ParameterError(f"'stream_options' takes one field, include_usage (true or false); got "
+                             f"{_shown(options)}", "stream_options")
+    return flag(options, "include_usage")
+
+
+def sampling(request: dict[str, Any]) -> dict[str, Any]:
+    """The request's sampling fields over OpenAI's defaults (temperature 1, top_p 1), each checked as the
+    engine's :class:`Sampling` checks it; ``seed`` any integer."""
+    chosen = {**OPENAI_SAMPLING, **{name: request[name] for name in SAMPLING if request.get(name) is not None}}
+    for name, value in chosen.items():
+        if name == "seed":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ParameterError(f"'seed' must be an integer, got {_shown(value)}", "seed")
+            continue
+        try:
+            Sampling(**{name: value})
+        except OptionError as error:
+            raise ParameterError(f"'{name}': {error}", name) from None
+    return chosen
+
+
+def choice_sampling(chosen: dict[str, Any], index: int) -> Sampling:
+    """The sampling of choice ``index`` of a request: a given seed plus the index (so that choices differ and
+    the same request gives the same choices), else a fresh seed each."""
+    seed = chosen.get("seed")
+    return Sampling(**{**chosen, "seed": None if seed is None else (seed + index) % SEEDS})
+
+
+def stop_sequences(request: dict[str, Any]) -> Any:
+    """``stop``: a string, a list of them, or none (null or an empty list)."""
+    stop = request.get("stop")
+    return None if stop is None or stop == [] else stop
+
+
+def prompts(value: Any) -> list[Any]:
+    """A completion's ``prompt`` as a list of prompts, each a text or a list of token ids: a text, a list of
+    texts, a list of token ids, or a list of such lists."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_token(one) for one in value)):
+        return [value]
+    if isinstance(value, list) and value and all(
+            isinstance(one, str) or (isinstance(one, list) and one and all(_token(t) for t in one)) for one in value):
+        return value
+    raise ParameterError(f"'prompt' must be a text, a list of texts, a list of token ids or a list of such lists "
+                         f"(none empty), got {_shown(value)}",
+                         "prompt", "missing_parameter" if value is None else "invalid_value")
+
+
+def _token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def token_ids(ids: list[int], vocabulary: int) -> np.ndarray:
+    """A prompt given as token ids, each in the tokenizer's vocabulary."""
+    outside = next((one for one in ids if not 0 <= one < vocabulary), None)
+    if outside is not None:
+        raise ParameterError(f"'prompt' holds the token id {outside}, outside the model's vocabulary (0 to "
+                             f"{vocabulary - 1})", "prompt")
+    return np.array(ids, np.int32)
+
+
+def messages(value: Any) -> list[dict[str, Any]]:
+    """Chat ``messages``, each an object with a string ``role`` and a ``content``: a string, null, or a list
+    of text parts (joined by new lines, as vLLM joins them); what else each message holds goes to the
+    chat template as it came."""
+    if not isinstance(value, list) or not value:
+        raise ParameterError('\'messages\' must be a non-empty list of {"role": ..., "content": ...} objects',
+                             "messages", "missing_parameter" if value is None else "invalid_value")
+    checked = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ParameterError(f"{where} must be an object with a string 'role', got {_shown(message)}", where)
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "\n".join(_text_part(part, f"{where}.content[{at}]") for at, part in enumerate(content))
+        elif content is not None and not isinstance(content, str):
+            raise ParameterError(f"{where}.content must be a string, null or a list of text parts, got "
+                                 f"{_shown(content)}", f"{where}.content")
+        checked.append({**message, "content": content})
+    return checked
+
+
+def _text_part(part: Any, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return str(part["text"])
+    kind = part.get("type") if isinstance(part, dict) else None
+    raise ParameterError(f"{where} is {f'a {kind!r} part' if isinstance(kind, str) else _shown(part)}; jitserve's "
+                         f"chat models read text parts only ({{\"type\": \"text\", \"text\": ...}})", where)
+
+
+def texts(value: Any) -> list[str]:
+    """An embeddings request's ``input``: a text or a non-empty list of at most ``MAX_INPUTS`` texts (token ids
+    are refused: the model's tokenizer reads the texts, with its own special tokens)."""
+    chosen: Sequence[Any] = [value] if isinstance(value, str) else value if isinstance(value, list) else ()
+    if chosen and len(chosen) <= MAX_INPUTS and all(isinstance(one, str) for one in chosen):
+        return list(chosen)
+    if isinstance(value, list) and len(value) > MAX_INPUTS:
+        raise ParameterError(f"'input' holds {len(value)} texts; send at most {MAX_INPUTS} per request", "input")
+    if isinstance(value, list) and value and all(_token(one) or isinstance(one, list) for one in value):
+        raise ParameterError("'input' as token ids is not supported: send the texts, which the model's tokenizer "
+                             "reads", "input", "unsupported_parameter")
+    raise ParameterError(f"'input' must be a text or a non-empty list of texts, got {_shown(value)}", "input",
+                         "missing_parameter" if value is None else "invalid_value")
+
+
+def encoding_format(request: dict[str, Any]) -> str:
+    chosen = request.get("encoding_format") or "float"
+    if chosen not in ENCODINGS:
+        raise ParameterError(f"'encoding_format' must be one of {', '.join(ENCODINGS)}, got {_shown(chosen)}",
+                             "encoding_format")
+    return str(chosen)

@@ -1,0 +1,145 @@
+"""The compiled programs of a generation with a paged KV cache.
+
+The carry on the device is the pool of every layer's keys and values (``{"k":
+..., "v": ...}``, each (layers, blocks x block size, kv heads, head dim)) and
+each slot's last output. The user's (or a checkpoint family's) one function
+
+    forward(params, cache, tokens, positions, tables, last) -> (cache, logits)
+
+runs rows of tokens (rows, n) at their ``positions`` (rows, n): it writes each
+token's keys and values at its position through its row's block table
+(``tables``, (rows, blocks): position p lives in block ``tables[row, p //
+block_size]`` at ``p % block_size``; a position past the table's width goes to
+the reserved block 0), attends over the positions up to its own, and gives the
+logits of each row's token ``last[row]``. One function serves both kinds of
+program, each compiled ahead for every size it runs at:
+
+- a prefill: a compiled number of prompts' chunks of a compiled length, the
+  table as wide as ``max_length``; a chunk that ends its prompt picks the
+  request's first output (sampled or greedy, per row) into its slot;
+- a decode launch: every slot's last output, one position each, for
+  ``steps_per_launch`` steps, the table as wide as the longest sequence needs
+  (a compiled power of two of blocks): attention reads no more than that.
+
+The pool is donated to each program, so XLA writes it in place. A paged
+generation runs on one device (its programs name no mesh roles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ...template import Template
+from ..options import powers_of_two_up_to
+from ..serving import owned_host_array
+from .paged_scheduler import Chunk, PagedStep
+from .programs import Programs, sample_tokens
+from .spec import Generation
+
+
+class PagedPrograms(Programs):
+    """The prefills per (rows, chunk length) and the decode launches per table width of a paged generation
+    (see the module); the same entry points as the slot engine's :class:`~.programs.Programs`."""
+
+    def __init__(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
+        cache = generation.cache
+        assert cache is not None and generation.forward is not None
+        self._common(generation, options, on_compile)
+        self.forward = generation.forward
+        self.block_size = cache.block_size
+        self.max_blocks = -(-generation.max_length // cache.block_size)
+        self.table_widths = powers_of_two_up_to(self.max_blocks)
+        pool = Template((cache.layers, cache.blocks(generation.max_length) * cache.block_size, cache.kv_heads,
+                         cache.head_dim), cache.dtype)
+        self.output_template = Template((), np.int32)
+        self.carry_template = ({"k": pool, "v": pool}, Template((generation.slots,), np.int32))
+        self.decodes: dict[tuple[bool, int], Callable[..., Any]] = {}
+
+    def _chunk_program(self, rows: int, length: int) -> Callable[..., Any]:
+        key = (rows, length)
+        run = self.prefills.get(key)
+        if run is None:
+            def chunk(packed: Any, carry: Any, tokens: Any, starts: Any, counts: Any, tables: Any, slots: Any,
+                      *options: Any) -> Any:
+                cache, last = carry
+                positions = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+                cache, logits = self.forward(self.layout.unpack(packed), cache, tokens, positions, tables, counts - 1)
+                chosen = sample_tokens(logits, *options)
+                return (cache, last.at[slots].set(chosen, mode="drop")), chosen
+
+            run = self.prefills[key] = self._compile(chunk, [
+                self.layout.templates, self.carry_template, Template((rows, length), np.int32),
+                *[Template((rows,), np.int32)] * 2, Template((rows, self.max_blocks), np.int32),
+                Template((rows,), np.int32), *self._option_templates(rows, True)], (), (), donate=(1,))
+        return run
+
+    def _decode_program(self, sampled: bool, width: int) -> Callable[..., Any]:
+        key = (sampled, width)
+        run = self.decodes.get(key)
+        if run is None:
+            rows = self.generation.slots
+
+            def decode(packed: Any, carry: Any, positions: Any, tables: Any, *options: Any) -> Any:
+                params = self.layout.unpack(packed)
+                outputs = []
+                for step in range(self.generation.steps_per_launch):
+                    cache, last = carry
+                    cache, logits = self.forward(params, cache, last[:, None], (positions + step)[:, None], tables,
+                                                 jnp.zeros(rows, jnp.int32))
+                    chosen = self._chosen(logits, [*options[:-1], options[-1] + step] if options else ())
+                    carry = (cache, chosen)
+                    outputs.append(chosen)
+                return carry, jnp.stack(outputs)
+
+            run = self.decodes[key] = self._compile(decode, [
+                self.layout.templates, self.carry_template, Template((rows,), np.int32),
+                Template((rows, width), np.int32), *self._option_templates(rows, sampled)], (), (), donate=(1,))
+        return run
+
+    def compile_all(self) -> None:
+        g = self.generation
+        for rows in g.prefill_batches:
+            for length in g.prefill_lengths:
+                self._chunk_program(rows, length)
+        for width in self.table_widths:
+            for sampled in self.kinds:
+                self._decode_program(sampled, width)
+
+    def run_each_once(self, params: Any) -> None:
+        g = self.generation
+        carry = self.zeros()
+        for rows in g.prefill_batches:
+            for length in g.prefill_lengths:
+                idle = np.zeros(rows, np.int32)
+                carry, _ = self._chunk_program(rows, length)(
+                    params, carry, np.zeros((rows, length), np.int32), idle, idle + 1,
+                    np.zeros((rows, self.max_blocks), np.int32), idle + g.slots, *self._idle(rows, True))
+        for width in self.table_widths:
+            for sampled in self.kinds:
+                carry, outputs = self._decode_program(sampled, width)(
+                    params, carry, np.zeros(g.slots, np.int32), np.zeros((g.slots, width), np.int32),
+                    *self._idle(g.slots, sampled))
+        owned_host_array(outputs)
+
+    def prefill_inputs(self, prefill: Chunk[Any]) -> list[np.ndarray]:
+        """The chunk's arrays (the scheduler made them), and its rows' options."""
+        return [prefill.tokens, prefill.starts, prefill.counts, prefill.tables, prefill.slots,
+                *self._arrays(prefill.samplings, prefill.steps)]
+
+    def prefill_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        rows, length = inputs[0].shape
+        return self._chunk_program(rows, length)(params, carry, *inputs)
+
+    def step_inputs(self, step: PagedStep[Any]) -> list[np.ndarray]:
+        """Per slot its cache position and block table, and its options if any slot samples."""
+        sampled = step.samplings is not None and step.positions is not None
+        options = self._arrays(step.samplings, step.positions) if sampled else []  # type: ignore[arg-type]
+        return [step.cache_positions, step.tables, *options]
+
+    def step_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        positions, tables, *options = inputs
+        return self._decode_program(bool(options), tables.shape[1])(params, carry, positions, tables, *options)

@@ -1,0 +1,341 @@
+"""OpenAI's API on jitserve's HTTP port, driven by the official ``openai`` SDK against real servers on loopback:
+checkpoints made here (tests/models/checkpoints.py), one with a Llama 3-style chat template that writes its
+own BOS, one with a ChatML-style template, one without a template, and a BERT encoder. Completions and chat,
+streamed and not, equal the in-process ``js.generate`` of the same engine and ``transformers``' greedy
+decoding of ``apply_chat_template``'s tokens; ``usage`` counts the tokenizer's tokens; ``n``, ``seed``,
+``stop``, ``echo``; embeddings equal the in-process serving's; errors in OpenAI's shape (a wrong model 404, a
+bad key 401, an unsupported parameter 400 naming it); and the README's example against `jitserve serve`."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import jitserve as js
+from jitserve.protocol import app
+from jitserve.protocol.access import Access
+from jitserve.protocol.service import InferenceService
+from netutil import ROOT, free_port, start_server, stop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the checkpoints the model tests make
+import checkpoints
+
+KEY = "sk-test"
+PROMPT = "Once upon a time"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓ there"}]
+# Llama 3's shape: the template writes the BOS itself (the tokenizer would add one more if asked to)
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}assistant:{% endif %}")
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_chat_template(folder: Path, template: str | None) -> Path:
+    """``folder``'s tokenizer with ``template`` as its chat template (None: without one)."""
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("openai")
+    llama3 = with_chat_template(checkpoints.llama(root / "llama3", heads=4, kv_heads=4, tied=True, seed=2),
+                                LLAMA3_TEMPLATE)
+    return {"llama3": llama3,
+            "chatml": with_chat_template(checkpoints.gpt2(root / "chatml"), CHATML_TEMPLATE),
+            "plain": with_chat_template(Path(shutil.copytree(llama3, root / "plain")), None),
+            "embed": checkpoints.bert(root / "embed", "embedding")}
+
+
+class Served:
+    def __init__(self, port: int, servers: dict) -> None:
+        self.port, self.servers = port, servers
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, max_retries=0)
+
+    def post(self, path: str, payload: dict | bytes, key: str | None = KEY) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            connection.request("POST", path, payload if isinstance(payload, bytes) else json.dumps(payload).encode(),
+                               {"Authorization": f"Bearer {key}"} if key else {})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+
+@pytest.fixture(scope="module")
+def served(folders):
+    """Every model served in this process (js.serve) behind jitserve's HTTP front with an API key: the
+    OpenAI, KServe and in-process callers of a model share its one engine."""
+    models = {"llama3": js.from_pretrained(folders["llama3"], slots=4, max_length=64),
+              "chatml": js.from_pretrained(folders["chatml"], slots=2, max_length=128),
+              "plain": js.from_pretrained(folders["plain"], slots=1, max_length=16),
+              "embed": js.from_pretrained(folders["embed"], task="embedding", max_length=32, batch_size=2),
+              "mlp": js.Serving(lambda x: x * 2, input_template=js.template((4,), "float32"))}
+    servers = {name: js.serve(model, name=name) for name, model in models.items()}
+    port = free_port()
+    front = uvicorn.Server(app.http_config(InferenceService(servers), "127.0.0.1", port, access=Access(KEY)))
+    thread = threading.Thread(target=front.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not front.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the HTTP front did not start"
+        time.sleep(0.05)
+    yield Served(port, servers)
+    front.should_exit = True
+    thread.join(30)
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return served.client()
+
+
+def hf_greedy(folder: Path, ids: list[int], steps: int) -> tuple[str, int]:
+    """transformers' greedy continuation of token ``ids``: its text and how many tokens it generated (an end
+    token included)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
+    return tokenizer.decode(out, skip_special_tokens=True), len(out)
+
+
+def chat_ids(folder: Path, messages: list[dict]) -> list[int]:
+    encoded = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, add_generation_prompt=True,
+                                                                        tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def test_models_lists_the_text_generations_and_embedding_models(client):
+    listed = client.models.list().data
+    assert sorted(model.id for model in listed) == ["chatml", "embed", "llama3", "plain"], "not the MLP"
+    assert all(model.object == "model" and model.owned_by == "jitserve" and model.created > 0 for model in listed)
+    assert client.models.retrieve("llama3").id == "llama3"
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("mlp")
+    assert refused.value.code == "model_not_found" and "is not served by the OpenAI API" in refused.value.message
+    with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
+        client.models.retrieve("nope")
+
+
+def test_a_greedy_completion_is_the_in_process_generation_of_the_same_engine(served, client, folders):
+    expected = js.generate("llama3", PROMPT, max_steps=8)  # in process, on the server the HTTP front uses
+    answer = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=8, temperature=0)
+    (choice,) = answer.choices
+    assert (choice.text, choice.finish_reason, choice.index) == (expected, "length", 0)
+    assert answer.object == "text_completion" and answer.model == "llama3" and answer.id.startswith("cmpl-")
+    prompt_ids = AutoTokenizer.from_pretrained(folders["llama3"])(PROMPT)["input_ids"]
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == \
+        (len(prompt_ids), 8, len(prompt_ids) + 8)
+    assert hf_greedy(folders["llama3"], prompt_ids, 8) == (expected, 8)
+    by_ids = client.completions.create(model="llama3", prompt=prompt_ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == expected, "a prompt given as token ids"
+    echoed = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + expected
+
+
+@pytest.mark.parametrize("model", ["llama3", "chatml"])
+def test_chat_renders_the_chat_template_as_transformers_and_generates_its_greedy_text(client, folders, model):
+    ids = chat_ids(folders[model], MESSAGES)
+    bos = AutoTokenizer.from_pretrained(folders[model]).bos_token_id
+    if model == "llama3":
+        assert ids.count(bos) == 1, "the template's own BOS and no second one"
+    text, generated = hf_greedy(folders[model], ids, 10)
+    answer = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0)
+    (choice,) = answer.choices
+    assert choice.message.role == "assistant" and choice.message.content == text
+    assert choice.finish_reason == ("length" if generated == 10 else "stop")
+    assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), generated)
+    parts = [{**MESSAGES[0], "content": [{"type": "text", "text": "Be brief."}]}, MESSAGES[1]]
+    assert client.chat.completions.create(model=model, messages=parts, max_tokens=10,
+                                          temperature=0).choices[0].message.content == text, "content as text parts"
+
+
+def test_streams_are_chunks_that_join_to_the_whole_answer_then_done(served, client):
+    whole = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=6, temperature=0)
+    chunks = list(client.completions.create(model="llama3", prompt=PROMPT, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+
+    chat = client.chat.completions.create(model="llama3", messages=MESSAGES, max_tokens=6, temperature=0)
+    deltas = [c.choices[0] for c in client.chat.completions.create(
+        model="llama3", messages=MESSAGES, max_tokens=6, temperature=0, stream=True)]
+    assert deltas[0].delta.role == "assistant" and all(d.delta.role is None for d in deltas[1:])
+    assert "".join(d.delta.content or "" for d in deltas) == chat.choices[0].message.content
+    assert deltas[-1].finish_reason == chat.choices[0].finish_reason and deltas[-1].delta.content is None
+
+    status, body = served.post("/v1/chat/completions", {"model": "llama3", "messages": MESSAGES, "max_tokens": 3,
+                                                        "stream": True})
+    events = body.decode().split("\n\n")
+    assert status == 200 and events[-2:] == ["data: [DONE]", ""], "the stream ends in [DONE]"
+    assert all(json.loads(e[len("data: "):])["object"] == "chat.completion.chunk" for e in events[:-2])
+
+
+def test_n_choices_are_seeded_one_apart_and_a_seed_repeats_them(client, folders):
+    asked = {"model": "llama3", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    first = client.completions.create(n=3, **asked)
+    texts = [choice.text for choice in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert [c.text for c in client.completions.create(n=3, **asked).choices] == texts, "the same seed, the same texts"
+    alone = [client.completions.create(**{**asked, "seed": 7 + i}) for i in range(3)]
+    assert [answer.choices[0].text for answer in alone] == texts, "choice i is the request seeded seed + i"
+    assert first.usage.completion_tokens == sum(answer.usage.completion_tokens for answer in alone)
+    assert first.usage.prompt_tokens == alone[0].usage.prompt_tokens, "the prompt counted once"
+    pieces: dict[int, str] = {}
+    for chunk in client.completions.create(n=3, stream=True, **asked):  # the choices' pieces as they come
+        pieces[chunk.choices[0].index] = pieces.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert [pieces[i] for i in range(3)] == texts
+
+    prompts = [PROMPT, "The quick brown fox"]
+    several = client.completions.create(model="llama3", prompt=prompts, n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    assert [c.text for c in several.choices] == [js.generate("llama3", p, max_steps=4) for p in prompts for _ in "ab"]
+    tokenizer = AutoTokenizer.from_pretrained(folders["llama3"])
+    assert several.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in prompts), "each prompt once"
+
+
+def test_a_stop_sequence_ends_the_text_before_it(client):
+    whole = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    answer = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=12, temperature=0,
+                                       stop=[stop, "never appears"])
+    assert answer.choices[0].text == whole[:whole.index(stop)] and answer.choices[0].finish_reason == "stop"
+    assert answer.usage.completion_tokens < 12
+    streamed = list(client.completions.create(model="llama3", prompt=PROMPT, max_tokens=12, temperature=0,
+                                              stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == whole[:whole.index(stop)]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_embeddings_equal_the_in_process_serving(served, client, folders):
+    texts = ["a great film", "terrible, slow and boring"]
+    expected = js.batched_run("embed", np.array(texts, dtype=object))["embedding"]
+    answer = client.embeddings.create(model="embed", input=texts)  # the SDK asks for base64 and decodes it
+    assert np.array_equal(np.array([d.embedding for d in answer.data], np.float32), expected)
+    assert [d.index for d in answer.data] == [0, 1] and answer.model == "embed"
+    tokenizer = AutoTokenizer.from_pretrained(folders["embed"])
+    tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts)
+    assert (answer.usage.prompt_tokens, answer.usage.total_tokens) == (tokens, tokens)
+    as_floats = client.embeddings.create(model="embed", input=texts[0], encoding_format="float")
+    alone = js.batched_run("embed", np.array(texts[:1], dtype=object))["embedding"]  # a batch of one, as here
+    assert np.array_equal(np.array(as_floats.data[0].embedding, np.float32), alone[0])
+    status, body = served.post("/v1/embeddings", {"model": "embed", "input": texts, "encoding_format": "base64"})
+    vectors = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in json.loads(body)["data"]]
+    assert status == 200 and np.array_equal(np.stack(vectors), expected)
+
+
+def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="nope", prompt=PROMPT)
+    assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
+    assert unknown.value.body == {"message": "unknown model 'nope'; this server has: llama3, chatml, plain, embed, mlp",
+                                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError, match="model 'mlp' is not served by the OpenAI API"):
+        client.completions.create(model="mlp", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError, match="model 'embed' is an embedding model, not a text generation"):
+        client.completions.create(model="embed", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError, match="model 'llama3' is a text generation, not an embedding model"):
+        client.embeddings.create(model="llama3", input="x")
+    for name, value in (("presence_penalty", 0.5), ("frequency_penalty", -1), ("logprobs", 2), ("best_of", 2),
+                        ("logit_bias", {"5": 10}), ("suffix", "!")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, **{name: value})
+        assert refused.value.param == name and refused.value.code == "unsupported_parameter"
+        assert f"'{name}' is not supported yet" in refused.value.message
+    neutral = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, temperature=0, presence_penalty=0,
+                                        frequency_penalty=0.0, logprobs=None, best_of=1)
+    assert neutral.choices[0].finish_reason == "length", "the values that ask for nothing are accepted"
+    with pytest.raises(openai.BadRequestError, match="'logprobs' is not supported yet") as chat_logprobs:
+        client.chat.completions.create(model="llama3", messages=MESSAGES, logprobs=True)
+    assert chat_logprobs.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError, match=r"unknown parameter 'beam_width': /v1/completions takes "):
+        client.completions.create(model="llama3", prompt=PROMPT, extra_body={"beam_width": 2})
+    with pytest.raises(openai.BadRequestError, match="model 'plain' has no chat template") as no_template:
+        client.chat.completions.create(model="plain", messages=MESSAGES)
+    assert no_template.value.code == "missing_chat_template"
+    assert client.completions.create(model="plain", prompt=PROMPT, max_tokens=2).choices[0].text is not None
+    with pytest.raises(openai.BadRequestError, match=r"model 'llama3' generates at most 64 tokens per sequence \(its "
+                                                     r"max_length\); the prompt has 12, which leaves room for 52: ask "
+                                                     r"for at most 52 with 'max_tokens'"):
+        client.completions.create(model="llama3", prompt=PROMPT, max_tokens=60)
+    with pytest.raises(openai.BadRequestError, match="'n' must be an integer from 1 to 128, got 0"):
+        client.completions.create(model="llama3", prompt=PROMPT, n=0)
+    with pytest.raises(openai.BadRequestError, match=r"'temperature': temperature must be a finite number >= 0"):
+        client.completions.create(model="llama3", prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="'input' as token ids is not supported"):
+        client.embeddings.create(model="embed", input=[[1, 2, 3]])
+    status, body = served.post("/v1/completions", {"model": "llama3", "prompt": PROMPT, "stream_options": {}})
+    assert status == 400 and json.loads(body)["error"]["param"] == "stream_options"
+    status, body = served.post("/v1/chat/completions", b"{not json")
+    assert status == 400 and json.loads(body)["error"]["message"].startswith("the request body is not valid JSON")
+    status, body = served.post("/v1/nothing", {})
+    assert status == 404 and json.loads(body)["error"]["message"] == "no such endpoint: POST /v1/nothing"
+
+
+def test_the_api_key_is_required_on_every_route_but_health(served):
+    with pytest.raises(openai.AuthenticationError) as refused:
+        served.client("sk-wrong").models.list()
+    assert refused.value.code == "invalid_api_key" and refused.value.status_code == 401
+    status, body = served.post("/v1/completions", {"model": "llama3", "prompt": PROMPT}, key=None)
+    assert status == 401 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    connection.request("GET", "/v2/models/llama3")
+    assert connection.getresponse().status == 401, "the KServe routes take the same key"
+    connection.close()
+
+
+def test_one_engine_answers_the_openai_kserve_and_in_process_callers(served, client):
+    server = served.servers["llama3"]
+    before = server.stats().requests
+    in_process = js.generate("llama3", PROMPT, max_steps=5)
+    status, body = served.post("/v2/models/llama3/generate", {"text_input": PROMPT, "max_tokens": 5})
+    assert status == 200 and json.loads(body)["text_output"] == in_process
+    assert client.completions.create(model="llama3", prompt=PROMPT, max_tokens=5,
+                                     temperature=0).choices[0].text == in_process
+    assert server.stats().requests == before + 3
+
+
+def test_the_readme_openai_example_runs_against_jitserve_serve():
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^jitserve serve (examples/llama\.py:generation --api-key \S+)", readme, re.M).group(1)
+    example = next(code for code in re.findall(r"```python\n(.*?)```", readme, re.S) if "from openai import" in code)
+    running = start_server(*command.split())
+    try:
+        done = subprocess.run([sys.executable, "-c", example.replace("localhost:8000", f"127.0.0.1:{running.port}")],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("['llama']\n") and "completion_tokens=16" in done.stdout, done.stdout
+    finally:
+        output = stop(running)
+    assert "Traceback" not in output
