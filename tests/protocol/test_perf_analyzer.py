@@ -1,5 +1,6 @@
 """perf_analyzer, Triton's own benchmark (no one here wrote it), against ``jitserve serve``: over HTTP and
-gRPC, synchronous and asynchronous calls, and gRPC's streaming mode against a generation. Each run lasts a
+gRPC, synchronous and asynchronous calls, with its tensors in system shared memory, and gRPC's streaming
+mode against a generation. Each run lasts a
 few seconds (windows of a count of requests, a few tries), exits 0, and reads the server's statistics
 (which it refuses unless they are counted as Triton counts them): what the server says each request spent
 queued and computing lies within the latency perf_analyzer measured on its side. Loopback only.
@@ -33,7 +34,7 @@ SERVER_PHASES = ("Server Queue", "Server Compute Input", "Server Compute Infer",
 
 @pytest.fixture(scope="module")
 def mlp():
-    running = start_server(str(ROOT / "examples/mlp.py") + ":serving")
+    running = start_server(str(ROOT / "examples/mlp.py") + ":serving", "--allow-client-shm")
     yield running
     stop(running)
 
@@ -79,6 +80,15 @@ def test_perf_analyzer_measures_a_serving(mlp, tmp_path, protocol, mode):
     port = mlp.grpc_port if protocol == "grpc" else mlp.port
     calls = ["--sync"] if mode == "sync" else ["--async", "--concurrency-range", "4"]
     output, row = perf_analyzer(tmp_path, "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, *calls)
+    assert_server_side_within_client_latency(output, row)
+
+
+@pytest.mark.parametrize(("protocol", "mode"), [("http", "sync"), ("grpc", "async")])
+def test_perf_analyzer_measures_a_serving_through_system_shared_memory(mlp, tmp_path, protocol, mode):
+    port = mlp.grpc_port if protocol == "grpc" else mlp.port
+    calls = ["--sync"] if mode == "sync" else ["--async", "--concurrency-range", "4"]
+    output, row = perf_analyzer(tmp_path, "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, *calls,
+                                "--shared-memory", "system")
     assert_server_side_within_client_latency(output, row)
 
 
