@@ -52,9 +52,9 @@ FOLDER_CAPS = {
     # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's
     # statistics (issue 46: each batch's phases, each completed request's wait and share of them)
     "serving": 1_850,
-    # 1,325: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
+    # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
     # request's share)
-    "serving/generation": 1_325,
+    "serving/generation": 1_400,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

@@ -648,6 +648,34 @@ def test_only_steps_with_a_sampled_request_run_the_sampling_program(monkeypatch)
         assert traced, "a sampled request did not run the sampler"
 
 
+def test_stop_token_ids_end_a_request_and_min_tokens_holds_them_and_eos_back():
+    prompt = np.array([3, 1, 4, 1, 5], np.int32)
+    plain = expected(prompt, 12)
+    stop = plain[3]
+    with js.serve(sampled(eos=plain[1]), name="held") as server:
+        compiles = server.stats().compiles
+        assert js.generate("held", prompt, max_steps=12).tolist() == plain[:2], "eos is its second output"
+        at_stop = js.generate("held", prompt, max_steps=12, stop_token_ids=[stop]).tolist()
+        assert at_stop == plain[:2], "eos still ends it first"
+        held = js.generate("held", prompt, max_steps=12, min_tokens=6, stop_token_ids=[stop, 96]).tolist()
+        assert len(held) >= 6 and not {plain[1], stop, 96} & set(held[:6]), held
+        assert held[0] == plain[0] and held[1] != plain[1], "the runner-up where eos would have come"
+        assert js.generate("held", prompt, max_steps=12, min_tokens=6, temperature=0.7, seed=1,
+                           stop_token_ids=[stop]).tolist()[:6].count(plain[1]) == 0
+        assert server.stats().compiles == compiles, "held ids are options of the sampling programs"
+    with js.serve(sampled(), name="stops") as server:
+        assert js.generate("stops", prompt, max_steps=12, stop_token_ids=[stop]).tolist() == plain[:4], \
+            "a stop id is its last output"
+    for bad in ([-1], list(range(17)), [True], "7"):
+        with pytest.raises(js.OptionError, match="stop_token_ids must be a list of at most 16 token ids"):
+            js.Sampling(stop_token_ids=bad)
+    with pytest.raises(js.OptionError, match=r"min_tokens must be an integer in \[0, 2147483648\)"):
+        js.Sampling(min_tokens=-1)
+    with js.serve(generation(), name="no-logits"):
+        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids"):
+            js.generate("no-logits", prompt, max_steps=4, min_tokens=2)
+
+
 def test_top_k_and_top_p_keep_to_the_most_likely_tokens():
     prompt = np.array([2, 7], np.int32)
     with js.serve(sampled(), name="kept"):

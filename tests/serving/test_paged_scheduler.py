@@ -145,19 +145,18 @@ def test_a_prompt_reuses_the_cached_blocks_of_its_longest_prefix_and_prefills_th
         "a prompt cached whole computes its last block again, for its first output's logits"
 
 
-def test_a_prompt_shares_only_blocks_computed_by_plans_before_its_own():
+def test_a_twin_prompt_waits_a_plan_for_the_blocks_its_first_computes_then_shares_them():
     s = PagedScheduler(generation(chunk_lengths=(16, 64)))
-    short, first, twin = request(tokens=5, start=200), request(tokens=40), request(tokens=40)
-    for r in (short, first, twin):
+    short, first, twin, other = request(tokens=5, start=200), request(tokens=40), request(tokens=40), request(3)
+    for r in (short, first, twin, other):
         s.submit(r)
     plan = s.plan()
-    assert plan.admitted == [short, first, twin] and twin.blocks[0] != first.blocks[0]
-    assert [c.tokens.shape[1] for c in plan.prefills] == [16, 64], \
-        "the twin's program could run before the one writing blocks it would share: it computes its own"
-    later = request(tokens=40)
-    s.submit(later)
-    s.plan()
-    assert later.blocks[:2] == first.blocks[:2] or later.blocks[:2] == twin.blocks[:2]
+    assert plan.admitted == [short, first] and list(s.waiting) == [twin, other], \
+        "sharing now could read blocks before the program writing them ran; computing them again wastes them"
+    assert [c.tokens.shape[1] for c in plan.prefills] == [16, 64]
+    plan = s.plan()
+    assert plan.admitted == [twin, other] and twin.blocks[:2] == first.blocks[:2]
+    assert [(int(c.starts[0]), int(c.counts[0])) for c in plan.prefills if twin in c.requests] == [(32, 8)]
 
 
 @pytest.mark.parametrize("tokens, max_steps, needs", [(100, 200, 127), (10, 300, 127), (60, 20, 79)])

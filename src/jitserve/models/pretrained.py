@@ -31,6 +31,7 @@ from .sharding import mesh_of, tensor_parallel
 from .tokenizer import Tokenizer
 
 PAGED_OPTIONS = ("kv_cache_tokens", "block_size", "prefix_caching")  # what only a paged cache takes
+GENERATION_OPTIONS = {"slots", "kv_cache", "prefill_lengths", "steps_per_launch", *PAGED_OPTIONS}
 KV_CACHES = ("paged", "slots")  # a generation's KV cache: blocks of a pool (the default), or a row per slot
 DEFAULT_MAX_LENGTH = 2048  # a generation's default room per sequence, where the context is longer
 SHORTEST_BUCKET = 16  # the shortest compiled prompt or text length
@@ -107,6 +108,9 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     params = checkpoint.weights(model.weights(), model.ignored(), dtype)
     tokenizer = Tokenizer(checkpoint)
     options = {**({"compiler": compiler} if compiler else {}), **options}
+    generating = sorted(set(options) & GENERATION_OPTIONS)
+    if task != "generation" and generating:
+        raise OptionError(f"{', '.join(generating)} apply to a generation; {architecture} is served as {task!r}")
     if task == "generation":
         if mesh is not None:
             options["mesh"] = tensor_parallel(model, mesh, params, checkpoint.folder)

@@ -64,7 +64,9 @@ def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], output
             if request.history is not None:  # a paged cache's request: its state may be computed again from it
                 request.history.append(int(output))
             deliveries.append((request.stream, output))
-            if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]):
+            stops = request.sampling.stop_token_ids
+            if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]) or \
+                    (stops and int(output) in stops):
                 deliveries.append((request.stream, END))
                 request.ended = True
                 finished.append(request)

@@ -179,6 +179,9 @@ class PagedScheduler(Scheduler[R]):
         sequence = np.concatenate([request.prompt, np.asarray(history, np.int32)]) if history else request.prompt
         keys = block_keys(sequence, self.block_size) if self.prefix_caching else []
         looked = keys[:(sequence.size - 1) // self.block_size]  # the last token is computed again, at least
+        cached = self.pool.cached_prefix(looked)
+        if cached < len(looked) and any(key == looked[cached] for _, key in self.completed):
+            return False  # a prompt of this plan computes its next block (a twin, n > 1): wait, then share it
         shared = self.pool.share(looked)
         request.blocks = list(shared)
         request.computed = len(shared) * self.block_size
@@ -195,7 +198,7 @@ class PagedScheduler(Scheduler[R]):
         self.admissions += 1
         request.slot = self.free.pop(0)
         self.running[request.slot] = request
-        self.sampling += 0 if request.sampling.greedy else 1
+        self.sampling += 0 if request.sampling.plain else 1
         return True
 
     def _prefill(self, request: R, budget: int, chunks: list[tuple[R, np.ndarray, int, int]],
@@ -273,7 +276,7 @@ class PagedScheduler(Scheduler[R]):
             positions[slot] = request.prompt.size + request.dispatched - 1
         samplings: list[Sampling] | None = None
         steps: list[int] | None = None
-        if any(not request.sampling.greedy for request in requests):
+        if any(not request.sampling.plain for request in requests):
             samplings = [decoding[s].sampling if s in decoding else GREEDY for s in range(self.slots)]
             steps = [decoding[s].dispatched if s in decoding else 0 for s in range(self.slots)]
         self._dispatched(requests, self.steps_per_launch)

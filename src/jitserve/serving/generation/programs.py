@@ -33,7 +33,7 @@ from ...mesh import STATE, WEIGHTS, MeshLayout
 from ...packed import PackedLayout
 from ...template import Template, is_template
 from ..serving import owned_host_array
-from .spec import GREEDY, Generation, Sampling
+from .spec import GREEDY, Generation, Sampling, stop_outputs
 
 
 def greedy_tokens(logits: Any) -> Any:
@@ -41,14 +41,19 @@ def greedy_tokens(logits: Any) -> Any:
     return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
 
 
-def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
+def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, min_tokens: Any, held: Any,
+                  step: Any) -> Any:
     """One token per row of ``logits`` (rows, vocabulary): the most likely where ``temperature`` is 0,
     else drawn from that row's top-k / top-p distribution at its temperature with the key
-    ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only."""
+    ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only. While a row's
+    ``step`` is below its ``min_tokens``, the ids of its row of ``held`` (padded with ids past the
+    vocabulary) are never picked."""
     logits = jnp.asarray(logits, jnp.float32)
+    rows, vocabulary = logits.shape
+    banned = jnp.zeros((rows, vocabulary), bool).at[jnp.arange(rows)[:, None], held].set(True, mode="drop")
+    logits = jnp.where(banned & (step < min_tokens)[:, None], -jnp.inf, logits)
 
     def draw(row: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
-        vocabulary = row.shape[-1]
         scaled = row / jnp.maximum(temperature, 1e-6)
         ordered = jnp.sort(scaled)[::-1]
         kept = jnp.where(top_k > 0, scaled >= ordered[jnp.clip(top_k - 1, 0, vocabulary - 1)], True)
@@ -62,6 +67,7 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
     return jnp.where(temperature > 0, drawn, greedy_tokens(logits))
 
 
+NOT_A_TOKEN = 2**31 - 1  # pads a row of held ids: past any vocabulary, so never a token
 CARRY = (STATE, None)  # the slots' carry: their state rows, and their last outputs (replicated on a mesh)
 
 
@@ -103,6 +109,9 @@ class Programs:
         # predicate back), and the pipeline would stall
         self.kinds = (False, True) if generation.logits else (False,)
         self.layout = PackedLayout(generation.params_template)  # the programs take the weights packed
+        # the ids a request's min_tokens holds back, before its own stop ids: the generation's eos
+        self.eos_ids = [] if generation.eos is None or not generation.logits else \
+            [int(i) for i in stop_outputs(generation.eos, Template((), np.int32)).reshape(-1)]
         self.mesh = None if generation.mesh is None else MeshLayout(generation.mesh, self.layout)  # None: one device
 
     def place(self, params: Any) -> Any:
@@ -111,22 +120,28 @@ class Programs:
             return self.mesh.place(self.layout.pack(params))
         return self.compiler.place(self.layout.pack(params), self.options)
 
-    @staticmethod
-    def _option_templates(rows: int, sampled: bool) -> list[Template]:
+    def _option_templates(self, rows: int, sampled: bool) -> list[Template]:
         """The templates of the sampling options of ``rows`` sequences (see :meth:`_arrays`); none unless
         the program samples."""
         if not sampled:
             return []
-        return [Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.uint32, np.int32)]
+        return [*(Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.uint32, np.int32)),
+                Template((rows, len(self.eos_ids) + Sampling.MAX_STOP_IDS), np.int32), Template((rows,), np.int32)]
 
-    @staticmethod
-    def _arrays(samplings: Sequence[Sampling], positions: Sequence[int]) -> list[np.ndarray]:
-        """The options a sampling program takes: each row's temperature, top_k, top_p, seed and position (the
-        number of its step). A generation that gives outputs has no such program: its requests are greedy
+    def _arrays(self, samplings: Sequence[Sampling], positions: Sequence[int]) -> list[np.ndarray]:
+        """The options a sampling program takes: each row's temperature, top_k, top_p, seed, min_tokens, the
+        ids it holds back until then (``eos`` and its stop ids), and position (the number of its step). A
+        generation that gives outputs has no such program: its requests are greedy
         (:meth:`~.spec.Generation.check_request`)."""
+        held = np.full((len(samplings), len(self.eos_ids) + Sampling.MAX_STOP_IDS), NOT_A_TOKEN, np.int32)
+        for row, sampling in enumerate(samplings):
+            if sampling.min_tokens:
+                ids = [*self.eos_ids, *sampling.stop_token_ids]
+                held[row, :len(ids)] = ids
         return [np.array([s.temperature for s in samplings], np.float32),
                 np.array([s.top_k for s in samplings], np.int32), np.array([s.top_p for s in samplings], np.float32),
-                np.array([s.seed for s in samplings], np.uint32), np.array(positions, np.int32)]
+                np.array([s.seed for s in samplings], np.uint32), np.array([s.min_tokens for s in samplings], np.int32),
+                held, np.array(positions, np.int32)]
 
     def _chosen(self, outputs: Any, options: Sequence[Any]) -> Any:
         """The outputs a step gives its callers and the next step: the tokens picked from the logits
@@ -246,7 +261,7 @@ class Programs:
         for row, request in enumerate(padded):
             tokens[row, :request.prompt.size] = request.prompt
         samplings = [request.sampling for request in padded]
-        sampled = any(not sampling.greedy for sampling in samplings)
+        sampled = any(not sampling.plain for sampling in samplings)
         options = self._arrays(samplings, [0] * count) if sampled else []  # a prompt's first output is its step 0
         return [tokens, np.array([r.prompt.size for r in padded], np.int32), np.array([r.slot for r in padded],
                                                                                        np.int32), *options]

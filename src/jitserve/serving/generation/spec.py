@@ -38,11 +38,16 @@ class Sampling:
     """How one request of a ``logits=True`` generation picks its tokens: greedy (``temperature`` 0, the
     default), or drawn at ``temperature`` from the ``top_k`` most likely tokens (0: all of them) that make up
     ``top_p`` of the probability (HF's order: top-k, then top-p), from a generator seeded with ``seed`` (None:
-    a fresh one; a seed gives the same tokens whatever else runs)."""
+    a fresh one; a seed gives the same tokens whatever else runs). ``stop_token_ids``: up to
+    ``MAX_STOP_IDS`` token ids that end the request as ``eos`` does (the id is its last output);
+    ``min_tokens``: its first so many outputs are never ``eos`` nor one of those (held back on the device,
+    as vLLM does)."""
 
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids")
+    MAX_STOP_IDS = 16
 
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 min_tokens: int = 0, stop_token_ids: Sequence[int] = ()) -> None:
         if not finite_number(temperature) or temperature < 0:
             raise OptionError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if not finite_number(top_p) or not 0 < top_p <= 1:
@@ -51,10 +56,21 @@ class Sampling:
         self.top_k = _whole("top_k (0: no limit)", top_k, 2**31)
         self.top_p = float(top_p)
         self.seed = secrets.randbits(32) if seed is None else _whole("seed", seed, 2**32)
+        self.min_tokens = _whole("min_tokens", min_tokens, 2**31)
+        if not isinstance(stop_token_ids, list | tuple) or len(stop_token_ids) > self.MAX_STOP_IDS or not all(
+                not isinstance(i, bool) and isinstance(i, int | np.integer) and 0 <= i < 2**31 for i in stop_token_ids):
+            raise OptionError(f"stop_token_ids must be a list of at most {self.MAX_STOP_IDS} token ids (integers "
+                              f">= 0), got {stop_token_ids!r:.80}")
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing held back: a greedy program picks its tokens (else a sampling one)."""
+        return self.temperature == 0 and self.min_tokens == 0
 
 
 GREEDY = Sampling(seed=0)
@@ -240,9 +256,10 @@ class Generation:
         """A request's prompt (see :meth:`check_prompt`) once its ``max_steps`` and ``sampling`` are checked
         for generation server ``name``."""
         count_option("max_steps", max_steps)
-        if sampling is not None and not sampling.greedy and not self.logits:
-            raise OptionError(f"generation server {name!r} cannot sample: its decode returns outputs, not "
-                              f"logits (serve it with js.Generation(..., logits=True) to sample per request)")
+        if sampling is not None and not self.logits and (not sampling.plain or sampling.stop_token_ids):
+            raise OptionError(f"generation server {name!r} cannot sample, hold back or stop at token ids: its "
+                              f"decode returns outputs, not logits (serve it with js.Generation(..., logits=True) "
+                              f"to choose per request)")
         array = self.check_prompt(prompt)
         if self.cache is not None:  # what it holds at its longest must fit the pool, else it could never finish
             positions = array.size + max(1, min(int(max_steps), self.max_length - array.size)) - 1
