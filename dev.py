@@ -8,7 +8,8 @@ changes or a task needs more (a stamp file holds what is installed), so a
 second run starts at once.
 
     python3 dev.py serve [ARGS]    # the main job: serve the bundled example model (HTTP :8000, gRPC :8001)
-    python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest; installs Chromium with apt-get)
+    python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest; installs Chromium and
+                                   # perf_analyzer's library with apt-get, perf_analyzer with pip)
     python3 dev.py demo            # softmax with every installed compiler against numpy
     python3 dev.py bench NAME      # one script of bench/, e.g. peers (with the bench extra)
     python3 dev.py env             # only set up the environment
@@ -32,6 +33,14 @@ PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".jitserve-stamp"
 ALL_EXTRAS = ("dev", "iree", "http", "ray", "trace")
 TASK_EXTRAS = {"serve": ("http",), "demo": ("iree",), "bench": (*ALL_EXTRAS, "bench")}  # others: ALL_EXTRAS
+# perf_analyzer, Triton's benchmark, which the tests run against jitserve serve: the binary in tritonclient
+# 2.51.0's wheel, the newest whose binary runs on Debian 12's glibc 2.36 (2.52 on need glibc 2.38, and from
+# 2.58 it is PyPI's perf-analyzer, built for glibc 2.38 too), with the CUDA runtime it links (it needs no
+# GPU). That wheel's Python side wants numpy < 2 and protobuf < 5, so both go into a folder of their own
+# beside the environment (pip install --target), which nothing imports: the environment keeps the
+# tritonclient of the dev extra. The binary also links libb64.so.0d, Debian's libb64-0d.
+PERF_ANALYZER = VENV / "perf-analyzer"
+PERF_ANALYZER_WHEELS = ("tritonclient==2.51.0", "nvidia-cuda-runtime-cu12>=12.4,<13")
 
 
 def _project_hash() -> str:
@@ -61,21 +70,41 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     STAMP.write_text(f"{_project_hash()} {','.join(wanted)}")
 
 
-def ensure_chromium() -> None:
-    """The real browser the test suite drives (tests/protocol/test_browser.py): Debian's ``chromium``
-    package, the only way it installs here (apt-get, as root or through sudo), unless one is on PATH."""
-    if any(shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")):
-        return
+def apt_install(package: str, purpose: str) -> None:
+    """Debian's ``package`` for ``purpose``, the only way it installs here (apt-get, as root or through sudo)."""
     apt = shutil.which("apt-get")
     if apt is None:
-        sys.exit("the test suite drives a real Chromium: install one (Debian: apt-get install chromium) and "
-                 "run again")
+        sys.exit(f"{purpose} needs Debian's {package}: install it (apt-get install {package}) and run again")
     sudo = [] if os.geteuid() == 0 else ["sudo"]
-    install = [*sudo, apt, "install", "-y", "--no-install-recommends", "chromium"]
-    print("installing Chromium for the browser test (apt-get install chromium)", flush=True)
+    install = [*sudo, apt, "install", "-y", "--no-install-recommends", package]
+    print(f"installing {package} for {purpose} (apt-get install {package})", flush=True)
     if subprocess.run(install).returncode != 0:  # a fresh machine may have no package lists yet
         subprocess.run([*sudo, apt, "update"], check=True)
         subprocess.run(install, check=True)
+
+
+def ensure_chromium() -> None:
+    """The real browser the test suite drives (tests/protocol/test_browser.py): Debian's ``chromium``
+    package, unless one is on PATH."""
+    if not any(shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")):
+        apt_install("chromium", "the browser test")
+
+
+def ensure_perf_analyzer() -> None:
+    """perf_analyzer for tests/protocol/test_perf_analyzer.py: ``PERF_ANALYZER_WHEELS`` into
+    ``PERF_ANALYZER`` (again when they change), and Debian's libb64-0d unless the loader knows it."""
+    stamp = PERF_ANALYZER / ".jitserve-wheels"
+    wanted = " ".join(PERF_ANALYZER_WHEELS)
+    if not stamp.exists() or stamp.read_text() != wanted:
+        print(f"installing perf_analyzer into {PERF_ANALYZER} ({wanted})", flush=True)
+        shutil.rmtree(PERF_ANALYZER, ignore_errors=True)
+        subprocess.run([str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+                        "--target", str(PERF_ANALYZER), *PERF_ANALYZER_WHEELS], check=True)
+        stamp.write_text(wanted)
+    ldconfig = shutil.which("ldconfig", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
+    known = subprocess.run([ldconfig, "-p"], capture_output=True, text=True).stdout if ldconfig else ""
+    if "libb64.so.0d" not in known:
+        apt_install("libb64-0d", "perf_analyzer")
 
 
 def _exec(argv: list[str]) -> int:
@@ -107,6 +136,7 @@ def main(argv: list[str]) -> int:
     ensure_environment(TASK_EXTRAS.get(task, ALL_EXTRAS))
     if task == "test":
         ensure_chromium()
+        ensure_perf_analyzer()
     return TASKS[task](args)
 
 

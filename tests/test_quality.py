@@ -49,9 +49,12 @@ FOLDER_CAPS = {
     "protocol": 3_500,
     # 1,750: issue 43's typed statistics (stats.py: the shared counters, each engine's, their sum) and the
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
-    # 1,775: the corridor an object each server owns, its entry points given on the server
-    "serving": 1_775,
-    "serving/generation": 1_350,
+    # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's
+    # statistics (issue 46: each batch's phases, each completed request's wait and share of them)
+    "serving": 1_850,
+    # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
+    # request's share)
+    "serving/generation": 1_400,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

@@ -177,8 +177,9 @@ class GrpcFront:
         """Triton's bidirectional stream (tritonclient's ``start_stream`` / ``async_stream_infer``): each
         request is answered with one response per batch that ran some of its rows (per step of a
         streaming serving), as they are ready; errors come as ``error_message``, with the request's id. A
-        request that asks for ``triton_enable_empty_final_response`` gets a last, empty response marked
-        ``triton_final_response``. Bounded as :class:`StreamCall` says."""
+        request that asks for ``triton_enable_empty_final_response`` (as perf_analyzer's do) gets Triton's
+        decoupled protocol: each response marked ``triton_final_response`` false, then a last, empty one
+        marked true. Bounded as :class:`StreamCall` says."""
         _tag_request(context)
         call = StreamCall(self, context)
         self.streams.add(call)
@@ -293,11 +294,14 @@ class StreamCall:
                 span.phase("receive")
             served, stream = service.infer_stream(model, tensors, names, _priority(request), request.model_version,
                                                   _parameter_values(request))
+            marked = _flag(request, "triton_enable_empty_final_response")  # so the last one tells it is
             async for outputs in stream:
                 if span is not None:
                     span.output()
-                await self._put(MESSAGES["ModelStreamInferResponse"](
-                    infer_response=_infer_response(model, served, request.id, outputs, slots)))
+                response = _infer_response(model, served, request.id, outputs, slots)
+                if marked:
+                    response.parameters["triton_final_response"].bool_param = False
+                await self._put(MESSAGES["ModelStreamInferResponse"](infer_response=response))
             status = "OK"
         except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
             failure = error
@@ -310,7 +314,7 @@ class StreamCall:
                 span.phase(None if stream is None else "stream")
                 span.end(failure, status)
         service.count(model, "grpc", "OK", served)
-        if _flag(request, "triton_enable_empty_final_response"):
+        if marked:
             final = MESSAGES["ModelInferResponse"](model_name=model, model_version=served, id=request.id)
             final.parameters["triton_final_response"].bool_param = True
             await self._put(MESSAGES["ModelStreamInferResponse"](infer_response=final))

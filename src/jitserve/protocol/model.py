@@ -279,12 +279,13 @@ class GenerationSpec:
 
     def config(self) -> dict[str, Any]:
         """Triton's model configuration of a decoupled model: no batching the client sees; one response per
-        step."""
+        step; its slots and longest sequence as parameters (Triton's are strings: ``string_value``)."""
         generation = self.server.generation
+        parameters = {"slots": generation.slots, "max_length": generation.max_length}
         return {"name": self.name, "platform": "jitserve", "backend": f"jitserve-{generation.compiler_name}",
                 "max_batch_size": 0, "input": [{**self.inputs[0].config(), "dims": [-1]}],
                 "output": [t.config() for t in self.outputs], "model_transaction_policy": {"decoupled": True},
-                "parameters": {"slots": generation.slots, "max_length": generation.max_length}}
+                "parameters": {name: {"string_value": str(value)} for name, value in parameters.items()}}
 
     def request(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
                 ) -> tuple[np.ndarray, int, Sampling, Delivery]:

@@ -36,7 +36,7 @@ from ..errors import (
 from ..serving.front import Front
 from ..serving.generation import GenerationFront
 from ..serving.server import Server
-from ..serving.stats import GenerationStats, ServerStats
+from ..serving.stats import Phases
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .codec import shown
@@ -281,33 +281,28 @@ class InferenceService:
         return {"model_stats": [self._statistics(spec) for spec in chosen]}
 
     def _statistics(self, spec: Spec) -> dict[str, Any]:
-        """One model version's statistics; a generation's executions are its decode steps, its inferences
-        its requests, and its queue time the time to first output."""
+        """One model version's statistics, counted as Triton counts them: ``success`` and ``fail`` per
+        request over the network, from its arrival to its answer; ``queue`` and the three compute phases per
+        request that completed in the engine (its wait for its first batch or prefill, and its share of the
+        executions that ran it, see :class:`~jitserve.serving.stats.FrontStats`), ``inference_count`` its
+        rows (a prompt is one); per execution (a batch, or a generation's launch of decode steps) by the
+        batch size it ran at, ``execution_count`` their number. No response cache: no cache hit or miss."""
         tally = self.tallies[(spec.name, spec.version)]
         stats = spec.server.stats()
-        if isinstance(stats, GenerationStats):
-            inferences, executions, queued, waits, computing = (stats.requests, stats.steps, stats.requests,
-                                                                stats.first_output_s, stats.step_s)
-            sizes, size_s = {}, {}
-        else:
-            assert isinstance(stats, ServerStats)
-            inferences, executions, queued, waits, computing = (stats.rows, stats.batches, stats.batches,
-                                                                stats.queue_wait_s, stats.execution_s)
-            sizes, size_s = stats.batch_sizes, stats.batch_execution_s
+        completed, phases = stats.completed, stats.completed_phases
+        executions = stats.executions()
         return {
             "name": spec.name, "version": spec.version, "last_inference": tally.last_inference_ms,
-            "inference_count": inferences, "execution_count": executions,
+            "inference_count": stats.inferences, "execution_count": sum(count for count, _ in executions.values()),
             "inference_stats": {
                 "success": _duration(tally.success_count, tally.success_ns),
                 "fail": _duration(tally.fail_count, tally.fail_ns),
-                "queue": _duration(queued, waits * 1e9),
-                "compute_input": _duration(0, 0), "compute_output": _duration(0, 0),
-                "compute_infer": _duration(executions, computing * 1e9),
+                "queue": _duration(completed, stats.completed_queue_s * 1e9),
+                **_phases(completed, phases),
+                "cache_hit": _duration(0, 0), "cache_miss": _duration(0, 0),
             },
-            "batch_stats": [{"batch_size": size, "compute_input": _duration(0, 0),
-                             "compute_output": _duration(0, 0),
-                             "compute_infer": _duration(count, size_s.get(size, 0) * 1e9)}
-                            for size, count in sorted(sizes.items())],
+            "batch_stats": [{"batch_size": size, **_phases(count, size_phases)}
+                            for size, (count, size_phases) in sorted(executions.items())],
         }
 
     def server_metadata(self) -> dict[str, Any]:
@@ -505,6 +500,13 @@ def _rows(spec: Spec, tensors: Mapping[str, np.ndarray]) -> int:
 
 def _duration(count: int, ns: float) -> dict[str, int]:
     return {"count": int(count), "ns": int(ns)}
+
+
+def _phases(count: int, phases: Phases) -> dict[str, dict[str, int]]:
+    """Triton's three compute durations: ``count`` times, in ``phases``."""
+    return {"compute_input": _duration(count, phases.input_s * 1e9),
+            "compute_infer": _duration(count, phases.infer_s * 1e9),
+            "compute_output": _duration(count, phases.output_s * 1e9)}
 
 
 def _version_order(version: str) -> tuple[int, int | str]:

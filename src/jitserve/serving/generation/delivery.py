@@ -28,9 +28,11 @@ from .spec import Generation, Sampling
 
 class GenerationRequest(SlotRequest):
     """One prompt in flight: its outputs go to ``stream`` as they come, then END (or an exception);
-    ``admitted`` is set once it has a slot; ``submitted``: when it was queued."""
+    ``admitted`` is set once it has a slot; ``submitted``: when it was queued; ``waited_s``: how long it
+    waited for its prefill; ``input_s``, ``infer_s``, ``output_s``: the phases of the launches it was part
+    of so far (its statistics once it completes)."""
 
-    __slots__ = ("stream", "admitted", "submitted")
+    __slots__ = ("stream", "admitted", "submitted", "waited_s", "input_s", "infer_s", "output_s")
 
     def __init__(self, prompt: np.ndarray, max_steps: int, sampling: Sampling, max_length: int,
                  loop: asyncio.AbstractEventLoop | None) -> None:
@@ -38,6 +40,7 @@ class GenerationRequest(SlotRequest):
         self.stream = Stream(loop)
         self.admitted = threading.Event()
         self.submitted = time.perf_counter()
+        self.waited_s = self.input_s = self.infer_s = self.output_s = 0.0
 
 
 def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], outputs: np.ndarray,

@@ -125,14 +125,21 @@ class PagedPrograms(Programs):
                     *self._idle(g.slots, sampled))
         owned_host_array(outputs)
 
-    def prefill_of(self, params: Any, carry: Any, prefill: Chunk[Any]) -> tuple[Any, Any]:
-        rows, length = prefill.tokens.shape
-        return self._chunk_program(rows, length)(params, carry, prefill.tokens, prefill.starts, prefill.counts,
-                                                 prefill.tables, prefill.slots,
-                                                 *self._arrays(prefill.samplings, prefill.steps))
+    def prefill_inputs(self, prefill: Chunk[Any]) -> list[np.ndarray]:
+        """The chunk's arrays (the scheduler made them), and its rows' options."""
+        return [prefill.tokens, prefill.starts, prefill.counts, prefill.tables, prefill.slots,
+                *self._arrays(prefill.samplings, prefill.steps)]
 
-    def step_of(self, params: Any, carry: Any, step: PagedStep[Any]) -> tuple[Any, Any]:
+    def prefill_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        rows, length = inputs[0].shape
+        return self._chunk_program(rows, length)(params, carry, *inputs)
+
+    def step_inputs(self, step: PagedStep[Any]) -> list[np.ndarray]:
+        """Per slot its cache position and block table, and its options if any slot samples."""
         sampled = step.samplings is not None and step.positions is not None
         options = self._arrays(step.samplings, step.positions) if sampled else []  # type: ignore[arg-type]
-        return self._decode_program(sampled, step.tables.shape[1])(params, carry, step.cache_positions, step.tables,
-                                                                   *options)
+        return [step.cache_positions, step.tables, *options]
+
+    def step_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        positions, tables, *options = inputs
+        return self._decode_program(bool(options), tables.shape[1])(params, carry, positions, tables, *options)

@@ -251,38 +251,40 @@ class Programs:
         """The options of a program of kind ``sampled`` for ``rows`` idle rows (greedy, at their first step)."""
         return self._arrays([GREEDY] * rows, [0] * rows) if sampled else []
 
-    def prefill_of(self, params: Any, carry: Any, prefill: Any) -> tuple[Any, Any]:
-        """Queue a plan's prefill (a :class:`~.scheduler.Prefill`: :meth:`admit` of its padded prompts): the
-        next carry, and the outputs."""
+    def prefill_inputs(self, prefill: Any) -> list[np.ndarray]:
+        """What :meth:`prefill_of` takes for a plan's prefill (a :class:`~.scheduler.Prefill`), made on the
+        host: its padded prompts' tokens, zeros after each up to its compiled length, their lengths, their
+        slots, and their samplings' options unless all are greedy."""
         padded = prefill.padded
-        return self.admit(params, carry, prefill.length, [r.prompt for r in padded], [r.slot for r in padded],
-                          [r.sampling for r in padded])
-
-    def step_of(self, params: Any, carry: Any, step: Any) -> tuple[Any, Any]:
-        """Queue a plan's decode launch (a :class:`~.scheduler.Step`: :meth:`step`)."""
-        return self.step(params, carry, step.samplings, step.positions)
-
-    def admit(self, params: Any, carry: Any, length: int, prompts: Sequence[np.ndarray], slots: Sequence[int],
-              samplings: Sequence[Sampling]) -> tuple[Any, Any]:
-        """Queue the prefill of ``prompts`` (as many as a compiled number of prompts), padded with zeros to
-        the compiled ``length``, and the write of their rows into ``slots``, their first outputs picked as
-        ``samplings`` say: the next carry, and those outputs."""
-        count = len(prompts)
-        tokens = np.zeros((count, length), np.int32)
-        for row, prompt in enumerate(prompts):
-            tokens[row, :prompt.size] = prompt
-        rows, first = self.prefill(length, count)(params, tokens, np.array([p.size for p in prompts], np.int32))
+        count = len(padded)
+        tokens = np.zeros((count, prefill.length), np.int32)
+        for row, request in enumerate(padded):
+            tokens[row, :request.prompt.size] = request.prompt
+        samplings = [request.sampling for request in padded]
         sampled = any(not sampling.plain for sampling in samplings)
         options = self._arrays(samplings, [0] * count) if sampled else []  # a prompt's first output is its step 0
-        return self.update(count, sampled)(carry, rows, first, np.array(slots, np.int32), *options)
+        return [tokens, np.array([r.prompt.size for r in padded], np.int32), np.array([r.slot for r in padded],
+                                                                                       np.int32), *options]
 
-    def step(self, params: Any, carry: Any, samplings: Sequence[Sampling] | None,
-             positions: Sequence[int] | None) -> tuple[Any, Any]:
-        """Queue a launch of decode steps of every slot: greedy (``samplings`` None), or each slot picking as
-        its ``samplings`` say from its ``positions``: the next carry, and the outputs (steps, slots, ...)."""
-        if samplings is None or positions is None:
-            return self.steps[False](params, carry)
-        return self.steps[True](params, carry, *self._arrays(samplings, positions))
+    def prefill_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        """Queue the prefill :meth:`prefill_inputs` made and the write of its rows into their slots, their
+        first outputs picked greedily or as its options say: the next carry, and those outputs."""
+        tokens, lengths, slots, *options = inputs
+        count, length = tokens.shape
+        rows, first = self.prefill(length, count)(params, tokens, lengths)
+        return self.update(count, bool(options))(carry, rows, first, slots, *options)
+
+    def step_inputs(self, step: Any) -> list[np.ndarray]:
+        """What :meth:`step_of` takes for a plan's decode launch (a :class:`~.scheduler.Step`): nothing for a
+        greedy launch, else each slot's options from its samplings and positions."""
+        if step.samplings is None or step.positions is None:
+            return []
+        return self._arrays(step.samplings, step.positions)
+
+    def step_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        """Queue a launch of decode steps of every slot, greedy or picking as ``inputs``
+        (:meth:`step_inputs`) say: the next carry, and the outputs (steps, slots, ...)."""
+        return self.steps[bool(inputs)](params, carry, *inputs)
 
     def zeros(self) -> Any:
         return jax.tree_util.tree_map(lambda t: t.zeros(), self.carry_template, is_leaf=is_template)
