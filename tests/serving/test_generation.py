@@ -728,7 +728,8 @@ def test_a_seeded_request_gives_the_same_tokens_in_launches_of_several_steps():
 
 def test_sampling_options_are_checked():
     with js.serve(generation(), name="ids"):
-        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids: its decode returns outputs, not logits"):
+        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids: its decode returns "
+                                                 "outputs, not logits"):
             js.generate("ids", [1, 2], max_steps=2, temperature=1.0)
         assert js.generate("ids", [1, 2], max_steps=2, temperature=0.0).tolist() == expected([1, 2], 2)
     for options, message in [({"temperature": -1.0}, "temperature must be a finite number >= 0"),
