@@ -49,8 +49,9 @@ FOLDER_CAPS = {
     "protocol": 3_500,
     # 1,750: issue 43's typed statistics (stats.py: the shared counters, each engine's, their sum) and the
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
-    # 1,775: the corridor an object each server owns, its entry points given on the server
-    "serving": 1_775,
+    # 1,775: the corridor an object each server owns, its entry points given on the server; 1,800: warm-up
+    # progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46)
+    "serving": 1_800,
     "serving/generation": 1_300,
 }
 SOURCE = ROOT / "src" / "jitserve"
