@@ -40,6 +40,7 @@ from ..serving.stats import GenerationStats, ServerStats
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .codec import shown
+from .logs import ClientMistakes
 from .metrics import Metrics
 from .model import GenerationSpec, ModelSpec, select_outputs
 from .shared_memory import SystemSharedMemory
@@ -169,6 +170,7 @@ class InferenceService:
         self.metrics = Metrics()
         self.tallies: dict[tuple[str, str], Tally] = {}
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
+        self.mistakes = ClientMistakes(log)  # clients' mistakes, logged without flooding the log
         self._counters: dict[tuple[str, str, str, str], Any] = {}  # requests_total children by labels
         for key, server in servers.items():
             self.put(key, server)
@@ -429,7 +431,8 @@ class InferenceService:
         """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
         client. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
         the client gets only that id; a client's mistake, or a model's :class:`ModelError` (whose message is
-        meant for the client), is one warning line. What the client sent is
+        meant for the client), is a line told to :attr:`mistakes` (a warning while that kind of mistake is
+        new, else a debug line). What the client sent is
         escaped and cut before it reaches the log."""
         http_status, grpc_status = status_of(error)
         status: int | str = http_status if protocol == "http" else grpc_status
@@ -438,7 +441,7 @@ class InferenceService:
             log.error("%s: model '%s' failed (request id %s)", protocol, loggable(model), tag, exc_info=error)
             message = f"internal error in model '{model}'; the server log has the details under request id {tag}"
         else:
-            log.warning("%s: model '%s': %s: %s", protocol, loggable(model), status, loggable(str(error)))
+            self.mistakes.tell(f"{protocol}: model '{loggable(model)}': {status}: {loggable(str(error))}")
             message = str(error)
         self.count(model, protocol, status, version)
         return http_status, grpc_status, message
@@ -520,3 +523,4 @@ def loggable(text: str) -> str:
     at most ``LOGGED_CHARACTERS`` characters."""
     escaped = text.encode("unicode_escape", "backslashreplace").decode("ascii")
     return escaped if len(escaped) <= LOGGED_CHARACTERS else escaped[:LOGGED_CHARACTERS] + "..."
+
