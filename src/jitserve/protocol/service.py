@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -472,7 +473,11 @@ class FixedModels:
             raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
                                 f"(params=PATH): there is nothing to reload")
         for server in servers:
-            server.reload_params()
+            try:
+                server.reload_params()
+            except CheckpointError as error:  # the client sees the file's name, the log its path
+                log.error("model '%s': its weights did not reload: %s", name, error)
+                raise CheckpointError(hide_paths(str(error))) from None
 
     def unload(self, name: str, parameters: Mapping[str, Any] | None) -> None:
         self.service.model(name)  # the unknown-model error first
@@ -524,3 +529,14 @@ def loggable(text: str) -> str:
     escaped = text.encode("unicode_escape", "backslashreplace").decode("ascii")
     return escaped if len(escaped) <= LOGGED_CHARACTERS else escaped[:LOGGED_CHARACTERS] + "..."
 
+
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~/:-])(?:/[^\s'\"/]+){2,}")  # /a/b and deeper, not in a URL or a ratio
+
+
+def hide_paths(text: str, places: Mapping[str, str] | None = None) -> str:
+    """An error as a client may see it, without the server's filesystem paths (the server's log keeps
+    them): each of ``places`` shown as its value (a model repository's directory as nothing, so that a
+    model's folder reads as its name), any other absolute path as its last part (a file's name)."""
+    for path in sorted(places or {}, key=len, reverse=True):
+        text = text.replace(path, (places or {})[path])
+    return ABSOLUTE_PATH.sub(lambda found: found.group(0).rsplit("/", 1)[1], text)
