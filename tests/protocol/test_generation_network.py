@@ -30,6 +30,8 @@ def server():
     yield running
     output = stop(running)
     assert "Traceback" not in output
+    assert "INFO jitserve.generation: generation server gen: compiled the prefill of 1 prompt of 8 tokens in " \
+        in output, "warm-up logs each program it compiles, naming the model, as a Serving's does"
 
 
 def body(prompt=PROMPT, datatype="INT32", **parameters) -> bytes:

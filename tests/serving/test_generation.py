@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -175,6 +176,37 @@ def test_warm_up_runs_every_program_once_where_a_first_run_costs_extra(monkeypat
         assert set(ran) == {("prefill", 8), ("prefill", 16), ("decode", None)}
         prompt = np.array([2, 7, 1], np.int32)
         assert js.generate("gen-warm", prompt, max_steps=5).tolist() == expected(prompt, 5)
+
+
+def test_warm_up_logs_each_compiled_program_naming_the_generation_as_a_servings_does(caplog):
+    caplog.set_level(logging.INFO)
+    with js.serve(generation(), name="gen-shown") as shown, js.serve(
+            js.Serving(lambda x: x + 1, batch_size=2, input_template=js.template((3,), "float32")), name="plus"):
+        compiles = shown.stats().compiles
+    lines = [record.getMessage() for record in caplog.records]
+    compiled = [line for line in lines if line.startswith("generation server gen-shown: compiled ")]
+    assert len(compiled) == compiles == 2 * 3 + 3 + 1, lines
+    assert any(line.startswith("generation server gen-shown: compiled the prefill of 2 prompts of 16 tokens in ")
+               for line in compiled)
+    assert any(line.startswith("generation server gen-shown: compiled a decode step of 4 slots in ")
+               for line in compiled)
+    assert [line.split(" in ")[0] for line in lines if line.startswith("server plus: ")] == [
+        "server plus: compiled batch size 1 on partition 0", "server plus: compiled batch size 2 on partition 0"]
+    paged = js.Generation(forward=paged_forward, cache=js.PagedCache(layers=1, kv_heads=1, head_dim=2,
+                                                                     dtype="float32", block_size=4),
+                          params=PARAMS, slots=2, max_length=16, prefill_lengths=[8], logits=True)
+    caplog.clear()
+    with js.serve(paged, name="gen-paged") as server:
+        compiles = server.stats().compiles
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation server gen-paged: ")]
+    assert len(compiled) == compiles and any(
+        " compiled the decode launch of 2 slots over 4 blocks, sampled in " in line for line in compiled), compiled
+
+
+def paged_forward(params, cache, tokens, positions, tables, last):
+    """A paged forward that keeps nothing: each row's next token is its last position's, plus one."""
+    picked = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
+    return cache, -jnp.abs(jnp.arange(VOCAB)[None, :] - picked[:, None] % VOCAB).astype(jnp.float32)
 
 
 def test_eos_max_steps_and_max_length_stop_exactly():

@@ -123,6 +123,11 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
     def prompt_ids(prompt: Any) -> np.ndarray:
         if isinstance(prompt, np.ndarray) and prompt.dtype.kind == "O" and prompt.size == 1:
             prompt = prompt.reshape(-1)[0]
+        if isinstance(prompt, np.ndarray):  # a tensor of another datatype, or of several texts or none
+            got = f"{prompt.size} texts" if prompt.dtype.kind in "OSU" else f"{prompt.dtype} values shaped " \
+                  f"{list(prompt.shape)}"
+            raise ModelError(f"a prompt is one text (str, or UTF-8 bytes; over the network a BYTES tensor of one "
+                             f"element); got {got}")
         if not isinstance(prompt, str | bytes):
             raise ModelError(f"a prompt is one text (str, or UTF-8 bytes); got {type(prompt).__name__}")
         return tokenizer.encode(prompt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -40,6 +41,7 @@ from ..serving.stats import Phases
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .codec import shown
+from .logs import ClientMistakes
 from .metrics import Metrics
 from .model import GenerationSpec, ModelSpec, select_outputs
 from .shared_memory import SystemSharedMemory
@@ -169,6 +171,7 @@ class InferenceService:
         self.metrics = Metrics()
         self.tallies: dict[tuple[str, str], Tally] = {}
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
+        self.mistakes = ClientMistakes(log)  # clients' mistakes, logged without flooding the log
         self._counters: dict[tuple[str, str, str, str], Any] = {}  # requests_total children by labels
         for key, server in servers.items():
             self.put(key, server)
@@ -424,7 +427,8 @@ class InferenceService:
         """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
         client. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
         the client gets only that id; a client's mistake, or a model's :class:`ModelError` (whose message is
-        meant for the client), is one warning line. What the client sent is
+        meant for the client), is a line told to :attr:`mistakes` (a warning while that kind of mistake is
+        new, else a debug line). What the client sent is
         escaped and cut before it reaches the log."""
         http_status, grpc_status = status_of(error)
         status: int | str = http_status if protocol == "http" else grpc_status
@@ -433,7 +437,7 @@ class InferenceService:
             log.error("%s: model '%s' failed (request id %s)", protocol, loggable(model), tag, exc_info=error)
             message = f"internal error in model '{model}'; the server log has the details under request id {tag}"
         else:
-            log.warning("%s: model '%s': %s: %s", protocol, loggable(model), status, loggable(str(error)))
+            self.mistakes.tell(f"{protocol}: model '{loggable(model)}': {status}: {loggable(str(error))}")
             message = str(error)
         self.count(model, protocol, status, version)
         return http_status, grpc_status, message
@@ -464,7 +468,11 @@ class FixedModels:
             raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
                                 f"(params=PATH): there is nothing to reload")
         for server in servers:
-            server.reload_params()
+            try:
+                server.reload_params()
+            except CheckpointError as error:  # the client sees the file's name, the log its path
+                log.error("model '%s': its weights did not reload: %s", name, error)
+                raise CheckpointError(hide_paths(str(error))) from None
 
     def unload(self, name: str, parameters: Mapping[str, Any] | None) -> None:
         self.service.model(name)  # the unknown-model error first
@@ -522,3 +530,15 @@ def loggable(text: str) -> str:
     at most ``LOGGED_CHARACTERS`` characters."""
     escaped = text.encode("unicode_escape", "backslashreplace").decode("ascii")
     return escaped if len(escaped) <= LOGGED_CHARACTERS else escaped[:LOGGED_CHARACTERS] + "..."
+
+
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~/:-])(?:/[^\s'\"/]+){2,}")  # /a/b and deeper, not in a URL or a ratio
+
+
+def hide_paths(text: str, places: Mapping[str, str] | None = None) -> str:
+    """An error as a client may see it, without the server's filesystem paths (the server's log keeps
+    them): each of ``places`` shown as its value (a model repository's directory as nothing, so that a
+    model's folder reads as its name), any other absolute path as its last part (a file's name)."""
+    for path in sorted(places or {}, key=len, reverse=True):
+        text = text.replace(path, (places or {})[path])
+    return ABSOLUTE_PATH.sub(lambda found: found.group(0).rsplit("/", 1)[1], text)

@@ -27,6 +27,7 @@ generation runs on one device (its programs name no mesh roles).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +37,9 @@ import numpy as np
 from ...template import Template
 from ..options import powers_of_two_up_to
 from ..serving import owned_host_array
+from ..warmup import Step
 from .paged_scheduler import Chunk, PagedStep
-from .programs import Programs, sample_tokens
+from .programs import KIND, Programs, sample_tokens
 from .spec import Generation
 
 
@@ -100,14 +102,14 @@ class PagedPrograms(Programs):
                 Template((rows, width), np.int32), *self._option_templates(rows, sampled)], (), (), donate=(1,))
         return run
 
-    def compile_all(self) -> None:
+    def warm_up_steps(self) -> list[Step]:
         g = self.generation
-        for rows in g.prefill_batches:
-            for length in g.prefill_lengths:
-                self._chunk_program(rows, length)
-        for width in self.table_widths:
-            for sampled in self.kinds:
-                self._decode_program(sampled, width)
+        return [*[(f"the prefill of {rows} chunk{'s' * (rows > 1)} of {length} tokens",
+                   functools.partial(self._chunk_program, rows, length))
+                  for rows in g.prefill_batches for length in g.prefill_lengths],
+                *[(f"the decode launch of {g.slots} slots over {width} block{'s' * (width > 1)}{KIND[sampled]}",
+                   functools.partial(self._decode_program, sampled, width))
+                  for width in self.table_widths for sampled in self.kinds]]
 
     def run_each_once(self, params: Any) -> None:
         g = self.generation

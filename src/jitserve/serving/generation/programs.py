@@ -20,6 +20,7 @@ program over the mesh's devices, its weights and its slots' state split as the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from ...mesh import STATE, WEIGHTS, MeshLayout
 from ...packed import PackedLayout
 from ...template import Template, is_template
 from ..serving import owned_host_array
+from ..warmup import Step
 from .spec import GREEDY, Generation, Sampling, stop_outputs
 
 
@@ -68,6 +70,7 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
 
 
 NOT_A_TOKEN = 2**31 - 1  # pads a row of held ids: past any vocabulary, so never a token
+KIND = {False: "", True: ", sampled"}  # how warm-up names a program that picks tokens greedily or samples them
 CARRY = (STATE, None)  # the slots' carry: their state rows, and their last outputs (replicated on a mesh)
 
 
@@ -88,10 +91,7 @@ class Programs:
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
-        self.steps = {sampled: self._compile(self._steps, [self.layout.templates, self.carry_template,
-                                                          *self._option_templates(g.slots, sampled)],
-                                                (WEIGHTS, CARRY), (CARRY, None), donate=(1,))
-                      for sampled in self.kinds}
+        self.steps: dict[bool, Callable[..., Any]] = {}
 
     def _common(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
         """What the programs of both engines keep: the generation, its compiler and options, how they take the
@@ -221,15 +221,29 @@ class Programs:
                         *self._option_templates(count, sampled)], (CARRY, STATE), (CARRY, None), donate=(0,))
         return run
 
-    def compile_all(self) -> None:
-        """Compile every prefill bucket and every slot update (the steps compile with the programs)."""
+    def step_program(self, sampled: bool) -> Callable[..., Any]:
+        """The launch of ``steps_per_launch`` decode steps of every slot, picking tokens sampled or not."""
+        run = self.steps.get(sampled)
+        if run is None:
+            run = self.steps[sampled] = self._compile(
+                self._steps, [self.layout.templates, self.carry_template,
+                              *self._option_templates(self.generation.slots, sampled)],
+                (WEIGHTS, CARRY), (CARRY, None), donate=(1,))
+        return run
+
+    def warm_up_steps(self) -> list[Step]:
+        """What warm-up compiles, one program a step (:func:`~jitserve.serving.warmup.compile_each`): every
+        prefill bucket, every slot update and the decode launch, greedy and sampled."""
         g = self.generation
-        for length in g.prefill_lengths:
-            for count in g.prefill_batches:
-                self.prefill(length, count)
-        for count in g.prefill_batches:
-            for sampled in self.kinds:
-                self.update(count, sampled)
+        launch = "a decode step" if g.steps_per_launch == 1 else f"{g.steps_per_launch} decode steps a launch"
+        return [*[(f"the prefill of {count} prompt{'s' * (count > 1)} of {length} tokens",
+                   functools.partial(self.prefill, length, count))
+                  for length in g.prefill_lengths for count in g.prefill_batches],
+                *[(f"the slot update of {count} prompt{'s' * (count > 1)}{KIND[sampled]}",
+                   functools.partial(self.update, count, sampled))
+                  for count in g.prefill_batches for sampled in self.kinds],
+                *[(f"{launch} of {g.slots} slots{KIND[sampled]}", functools.partial(self.step_program, sampled))
+                  for sampled in self.kinds]]
 
     def run_each_once(self, params: Any) -> None:
         """Run every compiled program once, on idle slots of a scratch carry: a GPU loads a program's
@@ -244,7 +258,7 @@ class Programs:
                 carry, _ = self.update(count, sampled)(carry, rows, first, np.arange(count, dtype=np.int32),
                                                        *self._idle(count, sampled))
         for sampled in self.kinds:
-            carry, outputs = self.steps[sampled](params, carry, *self._idle(g.slots, sampled))
+            carry, outputs = self.step_program(sampled)(params, carry, *self._idle(g.slots, sampled))
         owned_host_array(outputs)  # waits for the runs, which all end in it
 
     def _idle(self, rows: int, sampled: bool) -> list[np.ndarray]:
@@ -284,7 +298,7 @@ class Programs:
     def step_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
         """Queue a launch of decode steps of every slot, greedy or picking as ``inputs``
         (:meth:`step_inputs`) say: the next carry, and the outputs (steps, slots, ...)."""
-        return self.steps[bool(inputs)](params, carry, *inputs)
+        return self.step_program(bool(inputs))(params, carry, *inputs)
 
     def zeros(self) -> Any:
         return jax.tree_util.tree_map(lambda t: t.zeros(), self.carry_template, is_leaf=is_template)

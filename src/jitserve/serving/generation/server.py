@@ -33,6 +33,7 @@ from ..options import optional_seconds
 from ..request import Reading, read, read_async
 from ..serving import owned_host_array
 from ..stats import GenerationStats, Phases
+from ..warmup import compile_each
 from .delivery import GenerationRequest, hand_over
 from .paged_programs import PagedPrograms
 from .paged_scheduler import PagedScheduler
@@ -163,10 +164,16 @@ class GenerationServer(GenerationFront):
     # lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> Self:
-        """Compile every prefill bucket, every slot update and the step, and run each once where a first run
-        costs extra (a GPU); then start the loop."""
+        """Compile every prefill bucket, every slot update and the step (a log line each, and a progress bar
+        on a terminal, as a Serving's warm-up shows), and run each once where a first run costs extra (a
+        GPU); then start the loop."""
         programs = self._programs
-        programs.compile_all()
+        steps = programs.warm_up_steps()
+        if programs.compiler.compiles:
+            compile_each(log, f"generation server {self.name}", steps)
+        else:  # functions run as written: nothing compiles, nothing to show
+            for _, step in steps:
+                step()
         if programs.compiler.first_run_costs(programs.options):
             programs.run_each_once(self._params)
         self._carry = programs.zeros()
