@@ -40,7 +40,7 @@ from ..serving import owned_host_array
 from ..warmup import Step
 from .paged_scheduler import Chunk, PagedStep
 from .programs import KIND, Programs, sample_tokens
-from .spec import Generation
+from .spec import PAGED_NARROWEST_TABLE, Generation
 
 
 class PagedPrograms(Programs):
@@ -54,7 +54,7 @@ class PagedPrograms(Programs):
         self.forward = generation.forward
         self.block_size = cache.block_size
         self.max_blocks = -(-generation.max_length // cache.block_size)
-        self.table_widths = powers_of_two_up_to(self.max_blocks)
+        self.table_widths = powers_of_two_up_to(self.max_blocks, PAGED_NARROWEST_TABLE)
         pool = Template((cache.layers, cache.blocks(generation.max_length) * cache.block_size, cache.kv_heads,
                          cache.head_dim), cache.dtype)
         self.output_template = Template((), np.int32)

@@ -34,7 +34,7 @@ import numpy as np
 from ..options import powers_of_two_up_to
 from .blocks import BlockPool, block_keys
 from .scheduler import Plan, R, Scheduler
-from .spec import GREEDY, Generation, Sampling
+from .spec import GREEDY, PAGED_NARROWEST_TABLE, Generation, Sampling
 
 
 class Chunk(NamedTuple, Generic[R]):
@@ -80,7 +80,7 @@ class PagedScheduler(Scheduler[R]):
         self.block_size = g.cache.block_size
         self.pool = BlockPool(g.cache.blocks(g.max_length), self.block_size)
         self.max_blocks = -(-g.max_length // self.block_size)  # a block table's width
-        self.table_widths = powers_of_two_up_to(self.max_blocks)  # compiled decode table widths
+        self.table_widths = powers_of_two_up_to(self.max_blocks, PAGED_NARROWEST_TABLE)  # compiled decode widths
         self.chunk = self.prefill_lengths[-1]  # prompt tokens prefilled per turn, at most
         self.prefix_caching = g.cache.prefix_caching
         self.prefilling: dict[R, tuple[np.ndarray, list[bytes]]] = {}  # admitted, not prefilled: sequence, keys

@@ -77,6 +77,8 @@ GREEDY = Sampling(seed=0)
 
 PAGED_PREFILL_BATCHES = 8  # a paged generation prefills at most this many prompts' chunks in one program
 PAGED_CHUNK = 256  # a paged generation's longest compiled prompt chunk, by default
+PAGED_SHORTEST_CHUNK = 32  # and its shortest (a shorter chunk costs no less to run)
+PAGED_NARROWEST_TABLE = 4  # the fewest blocks a decode launch attends over (fewer cost no less either)
 
 
 class PagedCache:
@@ -164,8 +166,9 @@ class Generation:
         self.params_template = params_template(self.params)
         self.slots = count_option("slots", slots)
         self.max_length = count_option("max_length", max_length)
-        longest = self.max_length if cache is None else min(self.max_length, PAGED_CHUNK)
-        lengths = powers_of_two_up_to(longest, 16) if prefill_lengths is None else \
+        longest, shortest = (self.max_length, 16) if cache is None else \
+            (min(self.max_length, PAGED_CHUNK), PAGED_SHORTEST_CHUNK)
+        lengths = powers_of_two_up_to(longest, shortest) if prefill_lengths is None else \
             sorted({count_option(f"each of prefill_lengths {list(prefill_lengths)}", n) for n in prefill_lengths})
         if not lengths or lengths[-1] > self.max_length:
             raise OptionError(f"prefill_lengths must be positive and at most max_length ({self.max_length}), "
