@@ -1,7 +1,7 @@
 """The host's time per call with many weight arrays: passed packed into few (jitserve.packed) or as given.
 
 Each array a compiled call passes costs the host time, whatever its size; on a GPU a small model's
-step is paced by the host, not the device (README, "Generation"). Two callers of compiled code, each
+step is paced by the host, not the device (bench/README.md, "Generation"). Two callers of compiled code, each
 with a model that does next to nothing, so that the host's work shows, and ``--weights`` weight
 vectors of 4 elements (GPT-2 has 98 vectors among its 148 weights):
 

@@ -1,6 +1,6 @@
 """The portability corpus (tests/compilers/corpus.py, about 290 definitions) on each compiler, against
 XLA on the CPU: how many agree, how many raise a clear jitserve error, how many are wrong or fail
-unclearly. The README's table; run on a GPU machine with ``--device`` to count XLA on CUDA and IREE's
+unclearly. The table in docs/compilers.md; run on a GPU machine with ``--device`` to count XLA on CUDA and IREE's
 cuda driver.
 
     python3 dev.py bench portability                       # xla, evaluator, iree on this CPU

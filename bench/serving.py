@@ -148,7 +148,8 @@ def served(seconds: float, batch_timeout: float, sizes, name: str, use_async: bo
         "rows_per_s": load.rows_per_s, "p50": load.percentile(50), "p99": load.percentile(99),
         "mean_batch": stats.rows / stats.batches, "waste": stats.padded_rows / executed,
         "compiles": stats.compiles,
-        "full_batch_s": stats.batch_execution_s.get(batch_size, math.nan) / stats.batch_sizes.get(batch_size, 1),
+        "full_batch_s": (stats.batch_phases[batch_size].total_s / stats.batch_sizes[batch_size]
+                         if batch_size in stats.batch_sizes else math.nan),
     }
 
 

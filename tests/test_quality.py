@@ -46,13 +46,18 @@ FOLDER_CAPS = {
     # Triton's generate extension (protocol/generate.py); 2,750: loads bounded, 503 with Retry-After; 3,200:
     # OpenAI's API on the HTTP port (protocol/openai.py, its request checks in protocol/openai_request.py);
     # 3,500: Triton's system shared memory extension (protocol/shared_memory.py, its HTTP and gRPC calls), BF16;
-    # 3,650: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py)
-    "protocol": 3_650,
+    # 3,550: clients' mistakes logged without flooding the log, no server path in a client's error (issue 46);
+    # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py)
+    "protocol": 3_700,
     # 1,750: issue 43's typed statistics (stats.py: the shared counters, each engine's, their sum) and the
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
-    # 1,775: the corridor an object each server owns, its entry points given on the server
-    "serving": 1_775,
-    "serving/generation": 1_300,
+    # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's
+    # statistics (issue 46: each batch's phases, each completed request's wait and share of them); 1,875:
+    # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46)
+    "serving": 1_875,
+    # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
+    # request's share)
+    "serving/generation": 1_400,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

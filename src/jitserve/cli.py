@@ -144,14 +144,16 @@ def load_servings(args: argparse.Namespace) -> dict[str, Any]:
 
     # serve's, not bench's
     hf, task, dtype, devices = (getattr(args, name, None) for name in ("hf", "task", "dtype", "devices"))
+    generating = {flag: value for flag in GENERATION_FLAGS if (value := getattr(args, flag, None)) is not None}
     if hf:
         if args.name is not None and len(hf) > 1:
             raise OptionError("--name names one model: leave it out with several --hf folders (each is named "
                               "after its folder)")
         found: Any = {args.name or Path(folder).resolve().name: from_pretrained(
-            folder, task=task, dtype=dtype, compiler=args.compiler, devices=devices) for folder in hf}
-    elif task is not None or dtype is not None or devices is not None:
-        raise OptionError("--task, --dtype and --devices apply to a checkpoint: give them with --hf DIR")
+            folder, task=task, dtype=dtype, compiler=args.compiler, devices=devices, **generating) for folder in hf}
+    elif task is not None or dtype is not None or devices is not None or generating:
+        flags = ", ".join("--" + flag.replace("_", "-") for flag in GENERATION_FLAGS)
+        raise OptionError(f"--task, --dtype, --devices and {flags} apply to a checkpoint: give them with --hf DIR")
     else:
         found = load_target(args.target)
     if not (isinstance(found, dict) or is_servable(found)):
@@ -180,6 +182,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
                               ("compiler", args.compiler)] if v is not None}
 
 
+GENERATION_FLAGS = {  # from_pretrained's generation options -> (type, help); each is the flag --name-with-dashes
+    "slots": (int, "the most sequences one step runs (default 32 with the paged cache, 8 with the slot cache)"),
+    "max_length": (int, "tokens per sequence, prompt and outputs (default the context, at most 2,048)"),
+    "kv_cache": (str, "paged (blocks of one pool, the default) or slots (a max-length row per slot)"),
+    "kv_cache_tokens": (int, "the paged cache's positions, every sequence's together (default 8 x max length)"),
+}
 API_KEY_ENV = "JITSERVE_API_KEY"
 LIMIT_FLAGS = {  # Limits field -> (type, help); each is the flag --field-with-dashes
     "max_body_bytes": (int, "largest request body or gRPC message, bytes; larger is 413 / RESOURCE_EXHAUSTED"),
@@ -455,6 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--devices", type=int, metavar="N",
                               help="with --hf: split a generation's weights and KV cache over N devices of this "
                               "host (tensor parallel; default one device)")
+    for flag, (kind, text) in GENERATION_FLAGS.items():
+        serve_parser.add_argument(f"--{flag.replace('_', '-')}", type=kind, metavar="N" if kind is int else None,
+                                  choices=("paged", "slots") if flag == "kv_cache" else None,
+                                  help=f"with --hf, a generation: {text}")
     serve_parser.add_argument("--model-repository", metavar="DIR", help="serve DIR/NAME/model.py (each defines "
                               "'serving'), or DIR/NAME/config.json (a checkpoint), as model NAME, instead of a "
                               "TARGET")

@@ -4,7 +4,7 @@ compared with jax.jit's answer at a dtype-appropriate tolerance.
 The evaluator must agree on every case. IREE must agree or raise a jitserve error that says what it
 cannot do and which compiler can (linear algebra, FFTs of lengths other than powers of two, float64
 library functions on CPU), and agree on every gather and scatter; a wrong answer or a raw error fails. ``bench/portability.py`` prints the
-counts per compiler (the README's table).
+counts per compiler (the table in docs/compilers.md).
 """
 
 from __future__ import annotations

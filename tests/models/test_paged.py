@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import numpy as np
 import pytest
 from checkpoints import CORPUS
 from test_pretrained import NEW_TOKENS, expected_text, reference
@@ -96,3 +97,61 @@ def test_a_request_that_could_never_fit_the_pool_is_refused_before_any_output(ma
         assert str(refused.value).endswith(f"need {positions} positions of KV cache; the whole cache of generation "
                                            f"server 'tiny' holds 64 (4 blocks of 16)")
         assert js.generate("tiny", "Once", max_steps=4)
+
+
+def test_the_evaluator_pages_as_xla_does_and_iree_keeps_the_slot_cache(made):
+    folder = made(VARIANT)
+    small = {"slots": 2, "max_length": 64, "prefill_lengths": [16], "kv_cache_tokens": 128}
+    answers = []
+    for compiler in ("xla", "evaluator"):
+        generation = js.from_pretrained(folder, compiler=compiler, **small)
+        assert generation.engine == "paged"
+        with js.serve(generation, name=f"paged-{compiler}"):
+            answers.append(js.generate(f"paged-{compiler}", "Once upon a time", max_steps=10))
+    assert answers[0] == answers[1]
+    on_iree = {name: value for name, value in small.items() if name != "kv_cache_tokens"}
+    assert js.from_pretrained(folder, compiler="iree", **on_iree).engine == "slots", \
+        "IREE writes through block tables to other tokens"
+    with pytest.raises(js.OptionError, match=r"kv_cache_tokens size a paged cache; this generation keeps a slot "
+                                             r"cache \(kv_cache='slots', as its compiler or devices ask\)"):
+        js.from_pretrained(folder, compiler="iree", **small)
+    with pytest.raises(js.OptionError, match="compiler 'iree' does not run a paged cache's programs as XLA does; "
+                                             "serve this generation with compiler 'xla' or 'evaluator'"):
+        js.from_pretrained(folder, compiler="iree", kv_cache="paged", **small)
+
+
+def test_stop_token_ids_and_min_tokens_in_the_paged_cache_as_in_the_slot_cache(made):
+    checkpoint = js.from_pretrained(made(VARIANT), max_length=64, prefill_lengths=[16])
+    ids = np.asarray(checkpoint.prompt_of("Once upon a time"))
+    common = {"params": checkpoint.params, "slots": 2, "max_length": 64, "prefill_lengths": [16], "logits": True}
+    paged = js.Generation(forward=checkpoint.forward, cache=checkpoint.cache, **common)
+    with js.serve(paged, name="ids"):
+        plain = js.generate("ids", ids, max_steps=12).tolist()
+    eos, stop = plain[1], plain[4]
+    answers = {}
+    for engine in ("paged", "slots"):
+        generation = js.Generation(forward=checkpoint.forward, cache=checkpoint.cache, eos=eos, **common) \
+            if engine == "paged" else js.from_pretrained(made(VARIANT), kv_cache="slots", max_length=64,
+                                                         prefill_lengths=[16])
+        if engine == "slots":
+            generation = js.Generation(generation.prefill, generation.decode, eos=eos, **common)
+        with js.serve(generation, name=f"held-{engine}"):
+            answers[engine] = [js.generate(f"held-{engine}", ids, max_steps=12, **options).tolist() for options in
+                               ({}, {"min_tokens": 6, "stop_token_ids": [stop]}, {"stop_token_ids": [plain[0]]})]
+    assert answers["paged"] == answers["slots"]
+    ended, held, first = answers["paged"]
+    assert ended == plain[:2] and first == plain[:1]
+    assert len(held) >= 6 and not {eos, stop} & set(held[:6])
+
+
+def test_n_samples_of_one_prompt_share_its_blocks_and_equal_their_runs_alone(made):
+    paged = js.from_pretrained(made(VARIANT), slots=8, max_length=MAX_LENGTH, prefill_lengths=[16, 64])
+    prompt = PROMPTS[-1]
+    requests = [(prompt, {**SAMPLED, "seed": seed}) for seed in range(4)]
+    with js.serve(paged, name="n-samples") as server:
+        together = run_all("n-samples", requests)
+        shared = server.stats().prefix_hits
+        alone = [js.generate("n-samples", p, max_steps=STEPS, **o) for p, o in requests]
+    blocks = (len(paged.prompt_of(prompt)) - 1) // 16
+    assert blocks >= 3 and shared >= 3 * blocks, "the 3 twins took the first's prompt blocks"
+    assert together == alone and len(set(together)) > 1

@@ -44,6 +44,32 @@ def text_input(module, prompt=PROMPT):
     return tensor
 
 
+def test_serve_hf_sizes_the_paged_cache_refuses_what_never_fits_and_reports_its_blocks(made):
+    running = start_server(f"--hf={made('llama-tied')}", "--name", "llm", "--slots", "4", "--max-length", "128",
+                           "--kv-cache-tokens", "64")
+    try:
+        status, refusal = running.infer_json("llm", json.dumps({"inputs": [
+            {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]}],
+            "parameters": {"max_tokens": 100}}).encode())
+        assert status == 400 and re.search(r"the prompt \(\d+ tokens\) and its outputs \(max_steps 100\) need \d+ "
+                                           r"positions of KV cache; the whole cache of generation server 'llm' "
+                                           r"holds 64 \(4 blocks of 16\)", refusal["error"]), refusal
+        status, answer = running.infer_json("llm", json.dumps({"inputs": [
+            {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]}],
+            "parameters": {"max_tokens": 4}}).encode())
+        assert status == 200, answer
+        metrics = running.request("GET", "/metrics")[2].decode()
+        for line in ('jitserve_generation_kv_blocks{model="llm",version="1"} 4.0',
+                     'jitserve_generation_kv_blocks_used{model="llm",version="1"} 0.0',
+                     'jitserve_generation_slots{model="llm",version="1"} 4.0'):
+            assert line in metrics, line
+        assert re.search(r'jitserve_generation_prefix_lookups_total\{model="llm",version="1"\} \d', metrics)
+        assert re.search(r'jitserve_generation_preemptions_total\{model="llm",version="1"\} 0\.0', metrics)
+    finally:
+        output = stop(running)
+    assert "Traceback" not in output
+
+
 def test_serve_hf_on_a_checkpoint_that_does_not_fit_exits_with_one_line(made, tmp_path):
     folder = tmp_path / "bad"
     shutil.copytree(made("llama-tied"), folder)

@@ -77,3 +77,27 @@ def test_the_access_log_has_one_line_per_inference_request(log_format):
     assert re.search(r" INFO jitserve\.access: http mlp/1 200 rows=3 \d+\.\d{3}ms \[request ok-1\]$", access[0])
     assert re.search(r" INFO jitserve\.access: http mlp/1 400 rows=1 \d+\.\d{3}ms \[request bad-2\]$", access[1])
     assert re.search(r" INFO jitserve\.access: grpc mlp/1 OK rows=2 \d+\.\d{3}ms \[request grpc-3\]$", access[2])
+
+
+def test_a_client_repeating_a_mistake_cannot_flood_the_log():
+    """200 requests to an unknown model: the first three are WARNING lines, then the 10th and the 100th
+    (counting them); the others are DEBUG lines, below the server's level. Each is still a 404 and counted
+    in /metrics; a new kind of mistake is a WARNING line again."""
+    running = start_server(str(ROOT / "examples/mlp.py") + ":serving")
+    try:
+        for _ in range(200):
+            assert running.request("POST", "/v2/models/nope/infer", MLP_INPUT.encode())[0] == 404
+        for name in ("other", "another"):  # another name is the same kind of mistake
+            assert running.request("POST", f"/v2/models/{name}/infer", MLP_INPUT.encode())[0] == 404
+        assert running.request("POST", "/v2/models/mlp/infer", BAD_INPUT.encode())[0] == 400
+        metrics = running.request("GET", "/metrics")[2].decode()
+    finally:
+        output = stop(running)
+    assert re.search(r'jitserve_requests_total\{model="",protocol="http",status="404",version=""\} 202\.0', metrics)
+    warnings = [line for line in output.splitlines() if " WARNING " in line]
+    assert len(warnings) == 6, warnings
+    assert all("404: unknown model 'nope'" in line for line in warnings[:5])
+    assert warnings[3].endswith("(10 answers of this kind so far; after the first 3, each is a DEBUG line but "
+                                "the 10th, 100th, 1,000th...)" + warnings[3][warnings[3].index(" [request"):])
+    assert "(100 answers of this kind so far;" in warnings[4]
+    assert "model 'mlp': 400: input 'input' has shape [1, 3], but model 'mlp' expects [-1, 16]" in warnings[5]

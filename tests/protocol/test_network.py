@@ -174,8 +174,22 @@ def test_tritonclient_model_config_statistics_and_repository_index(server, clien
     assert (after["name"], after["version"]) == ("affine", "1")
     success = after["inference_stats"]["success"]
     assert int(success["count"]) == int(before["inference_stats"]["success"].get("count", 0)) + 1
-    assert int(success["ns"]) > 0 and int(after["inference_count"]) >= 3
+    assert int(success["ns"]) > 0 and int(after["inference_count"]) == int(before.get("inference_count", 0)) + 3
     assert any(int(entry["batch_size"]) == 4 for entry in after["batch_stats"]), "3 rows run padded to 4"
+
+    def count(duration):  # protobuf's JSON leaves a zero out
+        return int(duration.get("count", 0))
+
+    # Triton's counts: per request (queue and the three compute phases alike, as perf_analyzer checks), per
+    # execution by batch size
+    stats = after["inference_stats"]
+    assert count(stats["queue"]) == count(before["inference_stats"]["queue"]) + 1
+    assert count(stats["queue"]) == count(stats["compute_input"]) == count(stats["compute_infer"]) == \
+        count(stats["compute_output"])
+    assert count(stats["cache_hit"]) == count(stats["cache_miss"]) == 0, "no response cache"
+    assert int(after["execution_count"]) == sum(count(entry["compute_infer"]) for entry in after["batch_stats"])
+    assert all(count(entry["compute_input"]) == count(entry["compute_infer"]) == count(entry["compute_output"])
+               for entry in after["batch_stats"])
     every = client.get_inference_statistics(**as_json)["model_stats"]
     assert {entry["name"] for entry in every} >= {"mlp", "affine", "versioned"}
 

@@ -177,6 +177,12 @@ def test_tritonclient_load_model_reloads_the_weights_under_load_without_a_compil
         with pytest.raises(InferenceServerException) as info:
             client.load_model("nope")
         assert "unknown model 'nope'" in str(info.value)
+        path.unlink()
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("weighted")  # the client sees the file's name, not the server's path
+        assert "cannot load weights from 'weights.safetensors': no such file" in str(info.value)
+        assert str(tmp_path) not in str(info.value) and infer().tolist() == [[6.0] * 4] * 2
     finally:
         output = stop(running)
     assert output.count("compiled batch size") == 4 + 2, "the reloads compiled nothing"
+    assert f"model 'weighted': its weights did not reload: cannot load weights from '{path}'" in output

@@ -433,3 +433,32 @@ def test_a_load_that_never_finishes_fails_at_the_load_timeout_and_the_model_load
         for name in list(service.models):
             for server in service.remove(name):
                 server.stop()
+
+
+def test_a_failed_load_shows_the_client_the_model_not_the_servers_paths(repository):
+    """The client's error and the repository index name the model (its folder from the repository), never
+    the server's filesystem; the server's log keeps the paths."""
+    write_model(repository, "unweighted", WEIGHTED.format(extra=""))  # its weights.safetensors is not there
+    write_model(repository, "elsewhere", "open('/nonexistent-jitserve/outside/data.bin')\n")  # not in the repository
+    write_model(repository, "empty", "serving = None\n")
+    running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit")
+    try:
+        http, grpc = Client("http", running), Client("grpc", running)
+        errors = {}
+        for name, client in (("unweighted", http), ("elsewhere", grpc), ("empty", http)):
+            with pytest.raises(InferenceServerException) as refused:
+                client.client.load_model(name)
+            errors[name] = str(refused.value)
+        reasons = {name: entry["reason"] for name, entry in http.index().items()}
+    finally:
+        output = stop(running)
+    assert "model 'unweighted' failed to load: cannot load weights from 'unweighted/weights.safetensors': no " \
+           "such file" in errors["unweighted"]
+    assert "model 'elsewhere' failed to load: [Errno 2] No such file or directory: 'data.bin'" in errors["elsewhere"]
+    assert "model 'empty' failed to load: empty/model.py must define serving = js.Serving(...)" in errors["empty"]
+    assert reasons["unweighted"] == "load failed: cannot load weights from 'unweighted/weights.safetensors': no " \
+                                    "such file"
+    shown = " ".join([*errors.values(), *reasons.values()])
+    assert str(repository) not in shown and str(repository.resolve()) not in shown and "outside" not in shown
+    assert f"cannot load weights from '{repository / 'unweighted' / 'weights.safetensors'}'" in output
+    assert "'/nonexistent-jitserve/outside/data.bin'" in output

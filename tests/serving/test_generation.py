@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -175,6 +176,37 @@ def test_warm_up_runs_every_program_once_where_a_first_run_costs_extra(monkeypat
         assert set(ran) == {("prefill", 8), ("prefill", 16), ("decode", None)}
         prompt = np.array([2, 7, 1], np.int32)
         assert js.generate("gen-warm", prompt, max_steps=5).tolist() == expected(prompt, 5)
+
+
+def test_warm_up_logs_each_compiled_program_naming_the_generation_as_a_servings_does(caplog):
+    caplog.set_level(logging.INFO)
+    with js.serve(generation(), name="gen-shown") as shown, js.serve(
+            js.Serving(lambda x: x + 1, batch_size=2, input_template=js.template((3,), "float32")), name="plus"):
+        compiles = shown.stats().compiles
+    lines = [record.getMessage() for record in caplog.records]
+    compiled = [line for line in lines if line.startswith("generation server gen-shown: compiled ")]
+    assert len(compiled) == compiles == 2 * 3 + 3 + 1, lines
+    assert any(line.startswith("generation server gen-shown: compiled the prefill of 2 prompts of 16 tokens in ")
+               for line in compiled)
+    assert any(line.startswith("generation server gen-shown: compiled a decode step of 4 slots in ")
+               for line in compiled)
+    assert [line.split(" in ")[0] for line in lines if line.startswith("server plus: ")] == [
+        "server plus: compiled batch size 1 on partition 0", "server plus: compiled batch size 2 on partition 0"]
+    paged = js.Generation(forward=paged_forward, cache=js.PagedCache(layers=1, kv_heads=1, head_dim=2,
+                                                                     dtype="float32", block_size=4),
+                          params=PARAMS, slots=2, max_length=16, prefill_lengths=[8], logits=True)
+    caplog.clear()
+    with js.serve(paged, name="gen-paged") as server:
+        compiles = server.stats().compiles
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation server gen-paged: ")]
+    assert len(compiled) == compiles and any(
+        " compiled the decode launch of 2 slots over 4 blocks, sampled in " in line for line in compiled), compiled
+
+
+def paged_forward(params, cache, tokens, positions, tables, last):
+    """A paged forward that keeps nothing: each row's next token is its last position's, plus one."""
+    picked = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
+    return cache, -jnp.abs(jnp.arange(VOCAB)[None, :] - picked[:, None] % VOCAB).astype(jnp.float32)
 
 
 def test_eos_max_steps_and_max_length_stop_exactly():
@@ -648,6 +680,34 @@ def test_only_steps_with_a_sampled_request_run_the_sampling_program(monkeypatch)
         assert traced, "a sampled request did not run the sampler"
 
 
+def test_stop_token_ids_end_a_request_and_min_tokens_holds_them_and_eos_back():
+    prompt = np.array([3, 1, 4, 1, 5], np.int32)
+    plain = expected(prompt, 12)
+    stop = plain[3]
+    with js.serve(sampled(eos=plain[1]), name="held") as server:
+        compiles = server.stats().compiles
+        assert js.generate("held", prompt, max_steps=12).tolist() == plain[:2], "eos is its second output"
+        at_stop = js.generate("held", prompt, max_steps=12, stop_token_ids=[stop]).tolist()
+        assert at_stop == plain[:2], "eos still ends it first"
+        held = js.generate("held", prompt, max_steps=12, min_tokens=6, stop_token_ids=[stop, 96]).tolist()
+        assert len(held) >= 6 and not {plain[1], stop, 96} & set(held[:6]), held
+        assert held[0] == plain[0] and held[1] != plain[1], "the runner-up where eos would have come"
+        assert js.generate("held", prompt, max_steps=12, min_tokens=6, temperature=0.7, seed=1,
+                           stop_token_ids=[stop]).tolist()[:6].count(plain[1]) == 0
+        assert server.stats().compiles == compiles, "held ids are options of the sampling programs"
+    with js.serve(sampled(), name="stops") as server:
+        assert js.generate("stops", prompt, max_steps=12, stop_token_ids=[stop]).tolist() == plain[:4], \
+            "a stop id is its last output"
+    for bad in ([-1], list(range(17)), [True], "7"):
+        with pytest.raises(js.OptionError, match="stop_token_ids must be a list of at most 16 token ids"):
+            js.Sampling(stop_token_ids=bad)
+    with pytest.raises(js.OptionError, match=r"min_tokens must be an integer in \[0, 2147483648\)"):
+        js.Sampling(min_tokens=-1)
+    with js.serve(generation(), name="no-logits"):
+        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids"):
+            js.generate("no-logits", prompt, max_steps=4, min_tokens=2)
+
+
 def test_top_k_and_top_p_keep_to_the_most_likely_tokens():
     prompt = np.array([2, 7], np.int32)
     with js.serve(sampled(), name="kept"):
@@ -700,7 +760,8 @@ def test_a_seeded_request_gives_the_same_tokens_in_launches_of_several_steps():
 
 def test_sampling_options_are_checked():
     with js.serve(generation(), name="ids"):
-        with pytest.raises(js.OptionError, match="cannot sample: its decode returns outputs, not logits"):
+        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids: its decode returns "
+                                                 "outputs, not logits"):
             js.generate("ids", [1, 2], max_steps=2, temperature=1.0)
         assert js.generate("ids", [1, 2], max_steps=2, temperature=0.0).tolist() == expected([1, 2], 2)
     for options, message in [({"temperature": -1.0}, "temperature must be a finite number >= 0"),

@@ -67,7 +67,7 @@ def test_a_sequence_holds_the_blocks_of_what_it_has_written_not_its_max_length()
     assert plan.admitted == [r] and [c.requests for c in plan.prefills] == [[r]]
     assert len(r.blocks) == 2 and s.pool.used == 2, "20 prompt positions and the first decode's, in blocks of 16"
     assert plan.step is not None and plan.step.requests == [r] and plan.step.cache_positions[0] == 20
-    assert plan.step.tables.shape == (4, 2) and list(plan.step.tables[0]) == r.blocks
+    assert plan.step.tables.shape == (4, 4) and list(plan.step.tables[0]) == [*r.blocks, 0, 0], "4 blocks at least"
     delivered(r)
     for _ in range(12):
         s.plan()
@@ -143,6 +143,20 @@ def test_a_prompt_reuses_the_cached_blocks_of_its_longest_prefix_and_prefills_th
     plan = s.plan()
     assert [(int(c.starts[0]), int(c.counts[0])) for c in plan.prefills] == [(16, 16)], \
         "a prompt cached whole computes its last block again, for its first output's logits"
+
+
+def test_a_twin_prompt_waits_a_plan_for_the_blocks_its_first_computes_then_shares_them():
+    s = PagedScheduler(generation(chunk_lengths=(16, 64)))
+    short, first, twin, other = request(tokens=5, start=200), request(tokens=40), request(tokens=40), request(3)
+    for r in (short, first, twin, other):
+        s.submit(r)
+    plan = s.plan()
+    assert plan.admitted == [short, first] and list(s.waiting) == [twin, other], \
+        "sharing now could read blocks before the program writing them ran; computing them again wastes them"
+    assert [c.tokens.shape[1] for c in plan.prefills] == [16, 64]
+    plan = s.plan()
+    assert plan.admitted == [twin, other] and twin.blocks[:2] == first.blocks[:2]
+    assert [(int(c.starts[0]), int(c.counts[0])) for c in plan.prefills if twin in c.requests] == [(32, 8)]
 
 
 @pytest.mark.parametrize("tokens, max_steps, needs", [(100, 200, 127), (10, 300, 127), (60, 20, 79)])

@@ -60,6 +60,8 @@ class Compiler(abc.ABC):
     (in the server's process) or ``"process"`` (a worker process per partition, which a native crash
     cannot take the server down with).
     ``shards`` is True for a compiler that runs one program over several devices (:meth:`compile_sharded`).
+    ``pages`` is True for one that runs a paged KV cache's programs (writes through block tables, reads
+    gathered by them) as XLA does, checked by a test against XLA's tokens.
     """
 
     name: ClassVar[str]
@@ -67,6 +69,7 @@ class Compiler(abc.ABC):
     compiles: ClassVar[bool] = True
     default_isolation: ClassVar[str] = "thread"
     shards: ClassVar[bool] = False
+    pages: ClassVar[bool] = False
 
     def check_options(self, options: Mapping[str, Any]) -> None:
         unknown = sorted(set(options) - COMMON_OPTIONS - self.options)

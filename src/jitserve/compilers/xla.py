@@ -82,6 +82,7 @@ class XlaCompiler(Compiler):
     name = "xla"
     options = frozenset({"device"})
     shards = True
+    pages = True
 
     def _jit(self, fn: Callable[..., Any], options: Mapping[str, Any], donate: Sequence[int] = (),
              shardings: tuple[Any, Any] | None = None) -> Any:

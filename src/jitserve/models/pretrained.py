@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from ..batch import Batch
+from ..defn import resolve_options
 from ..errors import CheckpointError, ModelError, OptionError
 from ..serving.generation import Generation, PagedCache
 from ..serving.options import powers_of_two_up_to
@@ -29,6 +30,8 @@ from .llama import Llama
 from .sharding import mesh_of, tensor_parallel
 from .tokenizer import Tokenizer
 
+PAGED_OPTIONS = ("kv_cache_tokens", "block_size", "prefix_caching")  # what only a paged cache takes
+GENERATION_OPTIONS = {"slots", "kv_cache", "prefill_lengths", "steps_per_launch", *PAGED_OPTIONS}
 KV_CACHES = ("paged", "slots")  # a generation's KV cache: blocks of a pool (the default), or a row per slot
 DEFAULT_MAX_LENGTH = 2048  # a generation's default room per sequence, where the context is longer
 SHORTEST_BUCKET = 16  # the shortest compiled prompt or text length
@@ -105,6 +108,9 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     params = checkpoint.weights(model.weights(), model.ignored(), dtype)
     tokenizer = Tokenizer(checkpoint)
     options = {**({"compiler": compiler} if compiler else {}), **options}
+    generating = sorted(set(options) & GENERATION_OPTIONS)
+    if task != "generation" and generating:
+        raise OptionError(f"{', '.join(generating)} apply to a generation; {architecture} is served as {task!r}")
     if task == "generation":
         if mesh is not None:
             options["mesh"] = tensor_parallel(model, mesh, params, checkpoint.folder)
@@ -117,16 +123,29 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
     def prompt_ids(prompt: Any) -> np.ndarray:
         if isinstance(prompt, np.ndarray) and prompt.dtype.kind == "O" and prompt.size == 1:
             prompt = prompt.reshape(-1)[0]
+        if isinstance(prompt, np.ndarray):  # a tensor of another datatype, or of several texts or none
+            got = f"{prompt.size} texts" if prompt.dtype.kind in "OSU" else f"{prompt.dtype} values shaped " \
+                  f"{list(prompt.shape)}"
+            raise ModelError(f"a prompt is one text (str, or UTF-8 bytes; over the network a BYTES tensor of one "
+                             f"element); got {got}")
         if not isinstance(prompt, str | bytes):
             raise ModelError(f"a prompt is one text (str, or UTF-8 bytes); got {type(prompt).__name__}")
         return tokenizer.encode(prompt)
 
-    kv_cache = options.pop("kv_cache", "slots" if "mesh" in options else "paged")  # tensor parallel: slots
+    chosen, _ = resolve_options({key: options[key] for key in ("compiler",) if key in options})
+    # the paged cache where it runs: on one device, with a compiler that pages as XLA does (not IREE)
+    given = dict(options)
+    kv_cache = options.pop("kv_cache", "paged" if chosen.pages and "mesh" not in options else "slots")
     if kv_cache not in KV_CACHES:
         raise OptionError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     common = {"params": params, "max_length": max_length, "eos": _eos(checkpoint, tokenizer), "logits": True,
               "preprocess": TextHook(prompt_ids, tokenizer, "generation"), "detokenizer": tokenizer.stream}
     if kv_cache == "slots":
+        paged_only = [name for name in PAGED_OPTIONS if name in options]
+        if paged_only:
+            why = "" if "kv_cache" in given else ", as its compiler or devices ask"
+            raise OptionError(f"{', '.join(paged_only)} size a paged cache; this generation keeps a slot cache "
+                              f"(kv_cache='slots'{why})")
         options.setdefault("slots", 8)
         return Generation(functools.partial(layers.prefill, model, max_length),
                           functools.partial(layers.decode, model), **common, **options)

@@ -42,6 +42,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .limits import Limits
+from .logs import ClientMistakes
 
 log = logging.getLogger("jitserve.http")
 
@@ -60,10 +61,12 @@ class _RefusalError(Exception):
 @dataclasses.dataclass
 class Spent:
     """What one HTTP server's connections hold beyond uvicorn's count of open ones: TLS handshakes under way,
-    and refused connections lingering."""
+    and refused connections lingering; and how their refusals are logged (a flood of them, once a kind of
+    refusal is no longer new, as debug lines)."""
 
     handshaking: int = 0
     lingering: collections.deque[asyncio.Transport] = dataclasses.field(default_factory=collections.deque)
+    refusals: ClientMistakes = dataclasses.field(default_factory=lambda: ClientMistakes(log))  # their log lines
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -97,7 +100,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if self.tls is None:
                 self._refuse(503, message)
             else:
-                log.warning("client %s: TLS connection closed before its handshake: %s", self._peer(), message)
+                self.spent.refusals.tell(f"client {self._peer()}: TLS connection closed before its handshake: "
+                                         f"{message}")
                 transport.abort()
             return
         if self.tls is None:
@@ -268,7 +272,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with a JSON error and close the connection, lingering a moment: closing a socket
         with unread input resets it, and the client would lose the answer."""
-        log.warning("client %s: %d %s", self._peer(), status, message)
+        self.spent.refusals.tell(f"client {self._peer()}: {status} {message}")
         self._refused = True
         self._cancel_read()
         if self.transport.is_closing():

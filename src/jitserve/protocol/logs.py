@@ -1,4 +1,5 @@
-"""The server's log: one format for jitserve's and uvicorn's lines, text or JSON, each with its request id.
+"""The server's log: one format for jitserve's and uvicorn's lines, text or JSON, each with its request id;
+and how the answers to clients' mistakes reach it without flooding it.
 
 Every line logged while a request is handled carries its id (``access.REQUEST_ID``).
 ``--log-format json`` writes one JSON object per line (``time``, ISO 8601 in UTC, ``level``,
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
+import threading
 
 import orjson
 
@@ -53,3 +56,35 @@ def configure(log_format: str = "text", level: int = logging.INFO) -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+
+
+class ClientMistakes:
+    """The log lines of the answers to clients' mistakes (a 4xx, a refusal), so that a client that repeats
+    one in a loop cannot flood the log: the first ``FIRST`` of each kind are a WARNING line each; then the
+    10th, 100th, 1,000th... of that kind is one, saying how many there were; the others are DEBUG lines.
+    A kind is a line with its quoted names and its numbers taken out (``unknown model '...'`` whatever the
+    name); at most ``KINDS`` kinds are told apart, the others counted as one. Every answer is still counted
+    in ``/metrics`` (``jitserve_requests_total`` by status) and listed by ``--access-log``."""
+
+    FIRST = 3
+    KINDS = 256
+    NAMES_AND_NUMBERS = re.compile(r"'[^']*'|\"[^\"]*\"|\d+")
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self._seen: dict[str, int] = {}
+        self._lock = threading.Lock()  # the HTTP front's event loop and the gRPC front's thread both tell
+
+    def tell(self, line: str) -> None:
+        kind = self.NAMES_AND_NUMBERS.sub("", line[:500])
+        with self._lock:
+            if kind not in self._seen and len(self._seen) >= self.KINDS:
+                kind = ""
+            seen = self._seen[kind] = self._seen.get(kind, 0) + 1
+        if seen <= self.FIRST:
+            self.log.warning("%s", line)
+        elif re.fullmatch(r"10+", str(seen)):
+            self.log.warning("%s (%d answers of this kind so far; after the first %d, each is a DEBUG line but "
+                             "the 10th, 100th, 1,000th...)", line, seen, self.FIRST)
+        else:
+            self.log.debug("%s", line)

@@ -24,8 +24,9 @@ byte for byte, and the serving (or generation)
 has weights of unchanged structure, shapes and dtypes, a reload swaps the
 weights only (``Server.update_params``, ``GenerationServer.update_params``):
 nothing compiles. A model whose ``model.py`` fails keeps its old version
-serving (if it had one); the index reports the error's first line, and the
-other models are untouched. Unloading drains, then frees.
+serving (if it had one); the index and the client report the error's first
+line, its paths shown from the repository (the model's folder as its name; the
+log keeps them whole); the other models are untouched. Unloading drains, then frees.
 """
 
 from __future__ import annotations
@@ -33,18 +34,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, OptionError, RepositoryError, UnknownServerError
+from ..errors import OptionError, RepositoryError, UnknownServerError
 from ..models import from_pretrained
 from ..serving.generation import Generation
 from ..serving.registry import is_servable, unstarted_server
 from ..serving.serving import Serving
-from .service import InferenceService
+from .service import InferenceService, hide_paths
 
 log = logging.getLogger("jitserve.repository")
 
@@ -136,10 +138,7 @@ class ModelRepository:
         fails is reported and left unloaded; then, under ``poll``, start polling."""
         names = list(load) if self.mode == "explicit" else self.names()
         for name in names:
-            try:
-                self._load(name)
-            except RepositoryError as error:
-                log.error("%s", error)
+            self._load_logged(name)
         if self.mode == "poll":
             self._poller = threading.Thread(target=self._poll, name="jitserve-repository-poll", daemon=True)
             self._poller.start()
@@ -176,7 +175,8 @@ class ModelRepository:
         try:
             self._load(name)
         except RepositoryError as error:
-            log.error("%s", error)
+            if error.__cause__ is None:  # a model's own failure was logged by _load, with its paths
+                log.error("%s", error)
 
     # loading -----------------------------------------------------------------------------------
 
@@ -225,11 +225,13 @@ class ModelRepository:
                     self._replace(name, serving)
             except Exception as error:
                 first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                after = "; the version loaded before still serves" if serving_now else ""
+                log.error("model '%s' failed to load: %s%s", name, first_line, after)  # the log keeps the paths
+                shown = hide_paths(first_line, {f"{folder}{os.sep}": "" for folder in (self.directory,
+                                                                                       self.directory.resolve())})
                 model.state = "READY" if serving_now else "UNAVAILABLE"
-                model.reason = f"{'reload' if serving_now else 'load'} failed: {first_line}"
-                message = f"model '{name}' failed to load: {first_line}"
-                raise RepositoryError(message + ("; the version loaded before still serves" if serving_now else "")) \
-                    from error
+                model.reason = f"{'reload' if serving_now else 'load'} failed: {shown}"
+                raise RepositoryError(f"model '{name}' failed to load: {shown}{after}") from error
             model.state, model.reason, model.source = "READY", "", source
 
     def _run_bounded(self, name: str, source: bytes) -> Serving | Generation:
@@ -257,11 +259,7 @@ class ModelRepository:
         """Run ``model.py`` as a fresh module; its ``serving``. A checkpoint folder: ``from_pretrained``."""
         path = self.directory / name / MODEL_FILE
         if WEIGHTS in source and not path.is_file():
-            folder = str(self.directory / name)
-            try:
-                return from_pretrained(folder)
-            except CheckpointError as error:  # the client sees the model's name, not the server's path
-                raise CheckpointError(str(error).replace(repr(folder), repr(name))) from None
+            return from_pretrained(str(self.directory / name))
         module = types.ModuleType(f"jitserve_repository_{name}_{next(_LOADS)}")
         module.__file__ = str(path)
         try:
@@ -271,8 +269,8 @@ class ModelRepository:
                                   f"must define 'serving', not stop the server") from None
         serving = getattr(module, "serving", None)
         if not is_servable(serving):
-            raise RepositoryError(f"{path} must define serving = js.Serving(...) or js.Generation(...); its "
-                                  f"'serving' is {type(serving).__name__}")
+            raise RepositoryError(f"{name}/{MODEL_FILE} must define serving = js.Serving(...) or "
+                                  f"js.Generation(...); its 'serving' is {type(serving).__name__}")
         return serving
 
     def _replace(self, name: str, serving: Serving | Generation) -> None:

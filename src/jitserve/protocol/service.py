@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -36,10 +37,11 @@ from ..errors import (
 from ..serving.front import Front
 from ..serving.generation import GenerationFront
 from ..serving.server import Server
-from ..serving.stats import GenerationStats, ServerStats
+from ..serving.stats import Phases
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .codec import shown
+from .logs import ClientMistakes
 from .metrics import Metrics
 from .model import GenerationSpec, ModelSpec, select_outputs
 from .shared_memory import SystemSharedMemory
@@ -169,6 +171,7 @@ class InferenceService:
         self.metrics = Metrics()
         self.tallies: dict[tuple[str, str], Tally] = {}
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
+        self.mistakes = ClientMistakes(log)  # clients' mistakes, logged without flooding the log
         self._counters: dict[tuple[str, str, str, str], Any] = {}  # requests_total children by labels
         for key, server in servers.items():
             self.put(key, server)
@@ -281,33 +284,28 @@ class InferenceService:
         return {"model_stats": [self._statistics(spec) for spec in chosen]}
 
     def _statistics(self, spec: Spec) -> dict[str, Any]:
-        """One model version's statistics; a generation's executions are its decode steps, its inferences
-        its requests, and its queue time the time to first output."""
+        """One model version's statistics, counted as Triton counts them: ``success`` and ``fail`` per
+        request over the network, from its arrival to its answer; ``queue`` and the three compute phases per
+        request that completed in the engine (its wait for its first batch or prefill, and its share of the
+        executions that ran it, see :class:`~jitserve.serving.stats.FrontStats`), ``inference_count`` its
+        rows (a prompt is one); per execution (a batch, or a generation's launch of decode steps) by the
+        batch size it ran at, ``execution_count`` their number. No response cache: no cache hit or miss."""
         tally = self.tallies[(spec.name, spec.version)]
         stats = spec.server.stats()
-        if isinstance(stats, GenerationStats):
-            inferences, executions, queued, waits, computing = (stats.requests, stats.steps, stats.requests,
-                                                                stats.first_output_s, stats.step_s)
-            sizes, size_s = {}, {}
-        else:
-            assert isinstance(stats, ServerStats)
-            inferences, executions, queued, waits, computing = (stats.rows, stats.batches, stats.batches,
-                                                                stats.queue_wait_s, stats.execution_s)
-            sizes, size_s = stats.batch_sizes, stats.batch_execution_s
+        completed, phases = stats.completed, stats.completed_phases
+        executions = stats.executions()
         return {
             "name": spec.name, "version": spec.version, "last_inference": tally.last_inference_ms,
-            "inference_count": inferences, "execution_count": executions,
+            "inference_count": stats.inferences, "execution_count": sum(count for count, _ in executions.values()),
             "inference_stats": {
                 "success": _duration(tally.success_count, tally.success_ns),
                 "fail": _duration(tally.fail_count, tally.fail_ns),
-                "queue": _duration(queued, waits * 1e9),
-                "compute_input": _duration(0, 0), "compute_output": _duration(0, 0),
-                "compute_infer": _duration(executions, computing * 1e9),
+                "queue": _duration(completed, stats.completed_queue_s * 1e9),
+                **_phases(completed, phases),
+                "cache_hit": _duration(0, 0), "cache_miss": _duration(0, 0),
             },
-            "batch_stats": [{"batch_size": size, "compute_input": _duration(0, 0),
-                             "compute_output": _duration(0, 0),
-                             "compute_infer": _duration(count, size_s.get(size, 0) * 1e9)}
-                            for size, count in sorted(sizes.items())],
+            "batch_stats": [{"batch_size": size, **_phases(count, size_phases)}
+                            for size, (count, size_phases) in sorted(executions.items())],
         }
 
     def server_metadata(self) -> dict[str, Any]:
@@ -429,7 +427,8 @@ class InferenceService:
         """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
         client. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
         the client gets only that id; a client's mistake, or a model's :class:`ModelError` (whose message is
-        meant for the client), is one warning line. What the client sent is
+        meant for the client), is a line told to :attr:`mistakes` (a warning while that kind of mistake is
+        new, else a debug line). What the client sent is
         escaped and cut before it reaches the log."""
         http_status, grpc_status = status_of(error)
         status: int | str = http_status if protocol == "http" else grpc_status
@@ -438,7 +437,7 @@ class InferenceService:
             log.error("%s: model '%s' failed (request id %s)", protocol, loggable(model), tag, exc_info=error)
             message = f"internal error in model '{model}'; the server log has the details under request id {tag}"
         else:
-            log.warning("%s: model '%s': %s: %s", protocol, loggable(model), status, loggable(str(error)))
+            self.mistakes.tell(f"{protocol}: model '{loggable(model)}': {status}: {loggable(str(error))}")
             message = str(error)
         self.count(model, protocol, status, version)
         return http_status, grpc_status, message
@@ -469,7 +468,11 @@ class FixedModels:
             raise ProtocolError(f"model '{name}' was given its weights as arrays, not as a file "
                                 f"(params=PATH): there is nothing to reload")
         for server in servers:
-            server.reload_params()
+            try:
+                server.reload_params()
+            except CheckpointError as error:  # the client sees the file's name, the log its path
+                log.error("model '%s': its weights did not reload: %s", name, error)
+                raise CheckpointError(hide_paths(str(error))) from None
 
     def unload(self, name: str, parameters: Mapping[str, Any] | None) -> None:
         self.service.model(name)  # the unknown-model error first
@@ -507,6 +510,13 @@ def _duration(count: int, ns: float) -> dict[str, int]:
     return {"count": int(count), "ns": int(ns)}
 
 
+def _phases(count: int, phases: Phases) -> dict[str, dict[str, int]]:
+    """Triton's three compute durations: ``count`` times, in ``phases``."""
+    return {"compute_input": _duration(count, phases.input_s * 1e9),
+            "compute_infer": _duration(count, phases.infer_s * 1e9),
+            "compute_output": _duration(count, phases.output_s * 1e9)}
+
+
 def _version_order(version: str) -> tuple[int, int | str]:
     """Numeric versions in number order, after any others in text order."""
     return (1, int(version)) if version.isdigit() else (0, version)
@@ -520,3 +530,15 @@ def loggable(text: str) -> str:
     at most ``LOGGED_CHARACTERS`` characters."""
     escaped = text.encode("unicode_escape", "backslashreplace").decode("ascii")
     return escaped if len(escaped) <= LOGGED_CHARACTERS else escaped[:LOGGED_CHARACTERS] + "..."
+
+
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~/:-])(?:/[^\s'\"/]+){2,}")  # /a/b and deeper, not in a URL or a ratio
+
+
+def hide_paths(text: str, places: Mapping[str, str] | None = None) -> str:
+    """An error as a client may see it, without the server's filesystem paths (the server's log keeps
+    them): each of ``places`` shown as its value (a model repository's directory as nothing, so that a
+    model's folder reads as its name), any other absolute path as its last part (a file's name)."""
+    for path in sorted(places or {}, key=len, reverse=True):
+        text = text.replace(path, (places or {})[path])
+    return ABSOLUTE_PATH.sub(lambda found: found.group(0).rsplit("/", 1)[1], text)

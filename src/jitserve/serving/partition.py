@@ -23,7 +23,7 @@ from ..batch import Batch, RowSignature
 from .queue import Piece, Queues
 from .request import END, Request, Stream, put_all, resolve_futures
 from .serving import Serving
-from .stats import ServerStats
+from .stats import NO_TIME, Phases, ServerStats
 
 log = logging.getLogger("jitserve.server")
 
@@ -43,19 +43,21 @@ class BatchReport:
     queue_waits_s: tuple[float, ...] = ()  # each request's wait (each part's, of a split one); the longest above
     formed_at: float = 0.0  # when the batch was formed (time.monotonic)
     traces: tuple[Any, ...] = ()  # each request's trace context (request.TRACE), aligned with queue_waits_s
+    phases: Phases = NO_TIME  # execution_s as Triton splits it: inputs, the executable, outputs
 
 
 class BatchExecutor(Protocol):
     """What a partition runs batches with, every method the server calls: ``compiled`` at warm-up (each batch
     size, before the first request), ``place`` for each version of the weights (what it returns is the
     ``params`` of ``execute``: ``()`` for a serving without weights, and for executors that send batches
-    elsewhere), ``execute`` per batch, ``close`` once the partition's thread has ended."""
+    elsewhere), ``execute`` per batch (its outputs, cut to the batch's rows, and the :class:`Phases` it
+    took), ``close`` once the partition's thread has ended."""
 
     def compiled(self, rows: int, tree: Any, row_signature: RowSignature, batch_key: Any = None) -> Any: ...
 
     def place(self, params: Any) -> Any: ...
 
-    def execute(self, batch: Batch, params: Any) -> Any: ...
+    def execute(self, batch: Batch, params: Any) -> tuple[Any, Phases]: ...
 
     def close(self) -> None: ...
 
@@ -148,18 +150,20 @@ class BatchRunner:
         outcomes: list[tuple[list[Piece], Any, BaseException | None]] = []
         reruns = 0
         error: BaseException | None = None
+        phases = NO_TIME
         runs = [(pieces, batch, weights)] if weights is not None else self._runs_by_weights(pieces)
         for run_pieces, run_batch, run_weights in runs:
-            run_outcomes, run_reruns, run_error = self._run(partition, run_pieces, run_batch,
-                                                            run_weights.placed[partition.index])
+            run_outcomes, run_reruns, run_error, run_phases = self._run(partition, run_pieces, run_batch,
+                                                                        run_weights.placed[partition.index])
             outcomes += run_outcomes
             reruns += run_reruns
             error = error or run_error
+            phases += run_phases
         elapsed = time.perf_counter() - started
         padded = batch.size + batch.padding
         waits = tuple(formed - piece.enqueued for piece in pieces)
         report = BatchReport(self.name, partition.index, batch.size, padded, max(waits), elapsed, error, waits, formed,
-                             tuple(piece.request.trace for piece in pieces))
+                             tuple(piece.request.trace for piece in pieces), phases)
         with self._lock:  # a split request's parts may finish on several partitions at once
             finished = []
             for part, part_outputs, part_error in outcomes:
@@ -171,7 +175,7 @@ class BatchRunner:
             stats.rows += batch.size
             stats.padded_rows += batch.padding
             stats.batch_sizes[padded] = stats.batch_sizes.get(padded, 0) + 1
-            stats.batch_execution_s[padded] = stats.batch_execution_s.get(padded, 0.0) + elapsed
+            stats.batch_phases[padded] = stats.batch_phases.get(padded, NO_TIME) + phases
             stats.queue_wait_s += sum(waits)
             stats.execution_s += elapsed
             stats.errors += error is not None
@@ -192,31 +196,39 @@ class BatchRunner:
         return [(group, self._queues.policy.join(group), weights) for group, weights in groups.values()]
 
     def _run(self, partition: Partition, pieces: list[Piece], batch: Batch, params: Any
-             ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int, BaseException | None]:
+             ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int, BaseException | None, Phases]:
         """Run one batch with ``params``: the outcomes per group of pieces (one group, unless a failure was
-        bisected), the re-runs that took, and the batch's error if it failed."""
+        bisected), the re-runs that took, the batch's error if it failed, and the phases of its runs (a run
+        that failed, and the steps of a serving that yields them, counted as infer)."""
         outputs: Any = None
+        started = time.perf_counter()
+        phases = NO_TIME
         try:
-            outputs = partition.executor.execute(batch, params)
+            outputs, phases = partition.executor.execute(batch, params)
             if self.serving.streaming:  # each step reaches the callers as soon as the serving yields it
+                stepping = time.perf_counter()
                 for step, step_outputs in enumerate(outputs):
                     with self._lock:
                         if not self._deliver_step(pieces, step, step_outputs):
                             break
                 outputs.close()  # a generator nobody reads any more stops here (its finally blocks run)
                 outputs = None
+                phases += Phases(infer_s=time.perf_counter() - stepping)
         except BaseException as failure:  # noqa: BLE001 - delivered to exactly the callers of this batch
+            phases = Phases(infer_s=time.perf_counter() - started)
             if self.serving.isolate_failures and not self.serving.streaming:
-                return *self._bisect(partition, pieces, failure, params), failure
-            return [(pieces, None, failure)], 0, failure
-        return [(pieces, outputs, None)], 0, None
+                outcomes, reruns, rerun_phases = self._bisect(partition, pieces, failure, params)
+                return outcomes, reruns, failure, phases + rerun_phases
+            return [(pieces, None, failure)], 0, failure, phases
+        return [(pieces, outputs, None)], 0, None, phases
 
     def _bisect(self, partition: Partition, pieces: list[Piece], error: BaseException, params: Any
-                ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int]:
+                ) -> tuple[list[tuple[list[Piece], Any, BaseException | None]], int, Phases]:
         """A batch failed: re-run its requests in halves so that only requests whose own rows fail get an
         error. Each request's pieces stay together. If both halves of the first split fail too, the function
         fails whatever the rows and everyone gets the original error; re-runs stop after 2 x log2(requests)
-        + 2, the rest getting their last error. Returns (pieces, outputs, error) groups and the re-run count."""
+        + 2, the rest getting their last error. Returns (pieces, outputs, error) groups, the re-run count and
+        the re-runs' phases."""
         groups: dict[int, list[Piece]] = {}
         for piece in pieces:
             groups.setdefault(id(piece.request), []).append(piece)
@@ -224,12 +236,13 @@ class BatchRunner:
         budget = 2 * max(len(requests) - 1, 1).bit_length() + 2
         outcomes: list[tuple[list[Piece], Any, BaseException | None]] = []
         reruns = 0
+        phases = NO_TIME
 
         def flat(part: list[list[Piece]]) -> list[Piece]:
             return [piece for group in part for piece in group]
 
         def split(part: list[list[Piece]], failure: BaseException, top: bool) -> None:
-            nonlocal reruns
+            nonlocal reruns, phases
             if len(part) == 1 or reruns >= budget:
                 outcomes.append((flat(part), None, failure))
                 return
@@ -237,11 +250,15 @@ class BatchRunner:
             halves: list[tuple[list[list[Piece]], Any, BaseException | None]] = []
             for half in (part[:middle], part[middle:]):
                 reruns += 1
+                started = time.perf_counter()
                 try:
-                    halves.append((half, partition.executor.execute(self._queues.policy.join(flat(half)), params),
-                                   None))
+                    half_outputs, half_phases = partition.executor.execute(self._queues.policy.join(flat(half)),
+                                                                           params)
+                    halves.append((half, half_outputs, None))
                 except BaseException as half_failure:  # noqa: BLE001 - sorted below
+                    half_phases = Phases(infer_s=time.perf_counter() - started)
                     halves.append((half, None, half_failure))
+                phases += half_phases
             if top and all(half_error is not None for _, _, half_error in halves):
                 outcomes.append((flat(part), None, failure))  # it fails whatever the rows: no deeper
                 return
@@ -252,7 +269,7 @@ class BatchRunner:
                     split(half, half_error, top=False)
 
         split(requests, error, top=True)
-        return outcomes, reruns
+        return outcomes, reruns, phases
 
     @staticmethod
     def _pieces_of(pieces: list[Piece], outputs: Any) -> Iterator[tuple[Piece, Any]]:
@@ -284,10 +301,28 @@ class BatchRunner:
             request.rows_left -= piece.batch.size
             if request.rows_left == 0:
                 finished.append(request)
+                self._count_completed(request, piece.enqueued)
                 if request.stream is not None:
                     deliveries.append((request.stream, END))
         put_all(deliveries)
         return finished
+
+    def _count_completed(self, request: Request, enqueued: float) -> None:
+        """Under the lock: a request whose rows all ran, counted as Triton counts a request: its wait from
+        ``enqueued`` until its first batch was formed, and the phases of each batch that ran some of its rows
+        (of several, one after another, for a request split across batches)."""
+        stats = self._stats
+        stats.completed += 1
+        stats.completed_rows += request.rows
+        reports = request.reports
+        if len(reports) == 1:
+            stats.completed_queue_s += reports[0].formed_at - enqueued
+            stats.completed_phases += reports[0].phases
+            return
+        batches = {id(report): report for report in reports}.values()  # a batch may hold two of its pieces
+        stats.completed_queue_s += min(report.formed_at for report in batches) - enqueued
+        for report in batches:
+            stats.completed_phases += report.phases
 
     def _deliver_step(self, pieces: list[Piece], step: int, outputs: Any) -> bool:
         """One step a streaming serving yielded: each caller's rows of it, to its stream or its parts. False

@@ -21,16 +21,14 @@ the cluster coalescer gives executors that send the batch to a remote replica.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Self
 
 import jax
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .. import compilers
 from ..batch import Batch
@@ -44,6 +42,7 @@ from .queue import BatchPolicy, Queues
 from .request import Request
 from .serving import Executor, Serving
 from .stats import ServerStats
+from .warmup import compile_each
 from .worker import ProcessExecutor
 
 log = logging.getLogger("jitserve.server")
@@ -132,20 +131,16 @@ class Server(BatchRunner, Front):
                                                     is_leaf=is_template)])
         sizes = self.serving.batch_sizes
         keys = self.serving.batch_keys or (None,)
-        work = [(p, size, key) for p in self._partitions for key in keys for size in sizes]
-        label = f"{self.name}: compiling {len(sizes)} batch sizes" \
-                f"{'' if keys == (None,) else f' x {len(keys)} batch keys'}"
-        # tqdm on a terminal only; log lines go through it meanwhile, so the bar and the log never interleave
-        with logging_redirect_tqdm(), tqdm(total=len(work), desc=label, disable=not sys.stderr.isatty(),
-                                           leave=False) as progress:
-            for partition, size, key in work:
-                started = time.perf_counter()
-                partition.executor.compiled(size, tree, row_signature, key)
-                if runs_once[partition.index]:
-                    partition.executor.execute(zeros.key(key).pad_to(size), self._weights.placed[partition.index])
-                log.info("server %s: partition %d compiled batch size %d%s in %.3fs", self.name, partition.index,
-                         size, "" if key is None else f" for batch key {key!r}", time.perf_counter() - started)
-                progress.update(1)
+
+        def compile_one(partition: Partition, size: int, key: Any) -> None:
+            partition.executor.compiled(size, tree, row_signature, key)
+            if runs_once[partition.index]:
+                partition.executor.execute(zeros.key(key).pad_to(size), self._weights.placed[partition.index])
+
+        compile_each(log, f"server {self.name}", [
+            (f"batch size {size}{'' if key is None else f' for batch key {key!r}'} on partition {p.index}",
+             functools.partial(compile_one, p, size, key))
+            for p in self._partitions for key in keys for size in sizes])
 
     def _place(self, params: Any) -> Weights:
         return Weights([partition.executor.place(params) for partition in self._partitions])

@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from .options import (
 )
 from .queue import BatchPolicy
 from .request import concatenate_outputs, finish, model_code, prepare
+from .stats import Phases
 
 
 class Executor:
@@ -111,17 +113,25 @@ class Executor:
     def close(self) -> None:
         """Nothing to release: the executables go with the executor."""
 
-    def execute(self, batch: Batch, params: Any) -> Any:
+    def execute(self, batch: Batch, params: Any) -> tuple[Any, Phases]:
         """Run one batch (``batch.size`` rows padded by ``batch.padding``) with ``params`` as :meth:`place`
-        gave them; outputs cut to the real rows, as numpy."""
+        gave them: the outputs cut to the real rows, as numpy, and the time each phase took: the batch
+        stacked and padded (input; the executable copies it to the device within its call), the
+        executable until its outputs are computed (infer), the outputs copied to the host and cut (output).
+        A serving that yields steps gives a generator of them, whose time is spent as it is read."""
         rows = batch.size + batch.padding
         run = self.compiled(rows, batch.tree, batch.row_signature, batch.user_key)
         buffers = self._input_buffers  # empty unless reused: then outputs are checked against them
+        started = time.perf_counter()
         inputs = batch.materialize(self._input_buffer if self._reuse_inputs else None)
+        computing = time.perf_counter()
         outputs = model_code(run, params, inputs) if self.serving.has_params else model_code(run, inputs)
         if self.serving.streaming:  # a generator of steps, each cut as it comes
-            return _steps_cut(outputs, rows, batch.size, buffers)
-        return cut_rows(outputs, rows, batch.size, buffers)
+            return _steps_cut(outputs, rows, batch.size, buffers), Phases(computing - started)
+        jax.block_until_ready(outputs)  # computed here, so that the copy to the host below is all it times
+        cutting = time.perf_counter()
+        cut = cut_rows(outputs, rows, batch.size, buffers)
+        return cut, Phases(computing - started, cutting - computing, time.perf_counter() - cutting)
 
     def _input_buffer(self, leaf: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """Leaf ``leaf``'s input buffer as an array of ``shape`` and ``dtype``, grown if it is too small."""
@@ -363,7 +373,7 @@ class Serving:
         executor, params = self._inline
         parts = []
         for chunk in batch.chunks(self.batch_size):
-            parts.append(executor.execute(chunk.pad_to(self.policy.padded_size(chunk.size)), params))
+            parts.append(executor.execute(chunk.pad_to(self.policy.padded_size(chunk.size)), params)[0])
         return finish(self.postprocess, concatenate_outputs(parts), info)
 
     def fingerprint_fields(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
@@ -42,6 +43,7 @@ from ..compilers import Device
 from ..compilers.xla import run_cpu_computations_inline
 from ..errors import WorkerCrashedError, raised_by_model
 from .serving import Executor, Serving, cut_rows
+from .stats import Phases
 
 
 def _transportable(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,21 +156,28 @@ class ProcessExecutor:
         self._live.pop(version, None)
         self._dropped.append(version)
 
-    def execute(self, batch: Batch, params: WorkerWeights | tuple[()]) -> Any:
+    def execute(self, batch: Batch, params: WorkerWeights | tuple[()]) -> tuple[Any, Phases]:
+        """The batch run in the worker: its outputs, and the phases as :meth:`Executor.execute` times them,
+        the trip to the worker and back counted in infer."""
         rows = batch.size + batch.padding
         version = params.version if isinstance(params, WorkerWeights) else None
         with self._lock:
             dropped, self._dropped = self._dropped, []
+            started = time.perf_counter()
+            inputs = batch.materialize()
+            sent = time.perf_counter()
             try:
-                compiled, outputs = self._call(("execute", rows, batch.size, batch.tree, batch.row_signature,
-                                                batch.user_key, batch.materialize(), version, dropped), rows)
+                compiled, outputs, output_s = self._call(("execute", rows, batch.size, batch.tree,
+                                                          batch.row_signature, batch.user_key, inputs, version,
+                                                          dropped), rows)
             except Exception as error:  # the model's, from the worker, or the worker's crash while running it
                 raised_by_model(error)
                 raise
+            phases = Phases(sent - started, time.perf_counter() - sent - output_s, output_s)
             if compiled:
                 self._on_compile()
                 self._warm[(rows, batch.tree, batch.row_signature, batch.user_key)] = None
-        return outputs
+        return outputs, phases
 
     def close(self) -> None:
         with self._lock:
@@ -226,8 +235,10 @@ def main(fd: int) -> None:
                 for old in dropped:
                     weights.pop(old, None)
                 run = executor.compiled(rows, tree, row_signature, batch_key)
-                outputs = run(*serving.arguments(inputs, weights[version]))
-                value = (compiles > before, cut_rows(outputs, rows, keep))
+                outputs = jax.block_until_ready(run(*serving.arguments(inputs, weights[version])))
+                cutting = time.perf_counter()
+                cut = cut_rows(outputs, rows, keep)
+                value = (compiles > before, cut, time.perf_counter() - cutting)
         except Exception as error:  # noqa: BLE001 - the caller's batch fails with it, the worker goes on
             _reply(connection, "error", error)
             continue

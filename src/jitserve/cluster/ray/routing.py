@@ -49,7 +49,7 @@ from ...errors import QueueFullError, RequestTooLargeError, ServerStoppedError, 
 from ...serving.generation import GREEDY, Generation, GenerationFront, Sampling
 from ...serving.server import Server
 from ...serving.serving import Serving
-from ...serving.stats import FrontStats, GenerationStats
+from ...serving.stats import FrontStats, GenerationStats, Phases
 from .operations import actor_names, replica_stats, running_servings
 from .replicas import LOST, NAMESPACE
 
@@ -293,11 +293,16 @@ class _Dispatch:
     def close(self) -> None:
         """Nothing to release: the router outlives the coalescer's partitions."""
 
-    def execute(self, batch: Batch, params: Any) -> Any:
+    def execute(self, batch: Batch, params: Any) -> tuple[Any, Phases]:
         """``params`` is ``()``: the replicas hold the weights. A streaming serving's steps come as a
-        generator, as a local streaming serving's do."""
+        generator, as a local streaming serving's do. Phases: the batch stacked (input), the Ray call, which
+        runs, cuts and sends back the rows on a replica (infer)."""
         run = self.router.stream if self.streaming else self.router.send
-        return run(batch.materialize(), batch.size, batch.user_key)
+        started = time.perf_counter()
+        inputs = batch.materialize()
+        sent = time.perf_counter()
+        outputs = run(inputs, batch.size, batch.user_key)
+        return outputs, Phases(sent - started, time.perf_counter() - sent)
 
 
 class Coalescer(Server):

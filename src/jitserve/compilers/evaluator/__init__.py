@@ -21,6 +21,7 @@ from .interpreter import Interpreter
 
 class EvaluatorCompiler(Compiler):
     name = "evaluator"
+    pages = True
     options = frozenset({"device", "free_after_last_use", "checks"})
 
     def compile(self, fn: Callable[..., Any], templates: Sequence[Any], options: Mapping[str, Any],

@@ -940,7 +940,7 @@ PRIMITIVES: dict[str, Impl] = {
     "div": _div,
     "rem": _rem,
     "pow": _pow,
-    "max": np.maximum,  # XLA orders -0 below +0; numpy keeps its second operand of a tie (see README)
+    "max": np.maximum,  # XLA orders -0 below +0; numpy keeps its second operand of a tie (see docs/compilers.md)
     "min": np.minimum,
     "atan2": np.arctan2,
     "nextafter": np.nextafter,

@@ -94,6 +94,13 @@ class BlockPool:
             shared.append(block)
         return shared
 
+    def cached_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are cached now (nothing changes)."""
+        found = 0
+        while found < len(keys) and keys[found] in self.cached:
+            found += 1
+        return found
+
     def count_lookup(self, looked: int, found: int) -> None:
         """A sequence looked up ``looked`` blocks of its prefix and took the ``found`` cached ones."""
         self.lookups += looked

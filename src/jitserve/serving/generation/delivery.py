@@ -28,9 +28,11 @@ from .spec import Generation, Sampling
 
 class GenerationRequest(SlotRequest):
     """One prompt in flight: its outputs go to ``stream`` as they come, then END (or an exception);
-    ``admitted`` is set once it has a slot; ``submitted``: when it was queued."""
+    ``admitted`` is set once it has a slot; ``submitted``: when it was queued; ``waited_s``: how long it
+    waited for its prefill; ``input_s``, ``infer_s``, ``output_s``: the phases of the launches it was part
+    of so far (its statistics once it completes)."""
 
-    __slots__ = ("stream", "admitted", "submitted")
+    __slots__ = ("stream", "admitted", "submitted", "waited_s", "input_s", "infer_s", "output_s")
 
     def __init__(self, prompt: np.ndarray, max_steps: int, sampling: Sampling, max_length: int,
                  loop: asyncio.AbstractEventLoop | None) -> None:
@@ -38,6 +40,7 @@ class GenerationRequest(SlotRequest):
         self.stream = Stream(loop)
         self.admitted = threading.Event()
         self.submitted = time.perf_counter()
+        self.waited_s = self.input_s = self.infer_s = self.output_s = 0.0
 
 
 def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], outputs: np.ndarray,
@@ -61,7 +64,9 @@ def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], output
             if request.history is not None:  # a paged cache's request: its state may be computed again from it
                 request.history.append(int(output))
             deliveries.append((request.stream, output))
-            if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]):
+            stops = request.sampling.stop_token_ids
+            if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]) or \
+                    (stops and int(output) in stops):
                 deliveries.append((request.stream, END))
                 request.ended = True
                 finished.append(request)

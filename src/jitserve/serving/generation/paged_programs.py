@@ -27,6 +27,7 @@ generation runs on one device (its programs name no mesh roles).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +37,10 @@ import numpy as np
 from ...template import Template
 from ..options import powers_of_two_up_to
 from ..serving import owned_host_array
+from ..warmup import Step
 from .paged_scheduler import Chunk, PagedStep
-from .programs import Programs, sample_tokens
-from .spec import Generation
+from .programs import KIND, Programs, sample_tokens
+from .spec import PAGED_NARROWEST_TABLE, Generation
 
 
 class PagedPrograms(Programs):
@@ -52,7 +54,7 @@ class PagedPrograms(Programs):
         self.forward = generation.forward
         self.block_size = cache.block_size
         self.max_blocks = -(-generation.max_length // cache.block_size)
-        self.table_widths = powers_of_two_up_to(self.max_blocks)
+        self.table_widths = powers_of_two_up_to(self.max_blocks, PAGED_NARROWEST_TABLE)
         pool = Template((cache.layers, cache.blocks(generation.max_length) * cache.block_size, cache.kv_heads,
                          cache.head_dim), cache.dtype)
         self.output_template = Template((), np.int32)
@@ -100,14 +102,14 @@ class PagedPrograms(Programs):
                 Template((rows, width), np.int32), *self._option_templates(rows, sampled)], (), (), donate=(1,))
         return run
 
-    def compile_all(self) -> None:
+    def warm_up_steps(self) -> list[Step]:
         g = self.generation
-        for rows in g.prefill_batches:
-            for length in g.prefill_lengths:
-                self._chunk_program(rows, length)
-        for width in self.table_widths:
-            for sampled in self.kinds:
-                self._decode_program(sampled, width)
+        return [*[(f"the prefill of {rows} chunk{'s' * (rows > 1)} of {length} tokens",
+                   functools.partial(self._chunk_program, rows, length))
+                  for rows in g.prefill_batches for length in g.prefill_lengths],
+                *[(f"the decode launch of {g.slots} slots over {width} block{'s' * (width > 1)}{KIND[sampled]}",
+                   functools.partial(self._decode_program, sampled, width))
+                  for width in self.table_widths for sampled in self.kinds]]
 
     def run_each_once(self, params: Any) -> None:
         g = self.generation
@@ -125,14 +127,21 @@ class PagedPrograms(Programs):
                     *self._idle(g.slots, sampled))
         owned_host_array(outputs)
 
-    def prefill_of(self, params: Any, carry: Any, prefill: Chunk[Any]) -> tuple[Any, Any]:
-        rows, length = prefill.tokens.shape
-        return self._chunk_program(rows, length)(params, carry, prefill.tokens, prefill.starts, prefill.counts,
-                                                 prefill.tables, prefill.slots,
-                                                 *self._arrays(prefill.samplings, prefill.steps))
+    def prefill_inputs(self, prefill: Chunk[Any]) -> list[np.ndarray]:
+        """The chunk's arrays (the scheduler made them), and its rows' options."""
+        return [prefill.tokens, prefill.starts, prefill.counts, prefill.tables, prefill.slots,
+                *self._arrays(prefill.samplings, prefill.steps)]
 
-    def step_of(self, params: Any, carry: Any, step: PagedStep[Any]) -> tuple[Any, Any]:
+    def prefill_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        rows, length = inputs[0].shape
+        return self._chunk_program(rows, length)(params, carry, *inputs)
+
+    def step_inputs(self, step: PagedStep[Any]) -> list[np.ndarray]:
+        """Per slot its cache position and block table, and its options if any slot samples."""
         sampled = step.samplings is not None and step.positions is not None
         options = self._arrays(step.samplings, step.positions) if sampled else []  # type: ignore[arg-type]
-        return self._decode_program(sampled, step.tables.shape[1])(params, carry, step.cache_positions, step.tables,
-                                                                   *options)
+        return [step.cache_positions, step.tables, *options]
+
+    def step_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        positions, tables, *options = inputs
+        return self._decode_program(bool(options), tables.shape[1])(params, carry, positions, tables, *options)

@@ -34,7 +34,7 @@ import numpy as np
 from ..options import powers_of_two_up_to
 from .blocks import BlockPool, block_keys
 from .scheduler import Plan, R, Scheduler
-from .spec import GREEDY, Generation, Sampling
+from .spec import GREEDY, PAGED_NARROWEST_TABLE, Generation, Sampling
 
 
 class Chunk(NamedTuple, Generic[R]):
@@ -80,11 +80,12 @@ class PagedScheduler(Scheduler[R]):
         self.block_size = g.cache.block_size
         self.pool = BlockPool(g.cache.blocks(g.max_length), self.block_size)
         self.max_blocks = -(-g.max_length // self.block_size)  # a block table's width
-        self.table_widths = powers_of_two_up_to(self.max_blocks)  # compiled decode table widths
+        self.table_widths = powers_of_two_up_to(self.max_blocks, PAGED_NARROWEST_TABLE)  # compiled decode widths
         self.chunk = self.prefill_lengths[-1]  # prompt tokens prefilled per turn, at most
         self.prefix_caching = g.cache.prefix_caching
         self.prefilling: dict[R, tuple[np.ndarray, list[bytes]]] = {}  # admitted, not prefilled: sequence, keys
         self.admitted_order: dict[R, int] = {}  # running request -> when it was admitted (the newest is preempted)
+        self.completed: list[tuple[int, bytes]] = []  # (block, key): full blocks of prompts this plan computes
         self.admissions = 0
         self.preemptions = 0
 
@@ -135,6 +136,11 @@ class PagedScheduler(Scheduler[R]):
                 break
             admitted.append(self.waiting.popleft())
             budget -= chunks[-1][3]
+        # blocks computed in this plan join the prefix cache once it is planned: a prompt of this plan taking
+        # them could be prefilled by a program that runs before the one that writes them
+        for block, key in self.completed:
+            self.pool.register(block, key)
+        self.completed.clear()
         return Plan(self._chunks(chunks), self._paged_step(), len(self.running), admitted)
 
     def _ready(self, request: R) -> bool:
@@ -173,6 +179,9 @@ class PagedScheduler(Scheduler[R]):
         sequence = np.concatenate([request.prompt, np.asarray(history, np.int32)]) if history else request.prompt
         keys = block_keys(sequence, self.block_size) if self.prefix_caching else []
         looked = keys[:(sequence.size - 1) // self.block_size]  # the last token is computed again, at least
+        cached = self.pool.cached_prefix(looked)
+        if cached < len(looked) and any(key == looked[cached] for _, key in self.completed):
+            return False  # a prompt of this plan computes its next block (a twin, n > 1): wait, then share it
         shared = self.pool.share(looked)
         request.blocks = list(shared)
         request.computed = len(shared) * self.block_size
@@ -189,7 +198,7 @@ class PagedScheduler(Scheduler[R]):
         self.admissions += 1
         request.slot = self.free.pop(0)
         self.running[request.slot] = request
-        self.sampling += 0 if request.sampling.greedy else 1
+        self.sampling += 0 if request.sampling.plain else 1
         return True
 
     def _prefill(self, request: R, budget: int, chunks: list[tuple[R, np.ndarray, int, int]],
@@ -210,9 +219,8 @@ class PagedScheduler(Scheduler[R]):
             return False
         request.blocks += self.pool.take(max(wanted, 0))
         request.computed = start + count
-        for index in range(request.computed // self.block_size):
-            if index < len(keys):
-                self.pool.register(request.blocks[index], keys[index])
+        for index in range(start // self.block_size, min(request.computed // self.block_size, len(keys))):
+            self.completed.append((request.blocks[index], keys[index]))
         chunks.append((request, sequence, start, count))
         if final:
             del self.prefilling[request]
@@ -268,7 +276,7 @@ class PagedScheduler(Scheduler[R]):
             positions[slot] = request.prompt.size + request.dispatched - 1
         samplings: list[Sampling] | None = None
         steps: list[int] | None = None
-        if any(not request.sampling.greedy for request in requests):
+        if any(not request.sampling.plain for request in requests):
             samplings = [decoding[s].sampling if s in decoding else GREEDY for s in range(self.slots)]
             steps = [decoding[s].dispatched if s in decoding else 0 for s in range(self.slots)]
         self._dispatched(requests, self.steps_per_launch)

@@ -20,6 +20,7 @@ program over the mesh's devices, its weights and its slots' state split as the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,8 @@ from ...mesh import STATE, WEIGHTS, MeshLayout
 from ...packed import PackedLayout
 from ...template import Template, is_template
 from ..serving import owned_host_array
-from .spec import GREEDY, Generation, Sampling
+from ..warmup import Step
+from .spec import GREEDY, Generation, Sampling, stop_outputs
 
 
 def greedy_tokens(logits: Any) -> Any:
@@ -41,14 +43,19 @@ def greedy_tokens(logits: Any) -> Any:
     return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
 
 
-def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
+def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, min_tokens: Any, held: Any,
+                  step: Any) -> Any:
     """One token per row of ``logits`` (rows, vocabulary): the most likely where ``temperature`` is 0,
     else drawn from that row's top-k / top-p distribution at its temperature with the key
-    ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only."""
+    ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only. While a row's
+    ``step`` is below its ``min_tokens``, the ids of its row of ``held`` (padded with ids past the
+    vocabulary) are never picked."""
     logits = jnp.asarray(logits, jnp.float32)
+    rows, vocabulary = logits.shape
+    banned = jnp.zeros((rows, vocabulary), bool).at[jnp.arange(rows)[:, None], held].set(True, mode="drop")
+    logits = jnp.where(banned & (step < min_tokens)[:, None], -jnp.inf, logits)
 
     def draw(row: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
-        vocabulary = row.shape[-1]
         scaled = row / jnp.maximum(temperature, 1e-6)
         ordered = jnp.sort(scaled)[::-1]
         kept = jnp.where(top_k > 0, scaled >= ordered[jnp.clip(top_k - 1, 0, vocabulary - 1)], True)
@@ -62,6 +69,8 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
     return jnp.where(temperature > 0, drawn, greedy_tokens(logits))
 
 
+NOT_A_TOKEN = 2**31 - 1  # pads a row of held ids: past any vocabulary, so never a token
+KIND = {False: "", True: ", sampled"}  # how warm-up names a program that picks tokens greedily or samples them
 CARRY = (STATE, None)  # the slots' carry: their state rows, and their last outputs (replicated on a mesh)
 
 
@@ -82,10 +91,7 @@ class Programs:
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype))
-        self.steps = {sampled: self._compile(self._steps, [self.layout.templates, self.carry_template,
-                                                          *self._option_templates(g.slots, sampled)],
-                                                (WEIGHTS, CARRY), (CARRY, None), donate=(1,))
-                      for sampled in self.kinds}
+        self.steps: dict[bool, Callable[..., Any]] = {}
 
     def _common(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
         """What the programs of both engines keep: the generation, its compiler and options, how they take the
@@ -103,6 +109,9 @@ class Programs:
         # predicate back), and the pipeline would stall
         self.kinds = (False, True) if generation.logits else (False,)
         self.layout = PackedLayout(generation.params_template)  # the programs take the weights packed
+        # the ids a request's min_tokens holds back, before its own stop ids: the generation's eos
+        self.eos_ids = [] if generation.eos is None or not generation.logits else \
+            [int(i) for i in stop_outputs(generation.eos, Template((), np.int32)).reshape(-1)]
         self.mesh = None if generation.mesh is None else MeshLayout(generation.mesh, self.layout)  # None: one device
 
     def place(self, params: Any) -> Any:
@@ -111,22 +120,28 @@ class Programs:
             return self.mesh.place(self.layout.pack(params))
         return self.compiler.place(self.layout.pack(params), self.options)
 
-    @staticmethod
-    def _option_templates(rows: int, sampled: bool) -> list[Template]:
+    def _option_templates(self, rows: int, sampled: bool) -> list[Template]:
         """The templates of the sampling options of ``rows`` sequences (see :meth:`_arrays`); none unless
         the program samples."""
         if not sampled:
             return []
-        return [Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.uint32, np.int32)]
+        return [*(Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.uint32, np.int32)),
+                Template((rows, len(self.eos_ids) + Sampling.MAX_STOP_IDS), np.int32), Template((rows,), np.int32)]
 
-    @staticmethod
-    def _arrays(samplings: Sequence[Sampling], positions: Sequence[int]) -> list[np.ndarray]:
-        """The options a sampling program takes: each row's temperature, top_k, top_p, seed and position (the
-        number of its step). A generation that gives outputs has no such program: its requests are greedy
+    def _arrays(self, samplings: Sequence[Sampling], positions: Sequence[int]) -> list[np.ndarray]:
+        """The options a sampling program takes: each row's temperature, top_k, top_p, seed, min_tokens, the
+        ids it holds back until then (``eos`` and its stop ids), and position (the number of its step). A
+        generation that gives outputs has no such program: its requests are greedy
         (:meth:`~.spec.Generation.check_request`)."""
+        held = np.full((len(samplings), len(self.eos_ids) + Sampling.MAX_STOP_IDS), NOT_A_TOKEN, np.int32)
+        for row, sampling in enumerate(samplings):
+            if sampling.min_tokens:
+                ids = [*self.eos_ids, *sampling.stop_token_ids]
+                held[row, :len(ids)] = ids
         return [np.array([s.temperature for s in samplings], np.float32),
                 np.array([s.top_k for s in samplings], np.int32), np.array([s.top_p for s in samplings], np.float32),
-                np.array([s.seed for s in samplings], np.uint32), np.array(positions, np.int32)]
+                np.array([s.seed for s in samplings], np.uint32), np.array([s.min_tokens for s in samplings], np.int32),
+                held, np.array(positions, np.int32)]
 
     def _chosen(self, outputs: Any, options: Sequence[Any]) -> Any:
         """The outputs a step gives its callers and the next step: the tokens picked from the logits
@@ -206,15 +221,29 @@ class Programs:
                         *self._option_templates(count, sampled)], (CARRY, STATE), (CARRY, None), donate=(0,))
         return run
 
-    def compile_all(self) -> None:
-        """Compile every prefill bucket and every slot update (the steps compile with the programs)."""
+    def step_program(self, sampled: bool) -> Callable[..., Any]:
+        """The launch of ``steps_per_launch`` decode steps of every slot, picking tokens sampled or not."""
+        run = self.steps.get(sampled)
+        if run is None:
+            run = self.steps[sampled] = self._compile(
+                self._steps, [self.layout.templates, self.carry_template,
+                              *self._option_templates(self.generation.slots, sampled)],
+                (WEIGHTS, CARRY), (CARRY, None), donate=(1,))
+        return run
+
+    def warm_up_steps(self) -> list[Step]:
+        """What warm-up compiles, one program a step (:func:`~jitserve.serving.warmup.compile_each`): every
+        prefill bucket, every slot update and the decode launch, greedy and sampled."""
         g = self.generation
-        for length in g.prefill_lengths:
-            for count in g.prefill_batches:
-                self.prefill(length, count)
-        for count in g.prefill_batches:
-            for sampled in self.kinds:
-                self.update(count, sampled)
+        launch = "a decode step" if g.steps_per_launch == 1 else f"{g.steps_per_launch} decode steps a launch"
+        return [*[(f"the prefill of {count} prompt{'s' * (count > 1)} of {length} tokens",
+                   functools.partial(self.prefill, length, count))
+                  for length in g.prefill_lengths for count in g.prefill_batches],
+                *[(f"the slot update of {count} prompt{'s' * (count > 1)}{KIND[sampled]}",
+                   functools.partial(self.update, count, sampled))
+                  for count in g.prefill_batches for sampled in self.kinds],
+                *[(f"{launch} of {g.slots} slots{KIND[sampled]}", functools.partial(self.step_program, sampled))
+                  for sampled in self.kinds]]
 
     def run_each_once(self, params: Any) -> None:
         """Run every compiled program once, on idle slots of a scratch carry: a GPU loads a program's
@@ -229,45 +258,47 @@ class Programs:
                 carry, _ = self.update(count, sampled)(carry, rows, first, np.arange(count, dtype=np.int32),
                                                        *self._idle(count, sampled))
         for sampled in self.kinds:
-            carry, outputs = self.steps[sampled](params, carry, *self._idle(g.slots, sampled))
+            carry, outputs = self.step_program(sampled)(params, carry, *self._idle(g.slots, sampled))
         owned_host_array(outputs)  # waits for the runs, which all end in it
 
     def _idle(self, rows: int, sampled: bool) -> list[np.ndarray]:
         """The options of a program of kind ``sampled`` for ``rows`` idle rows (greedy, at their first step)."""
         return self._arrays([GREEDY] * rows, [0] * rows) if sampled else []
 
-    def prefill_of(self, params: Any, carry: Any, prefill: Any) -> tuple[Any, Any]:
-        """Queue a plan's prefill (a :class:`~.scheduler.Prefill`: :meth:`admit` of its padded prompts): the
-        next carry, and the outputs."""
+    def prefill_inputs(self, prefill: Any) -> list[np.ndarray]:
+        """What :meth:`prefill_of` takes for a plan's prefill (a :class:`~.scheduler.Prefill`), made on the
+        host: its padded prompts' tokens, zeros after each up to its compiled length, their lengths, their
+        slots, and their samplings' options unless all are greedy."""
         padded = prefill.padded
-        return self.admit(params, carry, prefill.length, [r.prompt for r in padded], [r.slot for r in padded],
-                          [r.sampling for r in padded])
-
-    def step_of(self, params: Any, carry: Any, step: Any) -> tuple[Any, Any]:
-        """Queue a plan's decode launch (a :class:`~.scheduler.Step`: :meth:`step`)."""
-        return self.step(params, carry, step.samplings, step.positions)
-
-    def admit(self, params: Any, carry: Any, length: int, prompts: Sequence[np.ndarray], slots: Sequence[int],
-              samplings: Sequence[Sampling]) -> tuple[Any, Any]:
-        """Queue the prefill of ``prompts`` (as many as a compiled number of prompts), padded with zeros to
-        the compiled ``length``, and the write of their rows into ``slots``, their first outputs picked as
-        ``samplings`` say: the next carry, and those outputs."""
-        count = len(prompts)
-        tokens = np.zeros((count, length), np.int32)
-        for row, prompt in enumerate(prompts):
-            tokens[row, :prompt.size] = prompt
-        rows, first = self.prefill(length, count)(params, tokens, np.array([p.size for p in prompts], np.int32))
-        sampled = any(not sampling.greedy for sampling in samplings)
+        count = len(padded)
+        tokens = np.zeros((count, prefill.length), np.int32)
+        for row, request in enumerate(padded):
+            tokens[row, :request.prompt.size] = request.prompt
+        samplings = [request.sampling for request in padded]
+        sampled = any(not sampling.plain for sampling in samplings)
         options = self._arrays(samplings, [0] * count) if sampled else []  # a prompt's first output is its step 0
-        return self.update(count, sampled)(carry, rows, first, np.array(slots, np.int32), *options)
+        return [tokens, np.array([r.prompt.size for r in padded], np.int32), np.array([r.slot for r in padded],
+                                                                                       np.int32), *options]
 
-    def step(self, params: Any, carry: Any, samplings: Sequence[Sampling] | None,
-             positions: Sequence[int] | None) -> tuple[Any, Any]:
-        """Queue a launch of decode steps of every slot: greedy (``samplings`` None), or each slot picking as
-        its ``samplings`` say from its ``positions``: the next carry, and the outputs (steps, slots, ...)."""
-        if samplings is None or positions is None:
-            return self.steps[False](params, carry)
-        return self.steps[True](params, carry, *self._arrays(samplings, positions))
+    def prefill_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        """Queue the prefill :meth:`prefill_inputs` made and the write of its rows into their slots, their
+        first outputs picked greedily or as its options say: the next carry, and those outputs."""
+        tokens, lengths, slots, *options = inputs
+        count, length = tokens.shape
+        rows, first = self.prefill(length, count)(params, tokens, lengths)
+        return self.update(count, bool(options))(carry, rows, first, slots, *options)
+
+    def step_inputs(self, step: Any) -> list[np.ndarray]:
+        """What :meth:`step_of` takes for a plan's decode launch (a :class:`~.scheduler.Step`): nothing for a
+        greedy launch, else each slot's options from its samplings and positions."""
+        if step.samplings is None or step.positions is None:
+            return []
+        return self._arrays(step.samplings, step.positions)
+
+    def step_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
+        """Queue a launch of decode steps of every slot, greedy or picking as ``inputs``
+        (:meth:`step_inputs`) say: the next carry, and the outputs (steps, slots, ...)."""
+        return self.step_program(bool(inputs))(params, carry, *inputs)
 
     def zeros(self) -> Any:
         return jax.tree_util.tree_map(lambda t: t.zeros(), self.carry_template, is_leaf=is_template)

@@ -168,7 +168,7 @@ class Scheduler(Generic[R]):
         if self.running.get(request.slot) is request:
             del self.running[request.slot]
             bisect.insort(self.free, request.slot)
-            self.sampling -= 0 if request.sampling.greedy else 1
+            self.sampling -= 0 if request.sampling.plain else 1
 
     def take_waiting(self) -> list[R]:
         """Every waiting request, off the queue."""
@@ -194,7 +194,7 @@ class Scheduler(Generic[R]):
         for request, slot in zip(admitted, self.free):
             request.slot = slot
             self.running[slot] = request
-            self.sampling += 0 if request.sampling.greedy else 1
+            self.sampling += 0 if request.sampling.plain else 1
         del self.free[:count]
         busy = len(self.running)
         prefills = []

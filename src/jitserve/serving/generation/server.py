@@ -23,6 +23,8 @@ import time
 from collections.abc import AsyncGenerator, Callable, Generator
 from typing import Any, NamedTuple, Self
 
+import jax
+
 from ... import compilers
 from ...errors import OptionError, QueueFullError, ServerStoppedError, raised_by_model
 from ...template import Template, check_params
@@ -30,7 +32,8 @@ from ..front import Front, Listener
 from ..options import optional_seconds
 from ..request import Reading, read, read_async
 from ..serving import owned_host_array
-from ..stats import GenerationStats
+from ..stats import GenerationStats, Phases
+from ..warmup import compile_each
 from .delivery import GenerationRequest, hand_over
 from .paged_programs import PagedPrograms
 from .paged_scheduler import PagedScheduler
@@ -81,13 +84,15 @@ class GenerationFront(Front):
 class _Dispatched(NamedTuple):
     """Outputs queued on the device, for ``requests[i]`` in row ``rows[i]``: ``step``: a launch of decode
     steps, its outputs (steps, slots, ...), queued at ``started``; else the first outputs of admitted
-    prompts, one row each."""
+    prompts, one row each. ``queued``: the phases of its launch so far (its inputs made, the programs
+    queued, the copy of its outputs to the host started), which its delivery completes."""
 
     requests: list[GenerationRequest]
     rows: list[int]
     outputs: Any
     started: float
     step: bool
+    queued: Phases
 
 
 class GenerationServer(GenerationFront):
@@ -159,10 +164,16 @@ class GenerationServer(GenerationFront):
     # lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> Self:
-        """Compile every prefill bucket, every slot update and the step, and run each once where a first run
-        costs extra (a GPU); then start the loop."""
+        """Compile every prefill bucket, every slot update and the step (a log line each, and a progress bar
+        on a terminal, as a Serving's warm-up shows), and run each once where a first run costs extra (a
+        GPU); then start the loop."""
         programs = self._programs
-        programs.compile_all()
+        steps = programs.warm_up_steps()
+        if programs.compiler.compiles:
+            compile_each(log, f"generation server {self.name}", steps)
+        else:  # functions run as written: nothing compiles, nothing to show
+            for _, step in steps:
+                step()
         if programs.compiler.first_run_costs(programs.options):
             programs.run_each_once(self._params)
         self._carry = programs.zeros()
@@ -281,7 +292,10 @@ class GenerationServer(GenerationFront):
                     self._wake.notify_all()
                 # while new weights wait, nothing is admitted: the slots run empty of the old weights' requests
                 plan = scheduler.plan(admit=self._new_params is None)
+                planned = time.perf_counter()
                 for request in plan.admitted:
+                    if not request.admitted.is_set():  # its wait for a slot (not again once preempted)
+                        request.waited_s = planned - request.submitted
                     request.admitted.set()
                 self._stats.prefills += len(plan.prefills)
                 self._stats.max_slots_busy = max(self._stats.max_slots_busy, plan.busy)
@@ -307,33 +321,64 @@ class GenerationServer(GenerationFront):
         programs = self._programs
         for prefill in plan.prefills:
             started = time.perf_counter()
-            self._carry, first = programs.prefill_of(self._params, self._carry, prefill)
-            if prefill.requests:
-                dispatched.append(_Dispatched(prefill.requests, prefill.rows, to_host(first), started, False))
+            inputs = programs.prefill_inputs(prefill)
+            calling = time.perf_counter()
+            self._carry, first = programs.prefill_of(self._params, self._carry, inputs)
+            if prefill.requests:  # else a chunk of prompts whose prefill goes on
+                dispatched.append(self._dispatched(prefill.requests, prefill.rows, first, started, calling, False))
         step = plan.step
         if step is not None:
             started = time.perf_counter()
-            self._carry, outputs = programs.step_of(self._params, self._carry, step)
-            dispatched.append(_Dispatched(step.requests, step.slots, to_host(outputs), started, True))
+            inputs = programs.step_inputs(step)
+            calling = time.perf_counter()
+            self._carry, outputs = programs.step_of(self._params, self._carry, inputs)
+            dispatched.append(self._dispatched(step.requests, step.slots, outputs, started, calling, True))
+
+    @staticmethod
+    def _dispatched(requests: list[GenerationRequest], rows: list[int], outputs: Any, started: float,
+                    calling: float, step: bool) -> _Dispatched:
+        """A launch queued (its inputs made from ``started``, its programs called at ``calling``), its
+        outputs on their way to the host."""
+        copying = time.perf_counter()
+        outputs = to_host(outputs)
+        queued = Phases(calling - started, copying - calling, time.perf_counter() - copying)
+        return _Dispatched(requests, rows, outputs, started, step, queued)
 
     def _deliver(self, item: _Dispatched) -> None:
-        """Once ``item`` is computed, its outputs to their requests (:func:`~.delivery.hand_over`); a request
-        that ended frees its slot; then the statistics and the listeners."""
+        """Once ``item`` is computed, its outputs to their requests (:func:`~.delivery.hand_over`) and the
+        statistics, under the lock; a request that ended frees its slot; then the listeners."""
+        waiting = time.perf_counter()
+        jax.block_until_ready(item.outputs)
+        computed = time.perf_counter()
         outputs = owned_host_array(item.outputs)
         if not item.step:
             outputs = outputs[None]  # prefills give one output per prompt: as one step
         now = time.perf_counter()
-        delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos)
         elapsed = now - max(item.started, self._ready)  # from when the device could start it
         self._ready = now
         steps = outputs.shape[0]
-        with self._lock:
-            self._stats.outputs += delivered
+        queued = item.queued
+        # the hand-over is not in it (nor is a serving's delivery): each request's phases end before it hears
+        phases = Phases(queued.input_s, queued.infer_s + computed - waiting, queued.output_s + now - computed)
+        for request in item.requests:  # floats, not a Phases each: this runs for every slot at every launch
+            request.input_s += phases.input_s
+            request.infer_s += phases.infer_s
+            request.output_s += phases.output_s
+        with self._lock:  # so that a caller handed its last output finds itself counted
+            delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos)
+            stats = self._stats
+            stats.outputs += delivered
             if item.step:
-                self._stats.steps += steps
-                self._stats.step_s += elapsed
+                stats.steps += steps
+                stats.step_s += elapsed
+                stats.launches += 1
+                stats.launch_phases += phases
             else:
-                self._stats.first_output_s += sum(now - r.submitted for r in item.requests)
+                stats.first_output_s += sum(now - r.submitted for r in item.requests)
+            for request in finished:
+                stats.completed += 1
+                stats.completed_queue_s += request.waited_s
+                stats.completed_phases += Phases(request.input_s, request.infer_s, request.output_s)
             self._scheduler.release(finished)
         if item.step:
             for _ in range(steps):

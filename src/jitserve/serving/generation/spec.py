@@ -38,11 +38,16 @@ class Sampling:
     """How one request of a ``logits=True`` generation picks its tokens: greedy (``temperature`` 0, the
     default), or drawn at ``temperature`` from the ``top_k`` most likely tokens (0: all of them) that make up
     ``top_p`` of the probability (HF's order: top-k, then top-p), from a generator seeded with ``seed`` (None:
-    a fresh one; a seed gives the same tokens whatever else runs)."""
+    a fresh one; a seed gives the same tokens whatever else runs). ``stop_token_ids``: up to
+    ``MAX_STOP_IDS`` token ids that end the request as ``eos`` does (the id is its last output);
+    ``min_tokens``: its first so many outputs are never ``eos`` nor one of those (held back on the device,
+    as vLLM does)."""
 
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids")
+    MAX_STOP_IDS = 16
 
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 min_tokens: int = 0, stop_token_ids: Sequence[int] = ()) -> None:
         if not finite_number(temperature) or temperature < 0:
             raise OptionError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if not finite_number(top_p) or not 0 < top_p <= 1:
@@ -51,16 +56,29 @@ class Sampling:
         self.top_k = _whole("top_k (0: no limit)", top_k, 2**31)
         self.top_p = float(top_p)
         self.seed = secrets.randbits(32) if seed is None else _whole("seed", seed, 2**32)
+        self.min_tokens = _whole("min_tokens", min_tokens, 2**31)
+        if not isinstance(stop_token_ids, list | tuple) or len(stop_token_ids) > self.MAX_STOP_IDS or not all(
+                not isinstance(i, bool) and isinstance(i, int | np.integer) and 0 <= i < 2**31 for i in stop_token_ids):
+            raise OptionError(f"stop_token_ids must be a list of at most {self.MAX_STOP_IDS} token ids (integers "
+                              f">= 0), got {stop_token_ids!r:.80}")
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing held back: a greedy program picks its tokens (else a sampling one)."""
+        return self.temperature == 0 and self.min_tokens == 0
 
 
 GREEDY = Sampling(seed=0)
 
 PAGED_PREFILL_BATCHES = 8  # a paged generation prefills at most this many prompts' chunks in one program
 PAGED_CHUNK = 256  # a paged generation's longest compiled prompt chunk, by default
+PAGED_SHORTEST_CHUNK = 32  # and its shortest (a shorter chunk costs no less to run)
+PAGED_NARROWEST_TABLE = 4  # the fewest blocks a decode launch attends over (fewer cost no less either)
 
 
 class PagedCache:
@@ -148,8 +166,9 @@ class Generation:
         self.params_template = params_template(self.params)
         self.slots = count_option("slots", slots)
         self.max_length = count_option("max_length", max_length)
-        longest = self.max_length if cache is None else min(self.max_length, PAGED_CHUNK)
-        lengths = powers_of_two_up_to(longest, 16) if prefill_lengths is None else \
+        longest, shortest = (self.max_length, 16) if cache is None else \
+            (min(self.max_length, PAGED_CHUNK), PAGED_SHORTEST_CHUNK)
+        lengths = powers_of_two_up_to(longest, shortest) if prefill_lengths is None else \
             sorted({count_option(f"each of prefill_lengths {list(prefill_lengths)}", n) for n in prefill_lengths})
         if not lengths or lengths[-1] > self.max_length:
             raise OptionError(f"prefill_lengths must be positive and at most max_length ({self.max_length}), "
@@ -165,9 +184,10 @@ class Generation:
         chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
                                                          **compiler_options})
         self.compiler_name = chosen.name
-        if cache is not None and not chosen.compiles:
-            raise OptionError(f"a paged cache's programs are traced and compiled; compiler {chosen.name!r} runs "
-                              f"functions as written (serve it with xla, iree or evaluator)")
+        if cache is not None and not chosen.pages:
+            raise OptionError(f"compiler {chosen.name!r} does not run a paged cache's programs as XLA does; serve "
+                              f"this generation with compiler 'xla' or 'evaluator', or with a slot cache (prefill "
+                              f"and decode; from_pretrained's kv_cache='slots')")
         self.mesh = _checked_mesh(mesh, chosen, self.compiler_options)
         if cache is not None and mesh is not None:
             raise OptionError("a paged cache runs on one device for now; a generation over several devices "
@@ -239,9 +259,10 @@ class Generation:
         """A request's prompt (see :meth:`check_prompt`) once its ``max_steps`` and ``sampling`` are checked
         for generation server ``name``."""
         count_option("max_steps", max_steps)
-        if sampling is not None and not sampling.greedy and not self.logits:
-            raise OptionError(f"generation server {name!r} cannot sample: its decode returns outputs, not "
-                              f"logits (serve it with js.Generation(..., logits=True) to sample per request)")
+        if sampling is not None and not self.logits and (not sampling.plain or sampling.stop_token_ids):
+            raise OptionError(f"generation server {name!r} cannot sample, hold back or stop at token ids: its "
+                              f"decode returns outputs, not logits (serve it with js.Generation(..., logits=True) "
+                              f"to choose per request)")
         array = self.check_prompt(prompt)
         if self.cache is not None:  # what it holds at its longest must fit the pool, else it could never finish
             positions = array.size + max(1, min(int(max_steps), self.max_length - array.size)) - 1
