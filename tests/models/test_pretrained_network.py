@@ -237,7 +237,8 @@ def test_tensorrtllm_and_vllm_requests_as_genai_perf_sends_them(llm, expected):
     inputs = [(t["name"], t["datatype"], t["shape"]) for t in http.get_model_metadata("llm")["inputs"]]
     assert inputs == [("text_input", "BYTES", [1]), ("max_tokens", "INT32", [1]), ("temperature", "FP32", [1]),
                       ("top_p", "FP32", [1]), ("top_k", "INT32", [1]), ("seed", "UINT64", [1]),
-                      ("stop", "BYTES", [-1]), ("stream", "BOOL", [1]), ("exclude_input_in_output", "BOOL", [1]),
+                      ("stop", "BYTES", [-1]), ("stop_token_ids", "INT32", [-1]), ("min_tokens", "INT32", [1]),
+                      ("min_length", "INT32", [1]), ("stream", "BOOL", [1]), ("exclude_input_in_output", "BOOL", [1]),
                       ("sampling_parameters", "BYTES", [1])]
     grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{llm.grpc_port}")
     for config in (http.get_model_config("llm"), grpc.get_model_config("llm", as_json=True)["config"]):
@@ -278,8 +279,8 @@ def test_tensorrtllm_and_vllm_requests_as_genai_perf_sends_them(llm, expected):
              "in sampling_parameters); give it once"),
             ([text_input(httpclient), tensor(httpclient, "bad_words", [b"x"], "BYTES")],
              "model 'llm' does not take the input 'bad_words'"),
-            ([text_input(httpclient), tensor(httpclient, "sampling_parameters", [b'{"min_tokens": 2}'], "BYTES")],
-             "does not take 'min_tokens'; its sampling parameters are max_tokens, temperature")]:
+            ([text_input(httpclient), tensor(httpclient, "sampling_parameters", [b'{"ignore_eos": true}'], "BYTES")],
+             "does not take 'ignore_eos'; its sampling parameters are max_tokens, temperature")]:
         with pytest.raises(InferenceServerException, match=re.escape(message)) as refused:
             http.infer("llm", inputs)
         assert refused.value.status() == "400"

@@ -1,14 +1,16 @@
 """genai-perf (Triton's LLM benchmark, from PyPI; no one here wrote it) against a real ``jitserve serve --hf
 DIR`` on loopback, each run to a finished profile: over the KServe gRPC stream as its ``vllm`` back end
-sends requests (``sampling_parameters``) and as its ``tensorrtllm`` back end does (``max_tokens`` as a
-tensor), over Triton's generate extension (``generate_stream``), and over OpenAI's API (chat, streamed, and
-completions). A checkpoint made here and its tokenizer (``--tokenizer DIR``): nothing is downloaded.
+sends requests (``sampling_parameters``) and as its ``tensorrtllm`` back end does (``max_tokens`` and, with
+``--output-tokens-mean-deterministic``, ``min_length`` as tensors), over Triton's generate extension
+(``generate_stream``), and over OpenAI's API (chat, streamed, and completions). A checkpoint made here and
+its tokenizer (``--tokenizer DIR``): nothing is downloaded.
 
 Each run is bounded (a few requests of a few prompt and output tokens, concurrency 1 to 4); its report
 counts every request and a token throughput above 0, and every request's answer stops at the
 ``max_tokens`` genai-perf asked for (the server's default is more). The same greedy text comes back for the
-same prompt through every door that does not add a chat template. genai-perf drives perf_analyzer, which
-``python3 dev.py test`` installs (``netutil.perf_analyzer_environment``)."""
+same prompt through every door that neither adds a chat template nor holds the end token back.
+genai-perf drives perf_analyzer, which ``python3 dev.py test`` installs
+(``netutil.perf_analyzer_environment``)."""
 
 from __future__ import annotations
 
@@ -31,13 +33,15 @@ REQUESTS = 6
 # run -> (genai-perf's arguments, the door: "grpc" or "http", its concurrency)
 RUNS: dict[str, tuple[list[str], str, int]] = {
     "kserve-vllm": (["--endpoint-type", "kserve", "--backend", "vllm", "--streaming"], "grpc", 2),
-    "kserve-tensorrtllm": (["--endpoint-type", "kserve", "--backend", "tensorrtllm", "--streaming"], "grpc", 4),
+    # --output-tokens-mean-deterministic: min_length (TensorRT-LLM's min_tokens) as a tensor too
+    "kserve-tensorrtllm": (["--endpoint-type", "kserve", "--backend", "tensorrtllm", "--streaming",
+                            "--output-tokens-mean-deterministic"], "grpc", 4),
     "generate-stream": (["--endpoint-type", "generate", "--endpoint", f"v2/models/{MODEL}/generate_stream",
                          "--streaming"], "http", 1),
     "openai-chat": (["--endpoint-type", "chat", "--streaming"], "http", 3),
     "openai-completions": (["--endpoint-type", "completions", "--extra-inputs", "temperature:0"], "http", 2),
 }
-GREEDY_ALIKE = ("kserve-vllm", "kserve-tensorrtllm", "generate-stream", "openai-completions")
+GREEDY_ALIKE = ("kserve-vllm", "generate-stream", "openai-completions")  # min_length may change a text
 
 
 class Profile:

@@ -19,17 +19,20 @@ def texts(*values: str) -> np.ndarray:
 def test_tensorrtllm_tensors_as_genai_perf_sends_them():
     tensors = {"max_tokens": np.array([[8]], np.int32), "exclude_input_in_output": np.array([True]),
                "stream": np.array([[True]]), "temperature": np.array([0.5], np.float32),
-               "seed": np.array([7], np.uint64), "stop": texts("\n", "THE END")}
+               "seed": np.array([7], np.uint64), "stop": texts("\n", "THE END"), "min_length": np.array([[8]]),
+               "stop_token_ids": np.array([3, 4], np.int32)}
     assert read_fields("m", True, tensors, {}) == {"max_tokens": 8, "exclude_input_in_output": True,
                                                    "stream": True, "temperature": 0.5, "seed": 7,
-                                                   "stop": ["\n", "THE END"]}
+                                                   "stop": ["\n", "THE END"], "min_tokens": 8,
+                                                   "stop_token_ids": [3, 4]}
 
 
 def test_vllm_sampling_parameters_read_numbers_in_strings_as_vllm_does():
-    tensors = {"sampling_parameters": texts('{"max_tokens": "4", "temperature": "0.25", "top_k": 3, "stop": "x"}'),
+    tensors = {"sampling_parameters": texts('{"max_tokens": "4", "min_tokens": "4", "temperature": "0.25", '
+                                            '"top_k": 3, "stop": "x"}'),
                "stream": np.array([False]), "exclude_input_in_output": np.array([True])}
-    assert read_fields("m", True, tensors, {}) == {"max_tokens": 4, "temperature": 0.25, "top_k": 3, "stop": "x",
-                                                   "stream": False, "exclude_input_in_output": True}
+    assert read_fields("m", True, tensors, {}) == {"max_tokens": 4, "min_tokens": 4, "temperature": 0.25, "top_k": 3,
+                                                   "stop": "x", "stream": False, "exclude_input_in_output": True}
 
 
 def test_a_field_given_twice_must_agree():
@@ -41,17 +44,21 @@ def test_a_field_given_twice_must_agree():
         read_fields("m", True, {**tensors, "sampling_parameters": texts('{"max_tokens": 5}')}, {})
     with pytest.raises(ProtocolError, match=r"2 \(the 'top_k' parameter\)"):
         read_fields("m", True, {"top_k": np.array([1], np.int32)}, {"top_k": 2})
+    with pytest.raises(ProtocolError, match=r"'min_tokens' is given twice with different values: 3 \(the "
+                                            r"'min_length' input\) and 2 \(the 'min_tokens' parameter\)"):
+        read_fields("m", True, {"min_length": np.array([3], np.int32)}, {"min_tokens": 2})
 
 
 @pytest.mark.parametrize(("tensors", "parameters", "message"), [
     ({"bad_words": texts("x")}, {}, "model 'm' does not take the input 'bad_words'; it takes text_input and, "
-                                    "optionally, max_tokens, temperature, top_p, top_k, seed, stop, stream, "
-                                    "exclude_input_in_output, sampling_parameters"),
+                                    "optionally, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, "
+                                    "min_tokens, min_length, stream, exclude_input_in_output, sampling_parameters"),
     ({}, {"beam_width": 2}, "model 'm' does not take the parameter 'beam_width'; a text generation takes "
-                            "max_tokens, temperature, top_p, top_k, seed, stop, stream, exclude_input_in_output"),
-    ({"sampling_parameters": texts('{"min_tokens": "4"}')}, {},
-     "the 'sampling_parameters' input: model 'm' does not take 'min_tokens'; its sampling parameters are "
-     "max_tokens, temperature, top_p, top_k, seed, stop"),
+                            "max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, "
+                            "min_length, stream, exclude_input_in_output"),
+    ({"sampling_parameters": texts('{"ignore_eos": true}')}, {},
+     "the 'sampling_parameters' input: model 'm' does not take 'ignore_eos'; its sampling parameters are "
+     "max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens"),
     ({"sampling_parameters": texts("max_tokens=4")}, {},
      "the 'sampling_parameters' input must be a JSON object (vLLM's sampling parameters), got 'max_tokens=4'"),
     ({"sampling_parameters": texts("[4]")}, {}, "must be a JSON object (vLLM's sampling parameters), got '[4]'"),
@@ -63,6 +70,7 @@ def test_a_field_given_twice_must_agree():
     ({"stream": np.array([1], np.int32)}, {}, "the 'stream' input must be true or false, got 1"),
     ({}, {"temperature": "hot"}, "the 'temperature' parameter must be a number, got 'hot'"),
     ({}, {"stop": ["a", 1]}, "the 'stop' parameter must be a string or a list of strings, got ['a', 1]"),
+    ({}, {"stop_token_ids": 3}, "the 'stop_token_ids' parameter must be a list of token ids (integers), got 3"),
 ])
 def test_refusals_name_the_field_and_what_it_takes(tensors, parameters, message):
     with pytest.raises(ProtocolError) as refused:
@@ -73,7 +81,8 @@ def test_refusals_name_the_field_and_what_it_takes(tensors, parameters, message)
 def test_a_token_generation_takes_its_fields_as_parameters():
     assert read_fields("g", False, {}, {"max_steps": 3, "seed": 1, "priority": 0}) == {"max_steps": 3, "seed": 1}
     with pytest.raises(ProtocolError, match="does not take the parameter 'max_tokens'; a token generation takes "
-                                            "max_steps, temperature, top_p, top_k, seed, stop$"):
+                                            "max_steps, temperature, top_p, top_k, seed, stop, stop_token_ids, "
+                                            "min_tokens$"):
         read_fields("g", False, {}, {"max_tokens": 3})
 
 
@@ -81,3 +90,4 @@ def test_the_optional_inputs_are_the_fields_with_a_datatype_and_vllms_json():
     assert list(OPTIONAL_INPUTS) == [*(name for name, field in FIELDS.items() if field.datatype),
                                      "sampling_parameters"]
     assert OPTIONAL_INPUTS["max_tokens"] == ("INT32", (1,)) and OPTIONAL_INPUTS["stop"] == ("BYTES", (-1,))
+    assert OPTIONAL_INPUTS["min_length"] == ("INT32", (1,))  # TensorRT-LLM's name of min_tokens

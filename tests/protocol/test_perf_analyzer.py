@@ -12,19 +12,14 @@ the tests fail, they do not skip."""
 from __future__ import annotations
 
 import csv
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from netutil import ROOT, start_server, stop
+from netutil import PERF_ANALYZER, ROOT, perf_analyzer_environment, start_server, stop
 
-TOOL = Path(sys.prefix) / "perf-analyzer"
-BINARY = TOOL / "bin" / "perf_analyzer"
-CUDA_RUNTIME = TOOL / "nvidia" / "cuda_runtime" / "lib"
 # a run: windows of at least 50 requests (at least half a second), stable once 3 windows agree within 10x
 # (a shared machine's speed varies; what is checked is how the server's times add up, not how fast it is)
 BOUNDED = ["--measurement-mode", "count_windows", "--measurement-request-count", "50", "-p", "500",
@@ -49,12 +44,10 @@ def writer():
 
 def perf_analyzer(tmp_path: Path, *arguments: str) -> tuple[str, dict[str, str]]:
     """Run perf_analyzer with ``arguments``: its output, once it exited 0, and its CSV report's row."""
-    if not BINARY.exists():
-        pytest.fail(f"no perf_analyzer at {BINARY}: python3 dev.py test installs it (tritonclient 2.51.0's binary)")
+    environment = perf_analyzer_environment()
     report = tmp_path / "report.csv"
-    environment = {**os.environ, "LD_LIBRARY_PATH": f"{CUDA_RUNTIME}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    done = subprocess.run([str(BINARY), *arguments, *BOUNDED, "-f", str(report), "--verbose-csv"],
-                          capture_output=True, text=True, timeout=300, env=environment)
+    done = subprocess.run([str(PERF_ANALYZER / "bin" / "perf_analyzer"), *arguments, *BOUNDED, "-f", str(report),
+                           "--verbose-csv"], capture_output=True, text=True, timeout=300, env=environment)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     rows = list(csv.DictReader(report.open()))
@@ -93,9 +86,10 @@ def test_perf_analyzer_measures_a_serving_through_system_shared_memory(mlp, tmp_
 
 
 def test_perf_analyzer_streams_a_generation_over_grpc(writer, tmp_path):
+    prompts = tmp_path / "prompts.json"  # not its synthetic data, which fills every optional input at random
+    prompts.write_text('{"data": [{"text_input": ["Once upon a time"]}]}')
     output, row = perf_analyzer(tmp_path, "-m", "gpt2", "-u", f"127.0.0.1:{writer.grpc_port}", "-i", "grpc",
-                                "--streaming", "--shape", "text_input:1", "--string-data", "Once upon a time",
-                                "--request-parameter", "max_tokens:8:int")
+                                "--streaming", "--input-data", str(prompts), "--request-parameter", "max_tokens:8:int")
     assert "Detected decoupled model" in output, "it read the generation's config over gRPC"
     assert float(row["Response Throughput"]) > float(row["Inferences/Second"]), "several responses per request"
     assert_server_side_within_client_latency(output, row)

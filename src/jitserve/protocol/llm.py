@@ -49,6 +49,13 @@ def _flag(value: Any, where: str) -> bool:
     return bool(value)
 
 
+def _ids(value: Any, where: str) -> list[int]:
+    """Token ids (checked further by the generation's ``Sampling``)."""
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ProtocolError(f"{where} must be a list of token ids (integers), got {_value(value)}")
+    return value
+
+
 def _stops(value: Any, where: str) -> str | list[str]:
     """One stop sequence or a list of them (checked further by the generation's ``StopText``)."""
     texts = value if isinstance(value, list) else [value]
@@ -60,8 +67,9 @@ def _stops(value: Any, where: str) -> str | list[str]:
 @dataclass(frozen=True)
 class Field:
     """A request field of a generation: how its value is checked, its datatype as an optional input tensor
-    of a text generation (None: a parameter only), whether ``sampling_parameters`` may hold it, and whether
-    a text or a token generation takes it."""
+    of a text generation (None: a parameter only; dims ``[-1]``: a list), whether ``sampling_parameters`` may
+    hold it, whether a text or a token generation takes it, and the field it gives under another name
+    (``alias``: TensorRT-LLM's name of a field vLLM names otherwise)."""
 
     read: Callable[[Any, str], Any]
     datatype: str | None = None
@@ -69,9 +77,11 @@ class Field:
     sampled: bool = False
     text: bool = True
     tokens: bool = False
+    alias: str | None = None
 
 
-SAMPLING = ("temperature", "top_k", "top_p", "seed")  # the fields that make a request's Sampling
+# the fields that make a request's Sampling
+SAMPLING = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids")
 # field -> how a generation reads it; the order is the order of a text generation's optional inputs
 FIELDS: dict[str, Field] = {
     "max_tokens": Field(_positive, "INT32", sampled=True),  # a text generation's most tokens
@@ -81,6 +91,9 @@ FIELDS: dict[str, Field] = {
     "top_k": Field(_whole, "INT32", sampled=True, tokens=True),
     "seed": Field(_whole, "UINT64", sampled=True, tokens=True),
     "stop": Field(_stops, "BYTES", (-1,), sampled=True, tokens=True),  # a stop sequence, or several
+    "stop_token_ids": Field(_ids, "INT32", (-1,), sampled=True, tokens=True),  # ids that end it as eos does
+    "min_tokens": Field(_whole, "INT32", sampled=True, tokens=True),  # outputs before eos may end it
+    "min_length": Field(_whole, "INT32", alias="min_tokens"),  # TensorRT-LLM's (genai-perf's deterministic)
     "stream": Field(_flag, "BOOL"),  # false: the whole text in one response, even to a stream
     "exclude_input_in_output": Field(_flag, "BOOL"),  # false: the text starts with the prompt
 }
@@ -102,13 +115,13 @@ def _value(value: Any) -> str:
 
 
 def _tensor_value(name: str, array: np.ndarray) -> Any:
-    """An optional input's value: its one element as a Python value (text for BYTES); a ``stop`` tensor
-    of several elements, their texts."""
+    """An optional input's value: its one element as a Python value (text for BYTES); a list of them for a
+    list's tensor (dims ``[-1]``)."""
     where = f"the '{name}' input"
     values = [value.decode(errors="replace") if isinstance(value, bytes) else value
               for value in array.reshape(-1).tolist()]
-    if name == "stop" and values:
-        return values[0] if len(values) == 1 else values
+    if name in FIELDS and FIELDS[name].dims == (-1,):
+        return values
     if len(values) != 1:
         raise ProtocolError(f"{where} must hold one value, got shape {list(array.shape)}")
     return values[0]
@@ -154,6 +167,7 @@ def read_fields(model: str, text: bool, tensors: Mapping[str, np.ndarray], param
 
     def give(name: str, value: Any, where: str) -> None:
         value = FIELDS[name].read(value, where)
+        name = FIELDS[name].alias or name
         if name in given and given[name][0] != value:
             first, place = given[name]
             raise ProtocolError(f"'{name}' is given twice with different values: {_value(first)} ({place}) and "
