@@ -134,7 +134,7 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
 
     chosen, _ = resolve_options({key: options[key] for key in ("compiler",) if key in options})
     # the paged cache where it runs: on one device, with a compiler that pages as XLA does (not IREE)
-    given = dict(options)
+    chose = "kv_cache" in options
     kv_cache = options.pop("kv_cache", "paged" if chosen.pages and "mesh" not in options else "slots")
     if kv_cache not in KV_CACHES:
         raise OptionError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
@@ -143,7 +143,7 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
     if kv_cache == "slots":
         paged_only = [name for name in PAGED_OPTIONS if name in options]
         if paged_only:
-            why = "" if "kv_cache" in given else ", as its compiler or devices ask"
+            why = "" if chose else ", as its compiler or devices ask"
             raise OptionError(f"{', '.join(paged_only)} size a paged cache; this generation keeps a slot cache "
                               f"(kv_cache='slots'{why})")
         options.setdefault("slots", 8)

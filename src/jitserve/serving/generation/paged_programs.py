@@ -35,12 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...template import Template
-from ..options import powers_of_two_up_to
 from ..serving import owned_host_array
 from ..warmup import Step
 from .paged_scheduler import Chunk, PagedStep
 from .programs import KIND, Programs, sample_tokens
-from .spec import PAGED_NARROWEST_TABLE, Generation
+from .spec import Generation
 
 
 class PagedPrograms(Programs):
@@ -52,9 +51,8 @@ class PagedPrograms(Programs):
         assert cache is not None and generation.forward is not None
         self._common(generation, options, on_compile)
         self.forward = generation.forward
-        self.block_size = cache.block_size
-        self.max_blocks = -(-generation.max_length // cache.block_size)
-        self.table_widths = powers_of_two_up_to(self.max_blocks, PAGED_NARROWEST_TABLE)
+        self.max_blocks = cache.table_blocks(generation.max_length)
+        self.table_widths = cache.table_widths(generation.max_length)
         pool = Template((cache.layers, cache.blocks(generation.max_length) * cache.block_size, cache.kv_heads,
                          cache.head_dim), cache.dtype)
         self.output_template = Template((), np.int32)

@@ -31,10 +31,9 @@ from typing import Any, Generic, NamedTuple
 
 import numpy as np
 
-from ..options import powers_of_two_up_to
 from .blocks import BlockPool, block_keys
 from .scheduler import Plan, R, Scheduler
-from .spec import GREEDY, PAGED_NARROWEST_TABLE, Generation, Sampling
+from .spec import GREEDY, Generation, Sampling
 
 
 class Chunk(NamedTuple, Generic[R]):
@@ -79,8 +78,8 @@ class PagedScheduler(Scheduler[R]):
         super().__init__(g.slots, g.prefill_lengths, g.prefill_batches, g.steps_per_launch, g.max_queue)
         self.block_size = g.cache.block_size
         self.pool = BlockPool(g.cache.blocks(g.max_length), self.block_size)
-        self.max_blocks = -(-g.max_length // self.block_size)  # a block table's width
-        self.table_widths = powers_of_two_up_to(self.max_blocks, PAGED_NARROWEST_TABLE)  # compiled decode widths
+        self.max_blocks = g.cache.table_blocks(g.max_length)  # a block table's width
+        self.table_widths = g.cache.table_widths(g.max_length)  # compiled decode widths
         self.chunk = self.prefill_lengths[-1]  # prompt tokens prefilled per turn, at most
         self.prefix_caching = g.cache.prefix_caching
         self.prefilling: dict[R, tuple[np.ndarray, list[bytes]]] = {}  # admitted, not prefilled: sequence, keys
@@ -147,15 +146,15 @@ class PagedScheduler(Scheduler[R]):
         """A preempted request can be prefilled again once the outputs it had in flight have arrived."""
         return request.produced == request.dispatched
 
-    def _reach(self, request: R) -> int:
-        """The positions its next decode launch has written once it ran: those of the launch's tokens, which
-        are its outputs so far but the last, up to the last output it needs."""
-        return request.prompt.size + min(request.dispatched - 1 + self.steps_per_launch, request.needed - 1)
+    def _reach(self, request: R, dispatched: int) -> int:
+        """The positions its decode launch after ``dispatched`` outputs has written once it ran: those of the
+        launch's tokens, which are its outputs so far but the last, up to the last output it needs."""
+        return request.prompt.size + min(dispatched - 1 + self.steps_per_launch, request.needed - 1)
 
     def _grow(self, request: R) -> None:
         """The blocks ``request``'s next decode launch writes, preempting the newest running sequences (maybe
         ``request`` itself) while there are too few."""
-        wanted = self.pool.blocks_for(self._reach(request)) - len(request.blocks)
+        wanted = self.pool.blocks_for(self._reach(request, request.dispatched)) - len(request.blocks)
         while wanted > self.pool.available:
             victim = max(self.running.values(), key=self.admitted_order.__getitem__)
             self._preempt(victim)
@@ -211,9 +210,8 @@ class PagedScheduler(Scheduler[R]):
         count = min(sequence.size - start, budget)
         final = start + count == sequence.size
         written = start + count
-        if final:  # it decodes in this plan's launch too: dispatched will be its outputs so far and this one
-            written = max(written, request.prompt.size + min(len(request.history or []) + self.steps_per_launch,
-                                                             request.needed - 1))
+        if final:  # it decodes in this plan's launch too, once this chunk's output is dispatched
+            written = max(written, self._reach(request, request.dispatched + 1))
         wanted = self.pool.blocks_for(written) - len(request.blocks)
         if wanted + reserve > self.pool.available:
             return False
@@ -274,11 +272,7 @@ class PagedScheduler(Scheduler[R]):
         for slot, request in zip(slots, requests):
             tables[slot, :len(request.blocks)] = request.blocks
             positions[slot] = request.prompt.size + request.dispatched - 1
-        samplings: list[Sampling] | None = None
-        steps: list[int] | None = None
-        if any(not request.sampling.plain for request in requests):
-            samplings = [decoding[s].sampling if s in decoding else GREEDY for s in range(self.slots)]
-            steps = [decoding[s].dispatched if s in decoding else 0 for s in range(self.slots)]
+        samplings, steps = self._options(decoding) if any(not r.sampling.plain for r in requests) else (None, None)
         self._dispatched(requests, self.steps_per_launch)
         return PagedStep(requests, slots, samplings, steps, positions, tables)
 

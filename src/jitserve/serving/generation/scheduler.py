@@ -222,14 +222,16 @@ class Scheduler(Generic[R]):
             return None
         slots = sorted(self.running)
         requests = [self.running[slot] for slot in slots]
-        samplings: list[Sampling] | None = None
-        positions: list[int] | None = None
-        if self.sampling:
-            every = [self.running.get(slot) for slot in range(self.slots)]
-            samplings = [GREEDY if request is None else request.sampling for request in every]
-            positions = [0 if request is None else request.dispatched for request in every]
+        samplings, positions = self._options(self.running) if self.sampling else (None, None)
         self._dispatched(requests, self.steps_per_launch)
         return Step(requests, slots, samplings, positions)
+
+    def _options(self, stepped: dict[int, R]) -> tuple[list[Sampling], list[int]]:
+        """Per slot, the sampling of the request ``stepped`` runs there and the number of its launch's first
+        step (its outputs dispatched so far); greedy at step 0 where none runs."""
+        every = [stepped.get(slot) for slot in range(self.slots)]
+        return ([GREEDY if request is None else request.sampling for request in every],
+                [0 if request is None else request.dispatched for request in every])
 
     def _dispatched(self, requests: list[R], outputs: int) -> None:
         """``outputs`` more outputs of each of ``requests`` are in a plan; a request whose last needed one is

@@ -64,10 +64,6 @@ class Sampling:
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def plain(self) -> bool:
         """Greedy with nothing held back: a greedy program picks its tokens (else a sampling one)."""
         return self.temperature == 0 and self.min_tokens == 0
@@ -104,6 +100,15 @@ class PagedCache:
         """The blocks of the pool, the reserved one included (see :class:`~.blocks.BlockPool`)."""
         tokens = self.tokens if self.tokens is not None else 8 * max_length
         return 1 + -(-tokens // self.block_size)
+
+    def table_blocks(self, max_length: int) -> int:
+        """The blocks of a sequence of ``max_length`` positions: a block table's width."""
+        return -(-max_length // self.block_size)
+
+    def table_widths(self, max_length: int) -> list[int]:
+        """The table widths a decode launch is compiled for: powers of two of blocks, at least
+        ``PAGED_NARROWEST_TABLE`` (fewer cost no less), up to :meth:`table_blocks`."""
+        return powers_of_two_up_to(self.table_blocks(max_length), PAGED_NARROWEST_TABLE)
 
     def __repr__(self) -> str:
         return (f"PagedCache(layers={self.layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
