@@ -159,6 +159,19 @@ def test_a_twin_prompt_waits_a_plan_for_the_blocks_its_first_computes_then_share
     assert [(int(c.starts[0]), int(c.counts[0])) for c in plan.prefills if twin in c.requests] == [(32, 8)]
 
 
+def test_after_a_failed_step_the_pool_is_empty_and_its_counters_count_on():
+    s = PagedScheduler(generation(chunk_lengths=(16, 64)))
+    first = request(tokens=40)
+    s.submit(first)
+    s.plan()
+    s.submit(request(tokens=40))
+    s.plan()
+    assert (s.pool.lookups, s.pool.hits) == (4, 2) and s.pool.used > 0
+    assert len(s.take_running()) == 2
+    assert s.pool.used == 0 and not s.pool.cached and (s.pool.lookups, s.pool.hits) == (4, 2), \
+        "Prometheus counters never go backwards"
+
+
 @pytest.mark.parametrize("tokens, max_steps, needs", [(100, 200, 127), (10, 300, 127), (60, 20, 79)])
 def test_a_request_that_could_never_fit_the_pool_is_refused_naming_the_sizes(tokens, max_steps, needs):
     small = generation(tokens=64)

@@ -39,14 +39,18 @@ class BlockPool:
     def __init__(self, count: int, size: int) -> None:
         self.count = count
         self.size = size
-        self.free: collections.deque[int] = collections.deque(range(1, count))  # held by none, in no cache
-        self.references = [0] * count
-        self.cached: dict[bytes, int] = {}  # key -> block
-        self.key_of: dict[int, bytes] = {}  # block -> key
-        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, held by none; LRU
+        self.clear()
         self.lookups = 0
         self.hits = 0
         self.evictions = 0
+
+    def clear(self) -> None:
+        """Every block free and out of the prefix cache (the cache's contents are gone); the counters stay."""
+        self.free: collections.deque[int] = collections.deque(range(1, self.count))  # held by none, in no cache
+        self.references = [0] * self.count
+        self.cached: dict[bytes, int] = {}  # key -> block
+        self.key_of: dict[int, bytes] = {}  # block -> key
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, held by none; LRU
 
     @property
     def usable(self) -> int:

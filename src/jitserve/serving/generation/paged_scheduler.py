@@ -107,13 +107,14 @@ class PagedScheduler(Scheduler[R]):
         self.admitted_order.pop(request, None)
 
     def take_running(self) -> list[R]:
-        """Every running request, its slot freed; the pool starts again empty (the cache is cleared)."""
+        """Every running request, its slot freed; the pool starts again empty (the cache is zeroed), its
+        counters counting on."""
         requests = super().take_running()
         for request in requests:
             request.blocks = []
         self.prefilling.clear()
         self.admitted_order.clear()
-        self.pool = BlockPool(self.pool.count, self.block_size)
+        self.pool.clear()
         return requests
 
     def plan(self, admit: bool = True) -> Plan[R]:
