@@ -59,6 +59,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -289,9 +290,6 @@ def serve_floor(http_port: int, grpc_port: int) -> None:
     uvicorn (uvloop, httptools) with a bare ASGI callable, and ``grpc.aio`` on an event loop of its own
     thread, as ``jitserve serve`` runs them, answering every request with its precomputed answer: no
     decoding, no batching, no model, no encoding."""
-    import threading
-
-    import grpc
     import uvicorn
 
     http, answers = floor_answers(http_port)
@@ -309,20 +307,30 @@ def serve_floor(http_port: int, grpc_port: int) -> None:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
+    grpc_floor(grpc_port, answers.__getitem__)
+    uvicorn.run(app, host="127.0.0.1", port=http_port, loop="uvloop", http="httptools", lifespan="off",
+                access_log=False, log_level="warning")
+
+
+def grpc_floor(port: int, answer: Callable[[bytes], bytes]) -> None:
+    """A bare ``grpc.aio`` server on an event loop of a thread of its own, as ``jitserve serve`` runs gRPC,
+    answering each ``ModelInfer`` request (its bytes) with ``answer(request)``, precomputed bytes."""
+    import threading
+
+    import grpc
+
     async def infer(request: bytes, context) -> bytes:
-        return answers[request]
+        return answer(request)
 
     async def serve_grpc() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
             "inference.GRPCInferenceService", {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer)})])
-        server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+        server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
 
     threading.Thread(target=asyncio.run, args=(serve_grpc(),), daemon=True).start()
-    uvicorn.run(app, host="127.0.0.1", port=http_port, loop="uvloop", http="httptools", lifespan="off",
-                access_log=False, log_level="warning")
 
 
 def serve_jitserve_processes(http_port: int, grpc_port: int) -> None:
