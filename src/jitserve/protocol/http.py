@@ -511,14 +511,13 @@ def _priority(request: dict[str, Any]) -> int | None:
 
 
 def _json_data(array: np.ndarray) -> Any:
-    """A tensor's ``data`` for orjson: the flat array itself where orjson writes it exactly (finite values of a
-    native dtype), else the values as JSON-safe Python objects (non-finite floats as strings)."""
-    flat = np.ascontiguousarray(array.reshape(-1))
+    """A tensor's ``data`` for orjson: the flat array itself where orjson writes it from memory (a native
+    dtype; a float's NaN and infinities it writes as null, which :func:`_encode_response` looks for
+    afterwards), else the values as JSON-safe Python objects (non-finite floats as strings)."""
+    flat = array.reshape(-1)  # C-contiguous: a view of a contiguous array, else a copy
     if flat.dtype == BFLOAT16:  # each value exactly a float32, which orjson writes from memory
         flat = flat.astype(np.float32)
-    if flat.dtype in ORJSON_DTYPES and (flat.dtype.kind != "f" or np.isfinite(flat).all()):
-        return flat
-    return json_values(flat)
+    return flat if flat.dtype in ORJSON_DTYPES else json_values(flat)
 
 
 def _encode_response(model: str, version: str, request_id: Any, outputs: list[tuple[str, np.ndarray]],
@@ -526,6 +525,7 @@ def _encode_response(model: str, version: str, request_id: Any, outputs: list[tu
     """The answer: each output as JSON data, binary data after the JSON, or written into its shared memory
     slot (then without data, as Triton answers it)."""
     described, blobs = [], []
+    floats = []  # the entries whose float data orjson writes from memory: a NaN or an infinity would be null
     for name, array in outputs:
         entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
         as_binary, slot = how.get(name, (None, None))
@@ -536,12 +536,18 @@ def _encode_response(model: str, version: str, request_id: Any, outputs: list[tu
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = _json_data(array)
+            data = entry["data"] = _json_data(array)
+            if type(data) is np.ndarray and data.dtype.kind == "f":
+                floats.append(entry)
         described.append(entry)
     payload: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": described}
     if request_id is not None:
         payload["id"] = request_id
     header = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+    if floats and b"null" in header:  # maybe a non-finite float: each float output's values as JSON-safe ones
+        for entry in floats:
+            entry["data"] = json_values(entry["data"])
+        header = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return 200, JSON_HEADERS, header
     headers = [(b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(len(header)).encode())]
