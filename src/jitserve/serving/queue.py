@@ -128,7 +128,7 @@ class Queues:
     """The queues of pieces per batch signature, and the rows queued in each, per level and in all."""
 
     __slots__ = ("policy", "level_limits", "_queues", "depth", "level_depth", "_last_arrival", "_seconds_per_row",
-                 "wake_at")
+                 "wake_at", "waiting")
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
@@ -139,6 +139,7 @@ class Queues:
         self._last_arrival: float | None = None
         self._seconds_per_row: float | None = None  # the arrival gap per row, smoothed (the adaptive window)
         self.wake_at = math.inf  # when a waiting worker looks at the queues next on its own (see ``ready``)
+        self.waiting = 0  # workers waiting on the server's condition: with none, no arrival needs to wake one
 
     def __bool__(self) -> bool:
         return bool(self._queues)
@@ -163,7 +164,8 @@ class Queues:
 
     def add(self, request: Request, parts: Sequence[Batch], signature: Signature, now: float) -> bool:
         """Queue a request's parts (consecutive row ranges). True when a waiting worker must look now:
-        the queue was empty (a new deadline), now holds a full batch, or the window is adaptive."""
+        the queue was empty (a new deadline), now holds a full batch, or the window is adaptive (never
+        while no worker waits)."""
         queue = self._queues.get(signature)
         if queue is None:
             queue = self._queues[signature] = _SignatureQueue()
@@ -179,7 +181,7 @@ class Queues:
         self.depth += offset
         self.level_depth[request.level] = self.level_depth.get(request.level, 0) + offset
         self._arrived(offset, now)
-        return self._run_at(queue) < self.wake_at
+        return self.waiting > 0 and self._run_at(queue) < self.wake_at
 
     def _arrived(self, rows: int, now: float) -> None:
         if self._last_arrival is not None:
