@@ -343,7 +343,8 @@ class InferenceService:
                 spec = self._current(spec)  # reloaded or unloaded meanwhile
                 outputs = await spec.server.call_async(spec.value(tensors), self.request_timeout, priority)
         named = spec.named_outputs(outputs)
-        if requested and sum(requested.values()) * _rows(spec, tensors) > OFF_LOOP_CLASSES:  # classes of many rows
+        classes = sum(requested.values()) if requested else 0
+        if classes and classes * _rows(spec, tensors) > OFF_LOOP_CLASSES:  # classes of many rows
             return spec.version, await asyncio.to_thread(select_outputs, named, requested, model,
                                                          spec.server.serving.labels)
         return spec.version, select_outputs(named, requested, model, spec.server.serving.labels)
