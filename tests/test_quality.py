@@ -54,8 +54,9 @@ FOLDER_CAPS = {
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
     # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's
     # statistics (issue 46: each batch's phases, each completed request's wait and share of them); 1,875:
-    # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46)
-    "serving": 1_875,
+    # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46); 1,900: the
+    # per-request path lean (issue 48: one queue's plan without urgencies, completions counted per batch)
+    "serving": 1_900,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
     # request's share)
     "serving/generation": 1_400,

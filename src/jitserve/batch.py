@@ -234,6 +234,18 @@ class Batch:
             raise BatchError(f"cannot pad a batch of {self.size} rows down to {rows}")
         return self.pad(rows - self.size)
 
+    def given(self) -> Any:
+        """The rows as the one entry they came in holds them, without a copy: when the batch is one whole
+        entry of C-contiguous arrays with a row axis, unpadded (a lone request's batch); else None."""
+        if len(self._chunks) != 1 or self.padding:
+            return None
+        chunk = self._chunks[0]
+        leaves = chunk.leaves
+        if chunk.stacked or chunk.start or chunk.stop != leaves[0].shape[0] or not all(
+                leaf.flags.c_contiguous for leaf in leaves):
+            return None
+        return leaves[0] if self.tree is _ONE_LEAF else jax.tree_util.tree_unflatten(self.tree, leaves)
+
     def materialize(self, into: Callable[[int, tuple[int, ...], np.dtype], np.ndarray] | None = None) -> Any:
         """The rows as a pytree of arrays, zero-padded by ``padding`` rows: one new array per leaf, or the
         array ``into(leaf, shape, dtype)`` gives for it (a buffer its caller reuses from batch to batch)."""

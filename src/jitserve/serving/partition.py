@@ -160,12 +160,12 @@ class BatchRunner:
             outcomes += run_outcomes
             reruns += run_reruns
             error = error or run_error
-            phases += run_phases
+            phases = run_phases if phases is NO_TIME else phases + run_phases
         elapsed = time.perf_counter() - started
         padded = batch.size + batch.padding
-        waits = tuple(formed - piece.enqueued for piece in pieces)
+        waits = tuple([formed - piece.enqueued for piece in pieces])
         report = BatchReport(self.name, partition.index, batch.size, padded, max(waits), elapsed, error, waits, formed,
-                             tuple(piece.request.trace for piece in pieces), phases)
+                             tuple([piece.request.trace for piece in pieces]), phases)
         with self._lock:  # a split request's parts may finish on several partitions at once
             finished = []
             for part, part_outputs, part_error in outcomes:

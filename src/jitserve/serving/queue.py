@@ -83,8 +83,9 @@ class BatchPolicy:
 
     def join(self, pieces: Sequence[Piece]) -> Batch:
         """The pieces' rows as one batch, padded to its compiled size."""
-        rows = sum([piece.batch.size for piece in pieces])
-        return Batch.join([piece.batch for piece in pieces]).pad_to(self.padded_size(rows))
+        batch = Batch.join([piece.batch for piece in pieces])
+        batch.padding = self.padded_size(batch.size) - batch.size
+        return batch
 
     def urgency(self, piece: Piece, now: float) -> tuple[int, float]:
         """Which piece runs first: its level, moved up one per ``priority_aging`` seconds waited (never
@@ -210,6 +211,14 @@ class Queues:
         queue due sooner than that is what ``add`` reports, so that a waiting worker wakes once per batch
         rather than once per request; a worker that runs a batch sets it to infinity (report every
         arrival), as a free worker may be waiting on an older plan."""
+        if len(self._queues) == 1:  # one queue: no urgencies to compare
+            ((signature, queue),) = self._queues.items()
+            run_at = self._run_at(queue)
+            if draining or run_at <= now:
+                self.wake_at = math.inf
+                return signature, None
+            self.wake_at = run_at
+            return None, run_at - now
         best = best_urgency = wait = None
         for signature, queue in self._queues.items():
             run_at = self._run_at(queue)
