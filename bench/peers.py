@@ -267,7 +267,7 @@ def floor_answers(port: int) -> tuple[dict[bytes, tuple[list, bytes]], dict[byte
     """Every request the load generator sends, and its answer ready to write, encoded by jitserve's own
     encoders (so the floor writes the same bytes jitserve does): HTTP (by body: response headers and body,
     JSON or binary tensors) and gRPC (by message: the serialized ModelInferResponse)."""
-    from jitserve.protocol.grpc import _infer_response
+    from jitserve.protocol.grpc_request import infer_response
     from jitserve.protocol.http import _encode_response
 
     http: dict[bytes, tuple[list, bytes]] = {}
@@ -277,7 +277,7 @@ def floor_answers(port: int) -> tuple[dict[bytes, tuple[list, bytes]], dict[byte
             for rows, request, expected in load_requests(sizes, protocol, "/v2/models/mlp/infer", port):
                 outputs = [("output", expected.reshape(rows, FEATURES))]
                 if protocol == "grpc":
-                    grpc[request] = _infer_response("mlp", "1", "", outputs, {}).SerializeToString()
+                    grpc[request] = infer_response("mlp", "1", "", outputs, {}).SerializeToString()
                     continue
                 binary = {"output": (True, None)} if protocol == "http-binary" else {}  # as the request asks
                 _, headers, body = _encode_response("mlp", "1", None, outputs, binary, False)

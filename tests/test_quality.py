@@ -48,8 +48,9 @@ FOLDER_CAPS = {
     # 3,500: Triton's system shared memory extension (protocol/shared_memory.py, its HTTP and gRPC calls), BF16;
     # 3,550: clients' mistakes logged without flooding the log, no server path in a client's error (issue 46);
     # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py);
-    # 3,800: the per-request path lean (issue 48): metric families fed without a lock (protocol/metrics.py)
-    "protocol": 3_800,
+    # 3,800: the per-request path lean (issue 48): metric families fed without a lock (protocol/metrics.py);
+    # 3,850: gRPC's raw contents read where they lie in the request (protocol/grpc.py's parse_infer)
+    "protocol": 3_850,
     # 1,750: issue 43's typed statistics (stats.py: the shared counters, each engine's, their sum) and the
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
     # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's

@@ -29,6 +29,8 @@ DATATYPES: dict[str, np.dtype] = {
 }
 DATATYPE_OF: dict[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
 _LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items()}  # how binary data holds them
+_NATIVE = {name for name, dtype in DATATYPES.items() if _LITTLE_ENDIAN[name] == dtype}  # read as they come
+_WRITTEN_AS_IS = frozenset(DATATYPES[name] for name in _NATIVE)  # dtypes whose bytes are binary data as they are
 BYTES = "BYTES"
 _TEXT_KINDS = "OSU"  # numpy kinds that travel as BYTES: objects (bytes or str), fixed-size bytes and str
 _LENGTH = np.dtype("<u4")  # the length before each element of a binary BYTES tensor
@@ -65,6 +67,8 @@ def _element_bytes(value: Any) -> bytes:
 
 def raw_contents(array: np.ndarray) -> bytes:
     """A tensor's binary contents: numbers little-endian; BYTES elements each after its 4-byte length."""
+    if array.dtype in _WRITTEN_AS_IS:  # tobytes is C order whatever the array's
+        return array.tobytes()
     if array.dtype.kind not in _TEXT_KINDS:
         return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
     parts = []
@@ -189,7 +193,8 @@ def decode_raw(tensor: str, datatype: str, shape: Any, raw: bytes | memoryview) 
     if len(raw) != expected:
         raise ProtocolError(f"input '{tensor}': {len(raw)} bytes of binary data, expected {expected} "
                             f"for {datatype} {list(dims)}")
-    return np.frombuffer(raw, _LITTLE_ENDIAN[datatype]).astype(dtype, copy=False).reshape(dims)
+    array = np.frombuffer(raw, _LITTLE_ENDIAN[datatype])
+    return (array if datatype in _NATIVE else array.astype(dtype)).reshape(dims)
 
 
 _SOURCE_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}  # JSON value kinds each target kind accepts
