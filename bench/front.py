@@ -67,8 +67,7 @@ import uvloop
 
 import jitserve as js
 from jitserve.loadtest import closed_loop_async
-from jitserve.protocol.grpc import GrpcFront
-from jitserve.protocol.grpc_request import MESSAGES, parse
+from jitserve.protocol.grpc import MESSAGES, GrpcFront, parse
 from jitserve.protocol.http import HttpFront
 from jitserve.protocol.service import InferenceService
 
