@@ -49,6 +49,14 @@ from ..serving.serving import Serving
 from .service import InferenceService, hide_paths
 
 log = logging.getLogger("jitserve.repository")
+LOAD_THREAD = "jitserve-model-"  # the name of each thread a model.py (or a checkpoint's compile) runs on
+
+
+def loads_running() -> list[str]:
+    """The models whose load still runs on a thread of its own: unfinished, or abandoned at the load timeout
+    (a model.py that never returns, a compile inside XLA)."""
+    return [thread.name.removeprefix(LOAD_THREAD) for thread in threading.enumerate()
+            if thread.name.startswith(LOAD_THREAD) and thread.is_alive()]
 
 CONTROL_MODES = ("none", "explicit", "poll")
 MODEL_FILE = "model.py"
@@ -245,7 +253,7 @@ class ModelRepository:
             except Exception as error:  # noqa: BLE001 - handed to the load that waits for it
                 outcome["error"] = error
 
-        thread = threading.Thread(target=run, name=f"jitserve-model-{_shown(name)}", daemon=True)
+        thread = threading.Thread(target=run, name=f"{LOAD_THREAD}{_shown(name)}", daemon=True)
         thread.start()
         thread.join(self.load_timeout)
         if thread.is_alive():
