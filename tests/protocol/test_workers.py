@@ -305,12 +305,13 @@ def test_sigterm_drains_every_front_and_the_engine(tmp_path):
         assert "Traceback" not in running.output()
 
 
-def binary_request(values) -> tuple[bytes, dict]:
-    """tritonclient's binary form of one FP32 input [1, 4], asking for binary output."""
-    header = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4],
-                                     "parameters": {"binary_data_size": 16}}],
+def binary_request(rows) -> tuple[bytes, dict]:
+    """tritonclient's binary form of one FP32 input [rows, 4], asking for binary output."""
+    header = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [rows, 4],
+                                     "parameters": {"binary_data_size": 16 * rows}}],
                          "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
-    return header + np.array(values, np.float32).tobytes(), {"Inference-Header-Content-Length": str(len(header))}
+    data = np.arange(4 * rows, dtype=np.float32).tobytes()
+    return header + data, {"Inference-Header-Content-Length": str(len(header))}
 
 
 def text_request(texts) -> bytes:
@@ -322,7 +323,8 @@ def text_request(texts) -> bytes:
 EXCHANGES = [
     ("POST", "/v2/models/double/infer", json.dumps({"id": "a", "inputs": [
         {"name": "input", "datatype": "FP32", "shape": [2, 4], "data": [1, 2, 3, 4, 5, 6, 7, 8]}]}).encode(), {}),
-    ("POST", "/v2/models/double/infer", *binary_request([1, 2, 3, 4])),
+    ("POST", "/v2/models/double/infer", *binary_request(1)),
+    ("POST", "/v2/models/double/infer", *binary_request(5000)),  # larger than a slot: inline, both ways
     ("POST", "/v2/models/text/infer", text_request(["one", "three"]), {}),
     ("POST", "/v2/models/double/infer", b'{"inputs": [', {}),
     ("POST", "/v2/models/double/infer", column([1.0]), {}),
@@ -457,3 +459,29 @@ def test_a_count_of_fronts_that_is_no_count_is_refused_in_one_line(capsys):
 
     assert main(["serve", f"{ROOT / 'examples' / 'mlp.py'}:serving", "--http-workers", "0", "--no-grpc"]) == 2
     assert "--http-workers must be a count of front processes from 1 to 256, got 0" in capsys.readouterr().err
+
+
+def test_every_datatype_crosses_the_ring_as_it_was_and_frames_survive_any_split():
+    import ml_dtypes
+
+    from jitserve.protocol.workers.ring import HEAD, Frames, Message, Ring, read_message
+
+    tensors = [("bool", np.array([[True, False]])), ("u8", np.arange(6, dtype=np.uint8).reshape(2, 3)),
+               ("i64", np.array(-3, np.int64)), ("f16", np.zeros((0, 4), np.float16)),
+               ("bf16", np.array([1.5, -2.0], ml_dtypes.bfloat16)), ("f64", np.linspace(0, 1, 5)[::2]),
+               ("text", np.array([[b"caf\xc3\xa9", b""]], dtype=object))]
+    ring = Ring.create()
+    message = Message({"m": "model", "n": 3}, tensors)
+    message.write(ring.slot(5))
+    for view in (ring.slot(5), bytes(message.inline())):
+        header, read = read_message(view)
+        assert header == {"m": "model", "n": 3}
+        for (name, sent), (named, got) in zip(tensors, read, strict=True):
+            assert named == name and got.dtype == sent.dtype and got.shape == sent.shape
+            assert got.tolist() == sent.tolist()
+    stream = b"".join(HEAD.pack(kind, kind * 7, kind - 1, len(payload)) + payload
+                      for kind, payload in ((1, b""), (2, b"x" * 70_000), (3, b"abc")))
+    frames, parts = Frames(), []
+    for at in range(0, len(stream), 4099):
+        parts += frames.feed(stream[at:at + 4099])
+    assert parts == [(1, 7, 0, b""), (2, 14, 1, b"x" * 70_000), (3, 21, 2, b"abc")]

@@ -238,10 +238,10 @@ class Fronts:
                 link.process.send_signal(signal.SIGTERM)
         _, late = await asyncio.wait([link.closed for link in links], timeout=grace + EXIT_MARGIN)
         if late:
-            log.warning("%d HTTP front processes did not exit within %g s of SIGTERM: killed", len(late),
+            log.warning("%d HTTP front processes did not finish within %g s of SIGTERM: killed", len(late),
                         grace + EXIT_MARGIN)
-        self.kill()
-        await asyncio.to_thread(lambda: [link.process.wait() for link in links])
+            self.kill()
+        await asyncio.to_thread(lambda: [_reap(link.process) for link in links])
 
     def kill(self) -> None:
         self.stopping = True
@@ -254,7 +254,7 @@ class Fronts:
 
 
 def _reap(process: subprocess.Popen[bytes]) -> int:
-    """The exit status of a front whose socket closed (killed if it lingers)."""
+    """The exit status of a front whose socket closed (killed if it lingers past ``EXIT_MARGIN``)."""
     try:
         return process.wait(timeout=EXIT_MARGIN)
     except subprocess.TimeoutExpired:

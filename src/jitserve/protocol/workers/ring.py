@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ..codec import BYTES, datatype_of, decode_raw, raw_contents
+from ..codec import BYTES, DATATYPES, datatype_of, decode_raw, raw_contents
 
 SLOTS = 128
 SLOT_BYTES = 64 * 1024  # a request or answer up to this size travels in shared memory; larger, inline
@@ -34,6 +34,7 @@ NO_SLOT = -1
 HEAD = struct.Struct("<BIiI")  # kind, tag, slot, inline length
 _LENGTH = struct.Struct("<I")
 _ALIGN = 8
+_NUMBERS = {name: (dtype.newbyteorder("<"), dtype) for name, dtype in DATATYPES.items()}  # how a slot holds them
 
 # the frames' kinds, front -> engine
 INFER, CANCEL, COUNT, READY, RELAY, RELAY_BODY, RELAY_LAST, RELAY_GONE = range(8)
@@ -113,8 +114,12 @@ def read_message(view: memoryview | bytes) -> tuple[dict[str, Any], Tensors]:
     start = _aligned(_LENGTH.size + length)
     tensors = []
     for name, datatype, shape, at, size in header.pop("t"):
-        array = decode_raw(name, datatype, shape, view[start + at:start + at + size])
-        tensors.append((name, array if datatype == BYTES else array.copy()))
+        if datatype == BYTES:
+            tensors.append((name, decode_raw(name, datatype, shape, view[start + at:start + at + size])))
+            continue
+        wire, native = _NUMBERS[datatype]  # written by the other side: no checks needed, one copy made
+        tensors.append((name, np.frombuffer(view, wire, size // wire.itemsize, start + at).astype(native)
+                        .reshape(shape)))
     return header, tensors
 
 
