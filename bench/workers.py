@@ -162,30 +162,30 @@ def _load_process(port: int, connections: int, seconds: float, results: multipro
     latencies: list[float] = []
     failures: list[int] = []
 
-    async def drive() -> None:
-        deadline = time.perf_counter() + seconds
-        await asyncio.gather(*(_connection(port, request, deadline, latencies, failures) for _ in range(connections)))
+    async def drive() -> float:
+        started = time.perf_counter()
+        await asyncio.gather(*(_connection(port, request, started + seconds, latencies, failures)
+                               for _ in range(connections)))
+        return time.perf_counter() - started
 
-    asyncio.run(drive())
-    results.put((latencies, len(failures)))
+    elapsed = asyncio.run(drive())
+    results.put((latencies, len(failures), elapsed))
 
 
 def python_load(port: int, connections: int, processes: int, seconds: float) -> dict[str, float]:
     processes = min(processes, connections)
     shares = [connections // processes + (index < connections % processes) for index in range(processes)]
     results: multiprocessing.Queue = multiprocessing.Queue()
-    started = time.perf_counter()
     workers = [multiprocessing.Process(target=_load_process, args=(port, share, seconds, results)) for share in shares]
     for worker in workers:
         worker.start()
     gathered = [results.get(timeout=seconds + 120) for _ in workers]
-    elapsed = time.perf_counter() - started
     for worker in workers:
         worker.join()
-    latencies = sorted(latency for part, _ in gathered for latency in part)
-    return {"requests": len(latencies), "rate": len(latencies) / min(elapsed, seconds + 1.0),
+    latencies = sorted(latency for part, _, _ in gathered for latency in part)
+    return {"requests": len(latencies), "rate": sum(len(part) / elapsed for part, _, elapsed in gathered),
             "p50": 1e3 * latencies[len(latencies) // 2], "p99": 1e3 * latencies[int(len(latencies) * 0.99)],
-            "failed": sum(failed for _, failed in gathered)}
+            "failed": sum(failed for _, failed, _ in gathered)}
 
 
 def main() -> None:
