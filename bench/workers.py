@@ -67,18 +67,25 @@ class Server:
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                                                 os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=environment)
-        started = "front processes share the port" if fronts else "HTTP: http://"
+        try:
+            self.answer = self._started(log)
+        except BaseException:
+            self.process.kill()  # with its fronts: their socket to it closes
+            raise
+
+    def _started(self, log: Path) -> bytes:
+        """The server's answer to the body, once it has started (its fronts too)."""
+        started = "front processes share the port" if self.fronts else "HTTP: http://"
         deadline = time.monotonic() + 600
-        while started not in log.read_text():
+        while True:  # the line is logged as the port opens: then it answers
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the server did not start:\n{log.read_text()}")
+            if started in log.read_text():
+                try:
+                    return self.post()
+                except OSError:
+                    pass
             time.sleep(0.2)
-        while True:  # the line is logged as the port opens
-            try:
-                self.answer = self.post()
-                break
-            except OSError:
-                time.sleep(0.2)
 
     @property
     def name(self) -> str:
@@ -211,7 +218,9 @@ def main() -> None:
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; load: "
           f"{f'wrk ({args.threads} threads)' if use_wrk else f'python ({args.load_processes} processes)'}, "
           f"{args.seconds:g} s per cell, one JSON row of 16 floats to examples/mlp.py:serving", flush=True)
-    rows, baseline, reference = [], {}, None
+    rows: list[list[str]] = []
+    baseline: dict[int, float] = {}
+    reference: bytes | None = None
     logs = Path(tempfile.mkdtemp(prefix="jitserve-bench-workers-"))
     for fronts in [None, *args.fronts]:
         server = Server(fronts, logs / f"server-{fronts or 0}.log")
