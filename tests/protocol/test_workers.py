@@ -305,6 +305,22 @@ def test_sigterm_drains_every_front_and_the_engine(tmp_path):
         assert "Traceback" not in running.output()
 
 
+def test_fronts_whose_engine_dies_answer_what_they_hold_503_and_exit(tmp_path):
+    with gated_server(tmp_path, "--http-workers", "2") as (running, hold, _):
+        pids = fronts(running)
+        hold.touch()
+        callers = [Caller(running, "gated1", float(index)) for index in (1, 2)]
+        for caller in callers:
+            caller.start()
+        wait_for(lambda: metric(running, "jitserve_queue_depth", "gated1") == 1, "one row runs, one waits")
+        running.process.kill()
+        for caller in callers:
+            caller.join()
+        assert [caller.answer[0] for caller in callers] == [503, 503]
+        assert all("engine process of this server exited" in caller.answer[1]["error"] for caller in callers)
+        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), "the fronts exited")
+
+
 def binary_request(rows) -> tuple[bytes, dict]:
     """tritonclient's binary form of one FP32 input [rows, 4], asking for binary output."""
     header = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [rows, 4],

@@ -24,7 +24,7 @@ import orjson
 
 from ...errors import RelayedError, ServerStoppedError
 from ..access import REQUEST_ID, REQUEST_ROWS, Access, log_access
-from ..app import HttpServer, Shutdown, event_loop_factory, fit_connections, http_config, raise_file_limit
+from ..app import HttpServer, event_loop_factory, fit_connections, http_config, raise_file_limit
 from ..http import HttpFront
 from ..limits import Limits, Tls
 from ..logs import configure
@@ -35,6 +35,7 @@ from .ring import (
     CANCEL,
     COUNT,
     DONE,
+    ENGINE_GONE,
     FAILED,
     GO,
     HEAD,
@@ -51,8 +52,6 @@ from .ring import (
     read_message,
 )
 
-ENGINE_GONE = "the engine process of this server exited before answering; retry once it is back"
-
 
 class EngineLink(Peer):
     """A front's end of its socket and ring: requests in flight by tag, each with the slot it holds (freed
@@ -62,7 +61,7 @@ class EngineLink(Peer):
         super().__init__(loop)
         self.ring = ring
         self.free = list(range(ring.slots))  # a stack: the slots used last, warm in the cache, are used first
-        self.pending: dict[int, tuple[asyncio.Future[Any], int]] = {}
+        self.pending: dict[int, asyncio.Future[Any]] = {}
         self.relays: dict[int, asyncio.Queue[Any]] = {}
         self.go: asyncio.Future[None] = loop.create_future()  # the engine says: listen
         self.lost: asyncio.Future[None] = loop.create_future()  # the engine is gone
@@ -72,7 +71,7 @@ class EngineLink(Peer):
                          RELAY_ABORT: self._relayed}
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for future, _ in self.pending.values():
+        for future in self.pending.values():
             if not future.done():
                 future.set_exception(ServerStoppedError(ENGINE_GONE))
         self.pending.clear()
@@ -98,7 +97,7 @@ class EngineLink(Peer):
         else:
             slot = NO_SLOT
             self.outbox.send(INFER, tag, slot, message.inline())
-        self.pending[tag] = (future, slot)
+        self.pending[tag] = future
         try:
             return await future
         except asyncio.CancelledError:
@@ -107,7 +106,7 @@ class EngineLink(Peer):
             raise
 
     def _answer(self, kind: int, tag: int, slot: int, payload: bytes) -> None:
-        future, _ = self.pending.pop(tag, (None, NO_SLOT))
+        future = self.pending.pop(tag, None)
         if future is not None and not future.done():
             header, outputs = read_message(payload or self.ring.slot(slot))
             if kind == ANSWER:
@@ -209,19 +208,31 @@ async def _serve(connection: socket.socket, ring: Ring, listener: socket.socket,
     app = FrontApp(HttpFront(service, limits, access), link, settings["local_infer"])
     config = http_config(service, settings["host"], settings["port"], limits, access, tls, settings["grace"], app)
     server = HttpServer(config, lambda: setattr(service, "draining", True))
+    stopped: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not stopped.done():
+            stopped.set_result(None)
+
+    def stop(signum: int, frame: Any) -> None:
+        """SIGTERM before the server runs (or raised again by it once it drained): no exception (one raised
+        here could land in a garbage collector's callback and be lost), only flags it reads."""
+        service.draining = server.should_exit = True
+        loop.call_soon_threadsafe(settle)
+
+    signal.signal(signal.SIGTERM, stop)  # while it serves, uvicorn's own handler takes SIGTERM
     link.outbox.send(READY)
-    await asyncio.wait([link.go, link.lost], return_when=asyncio.FIRST_COMPLETED)
-    if link.lost.done():
+    await asyncio.wait([link.go, link.lost, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if link.lost.done() or stopped.done():
         return
     link.lost.add_done_callback(lambda _: setattr(server, "should_exit", True))
     gc.collect()
     gc.freeze()  # as the engine does: what lives until exit is out of the collector's sight
-    await server.serve(sockets=[listener])
+    await server.serve(sockets=[listener])  # a SIGTERM that came meanwhile set should_exit: it drains at once
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     socket_fd, ring_fd = (int(arg) for arg in (argv or sys.argv[1:]))
-    signal.signal(signal.SIGTERM, Shutdown())
     connection = socket.socket(fileno=socket_fd)
     ring = Ring(ring_fd)
     ring.close_file()
@@ -235,11 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"HTTP front process {settings['index']}: cannot bind {settings['host']}:{settings['port']}: "
               f"{error.strerror}", file=sys.stderr)
         return 2
-    try:
-        with asyncio.Runner(loop_factory=event_loop_factory(tls is not None)) as runner:
-            runner.run(_serve(connection, ring, listener, settings, limits, tls))
-    except KeyboardInterrupt:  # SIGTERM before the server ran, or raised again once it drained
-        pass
+    with asyncio.Runner(loop_factory=event_loop_factory(tls is not None)) as runner:
+        runner.run(_serve(connection, ring, listener, settings, limits, tls))
     return 0
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import orjson
 
 from .ring import (
+    ENGINE_GONE,
     NO_SLOT,
     RELAY,
     RELAY_ABORT,
@@ -32,7 +33,6 @@ from .ring import (
 _TEXT_FIELDS = ("method", "path", "scheme", "http_version", "root_path")
 _BYTES_FIELDS = ("raw_path", "query_string")
 GONE = {"type": "http.disconnect"}
-ENGINE_GONE = (b'{"error":"the engine process of this server exited before answering; retry once it is back"}')
 
 
 class Link(Protocol):
@@ -85,7 +85,7 @@ async def relay(link: Link, tag: int, scope: dict[str, Any], receive: Callable[[
                 if not started:
                     await send({"type": "http.response.start", "status": 503,
                                 "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
-                    await send({"type": "http.response.body", "body": ENGINE_GONE})
+                    await send({"type": "http.response.body", "body": orjson.dumps({"error": ENGINE_GONE})})
                 return
             kind, payload = item
             if kind == RELAY_HEAD:

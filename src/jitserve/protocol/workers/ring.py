@@ -41,6 +41,8 @@ INFER, CANCEL, COUNT, READY, RELAY, RELAY_BODY, RELAY_LAST, RELAY_GONE = range(8
 # engine -> front
 CONFIG, GO, ANSWER, FAILED, DONE, RELAY_HEAD, RELAY_CHUNK, RELAY_END, RELAY_ABORT = range(8, 17)
 
+ENGINE_GONE = "the engine process of this server exited before answering; retry once it is back"
+
 Tensors = list[tuple[str, np.ndarray]]
 Frame = tuple[int, int, int, bytes]  # kind, tag, slot, inline bytes
 Handler = Callable[[int, int, int, bytes], None]
