@@ -305,6 +305,24 @@ def test_sigterm_drains_every_front_and_the_engine(tmp_path):
         assert "Traceback" not in running.output()
 
 
+def test_past_the_drain_timeout_a_front_answers_503_and_its_requests_leave_the_engine(tmp_path):
+    with gated_server(tmp_path, "--http-workers", "2", "--drain-timeout", "1") as (running, hold, log):
+        callers = held_callers(running, hold)
+        running.process.send_signal(signal.SIGTERM)
+        for caller in callers:  # the hold is not lifted: past the drain timeout the fronts give up on them
+            caller.join()
+        assert all(caller.answer[0] == 503 and "shut down before this request was answered" in
+                   caller.answer[1]["error"] for caller in callers)
+        wait_for(lambda: "SIGTERM: shutting down" in running.output(), "the fronts exited")
+        hold.unlink()  # the one row that started may finish now
+        assert running.process.wait(timeout=DEADLINE) == 0
+        running._reader.join(10)
+        assert len([value for batch in batches(log, "gated1") for value in batch]) == 1, "no queued row ran"
+        stats = re.search(r"model 'gated1' drained and stopped: ServerStats\((.*)", running.output()).group(1)
+        assert "cancelled=16," in stats and "stopped=0," in stats, \
+            "all 16 cancelled by their fronts (the queued ones withdrawn), none refused by the engine's own drain"
+
+
 def test_fronts_whose_engine_dies_answer_what_they_hold_503_and_exit(tmp_path):
     with gated_server(tmp_path, "--http-workers", "2") as (running, hold, _):
         pids = fronts(running)
