@@ -409,10 +409,11 @@ class InferenceService:
         if self.access_log:
             log_access(loggable(model), counted, protocol, status)
 
-    def counted(self, model: str, protocol: str, status: int | str, version: str | None = None) -> str:
-        """Count one answered request in ``jitserve_requests_total``; returns the version it is counted under (a
-        model this server does not have is counted as model "" and version "", so that clients cannot grow the
-        label set)."""
+    def counted(self, model: str, protocol: str, status: int | str, version: str | None = None,
+                times: int = 1) -> str:
+        """Count one answered request (or ``times`` alike) in ``jitserve_requests_total``; returns the version
+        it is counted under (a model this server does not have is counted as model "" and version "", so that
+        clients cannot grow the label set)."""
         spec = self.models.get(model)
         if spec is None:
             model = version = ""
@@ -424,7 +425,7 @@ class InferenceService:
         counter = self._counters.get(key)
         if counter is None:  # prometheus_client's labels() takes a lock and builds a key: once per key
             counter = self._counters[key] = self.metrics.requests.labels(*key)
-        counter.inc()
+        counter.inc(times)
         return version
 
     def failed(self, protocol: str, model: str, error: BaseException,

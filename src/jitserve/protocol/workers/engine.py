@@ -4,12 +4,13 @@ one dies and drained at shutdown, and the engine's end of each one's socket and 
 A front's ``/infer`` requests run on the engine's :class:`~jitserve.protocol.service.InferenceService`
 (as they would in one process: the model by name, its checks, the corridor, the batch), so the batches form
 across every front; the answers, or the errors as the service words (and counts) them, go back through the
-ring. The front tells the engine each answer it sent (``COUNT``), and each request it refused itself (a
-malformed body), so that the engine's ``/metrics`` and statistics hold every front's requests. Its other
-requests run on the engine's own HTTP application (``relay.py``). A front that dies takes only its own
-requests with it: the engine cancels them (their queued rows are withdrawn) and starts the front again. On
-SIGTERM the fronts stop accepting and finish what they hold, served by the engine until the last has
-exited; then the engine drains its servers as one process does.
+ring. The front tells the engine each answer it sent, and each request it refused itself (a malformed
+body), a count per set of labels once per turn of its event loop (``COUNT``), so that the engine's
+``/metrics`` and statistics hold every front's requests. Its other requests run on the engine's own HTTP
+application (``relay.py``). A front that dies takes only its own requests with it: the engine cancels them
+(their queued rows are withdrawn) and starts the front again. On SIGTERM the fronts stop accepting and
+finish what they hold, served by the engine until the last has exited; then the engine drains its servers
+as one process does.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class FrontLink(Peer):
             task.cancel()
 
     def _count(self, kind: int, tag: int, slot: int, payload: bytes) -> None:
-        model, protocol, status, version = orjson.loads(payload)
-        self.service.counted(model, protocol, status, version)
+        for model, protocol, status, version, times in orjson.loads(payload):
+            self.service.counted(model, protocol, status, version, times)
 
     def _relay(self, kind: int, tag: int, slot: int, payload: bytes) -> None:
         self.relays[tag] = asyncio.Queue()

@@ -66,6 +66,7 @@ class EngineLink(Peer):
         self.go: asyncio.Future[None] = loop.create_future()  # the engine says: listen
         self.lost: asyncio.Future[None] = loop.create_future()  # the engine is gone
         self._tag = 0
+        self._counts: dict[tuple[str, str, int | str, str | None], int] = {}
         self.handlers = {GO: self._go, ANSWER: self._answer, FAILED: self._answer, DONE: self._done,
                          RELAY_HEAD: self._relayed, RELAY_CHUNK: self._relayed, RELAY_END: self._relayed,
                          RELAY_ABORT: self._relayed}
@@ -78,6 +79,17 @@ class EngineLink(Peer):
         for inbox in self.relays.values():
             inbox.put_nowait(None)
         self.lost.set_result(None)
+
+    def count(self, labels: tuple[str, str, int | str, str | None], times: int) -> None:
+        """Count answers for the engine's ``jitserve_requests_total``: sent once per turn of the event loop, a
+        count per set of labels."""
+        if not self._counts:
+            self.loop.call_soon(self._send_counts)
+        self._counts[labels] = self._counts.get(labels, 0) + times
+
+    def _send_counts(self) -> None:
+        counts, self._counts = self._counts, {}
+        self.outbox.send(COUNT, payload=orjson.dumps([[*labels, times] for labels, times in counts.items()]))
 
     def tag(self) -> int:
         self._tag = (self._tag + 1) & 0xFFFFFFFF
@@ -149,8 +161,9 @@ class RingService(InferenceService):
         REQUEST_ROWS.set(header["n"])
         return header["v"], outputs
 
-    def counted(self, model: str, protocol: str, status: int | str, version: str | None = None) -> str:
-        self.link.outbox.send(COUNT, payload=orjson.dumps([model, protocol, status, version]))
+    def counted(self, model: str, protocol: str, status: int | str, version: str | None = None,
+                times: int = 1) -> str:
+        self.link.count((model, protocol, status, version), times)
         return version or ""
 
     def failed(self, protocol: str, model: str, error: BaseException,
