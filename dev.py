@@ -90,6 +90,15 @@ def ensure_chromium() -> None:
         apt_install("chromium", "the browser test")
 
 
+def ensure_wrk() -> None:
+    """wrk, the C load generator bench/workers.py drives HTTP with: Debian's ``wrk``, unless one is on PATH."""
+    if shutil.which("wrk") is None:
+        apt_install("wrk", "bench/workers.py")
+
+
+BENCH_TOOLS = {"workers": ensure_wrk}  # bench name -> what installs the tool it drives
+
+
 def ensure_perf_analyzer() -> None:
     """perf_analyzer for tests/protocol/test_perf_analyzer.py: ``PERF_ANALYZER_WHEELS`` into
     ``PERF_ANALYZER`` (again when they change), and Debian's libb64-0d unless the loader knows it."""
@@ -137,6 +146,8 @@ def main(argv: list[str]) -> int:
     if task == "test":
         ensure_chromium()
         ensure_perf_analyzer()
+    if task == "bench":
+        BENCH_TOOLS.get(args[0], lambda: None)()
     return TASKS[task](args)
 
 

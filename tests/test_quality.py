@@ -49,6 +49,10 @@ FOLDER_CAPS = {
     # 3,550: clients' mistakes logged without flooding the log, no server path in a client's error (issue 46);
     # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py)
     "protocol": 3_700,
+    # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
+    # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
+    # the ASGI relay of the routes the fronts do not decode
+    "protocol/workers": 700,
     # 1,750: issue 43's typed statistics (stats.py: the shared counters, each engine's, their sum) and the
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
     # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's

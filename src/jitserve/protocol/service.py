@@ -404,9 +404,16 @@ class InferenceService:
         return _Tallied(self.tallies[(spec.name, spec.version)])
 
     def count(self, model: str, protocol: str, status: int | str, version: str | None = None) -> None:
-        """Count one answered request in ``jitserve_requests_total`` and the access log (a model this server
-        does not have is counted as model "", so that clients cannot grow the label set)."""
-        asked = model
+        """Count one answered request in ``jitserve_requests_total`` and the access log."""
+        counted = self.counted(model, protocol, status, version)
+        if self.access_log:
+            log_access(loggable(model), counted, protocol, status)
+
+    def counted(self, model: str, protocol: str, status: int | str, version: str | None = None,
+                times: int = 1) -> str:
+        """Count one answered request (or ``times`` alike) in ``jitserve_requests_total``; returns the version
+        it is counted under (a model this server does not have is counted as model "" and version "", so that
+        clients cannot grow the label set)."""
         spec = self.models.get(model)
         if spec is None:
             model = version = ""
@@ -418,18 +425,23 @@ class InferenceService:
         counter = self._counters.get(key)
         if counter is None:  # prometheus_client's labels() takes a lock and builds a key: once per key
             counter = self._counters[key] = self.metrics.requests.labels(*key)
-        counter.inc()
-        if self.access_log:
-            log_access(loggable(asked), version, protocol, status)
+        counter.inc(times)
+        return version
 
     def failed(self, protocol: str, model: str, error: BaseException,
                version: str | None = None) -> tuple[int, str, str]:
-        """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
-        client. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
+        """Count and log a failed request (see :meth:`refusal`); returns its HTTP status, gRPC status name and
+        the message for the client."""
+        http_status, grpc_status, message = self.refusal(protocol, model, error)
+        self.count(model, protocol, http_status if protocol == "http" else grpc_status, version)
+        return http_status, grpc_status, message
+
+    def refusal(self, protocol: str, model: str, error: BaseException) -> tuple[int, str, str]:
+        """A failed request's HTTP status, gRPC status name and message for the client, logged but not
+        counted. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
         the client gets only that id; a client's mistake, or a model's :class:`ModelError` (whose message is
         meant for the client), is a line told to :attr:`mistakes` (a warning while that kind of mistake is
-        new, else a debug line). What the client sent is
-        escaped and cut before it reaches the log."""
+        new, else a debug line). What the client sent is escaped and cut before it reaches the log."""
         http_status, grpc_status = status_of(error)
         status: int | str = http_status if protocol == "http" else grpc_status
         if http_status == 500 and not isinstance(error, ModelError):
@@ -439,7 +451,6 @@ class InferenceService:
         else:
             self.mistakes.tell(f"{protocol}: model '{loggable(model)}': {status}: {loggable(str(error))}")
             message = str(error)
-        self.count(model, protocol, status, version)
         return http_status, grpc_status, message
 
 
