@@ -243,6 +243,7 @@ def _logging(args: argparse.Namespace) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
+    from .protocol.repository import exit_past_loads
 
     if [args.target is not None, bool(args.hf), args.model_repository is not None].count(True) != 1:
         raise OptionError("serve takes one of a TARGET, --hf DIR or --model-repository DIR")
@@ -256,7 +257,7 @@ def serve_command(args: argparse.Namespace) -> int:
         run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
         _logging(args)
         app.run(lambda servers: None, attach=repository, **_network_options(args))
-        _exit_past_loads()
+        exit_past_loads()
         return 0
     run_cpu_computations_inline()  # before the user's module runs anything on JAX's CPU client
     _logging(args)
@@ -285,22 +286,6 @@ def serve_command(args: argparse.Namespace) -> int:
 
     app.run(start, on_exit=stop_replicas, **_network_options(args))
     return 0
-
-
-def _exit_past_loads() -> None:
-    """The servers have stopped: if a model's load still runs on its thread (a compile inside XLA, a model.py
-    that never returns), end the process here, its logs flushed. Python's own exit would stop that thread
-    wherever it is, and inside C++ that aborts the process ("terminate called ...") with no exit status 0."""
-    from .protocol.repository import loads_running
-
-    running = loads_running()
-    if running:
-        logging.getLogger("jitserve.serve").warning("exiting with the load of %s still running: abandoned",
-                                                    ", ".join(f"model '{name}'" for name in running))
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def front_command(args: argparse.Namespace) -> int:

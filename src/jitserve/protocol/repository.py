@@ -35,6 +35,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import sys
 import threading
 import types
 from collections.abc import Iterable, Mapping
@@ -57,6 +58,21 @@ def loads_running() -> list[str]:
     (a model.py that never returns, a compile inside XLA)."""
     return [thread.name.removeprefix(LOAD_THREAD) for thread in threading.enumerate()
             if thread.name.startswith(LOAD_THREAD) and thread.is_alive()]
+
+
+def exit_past_loads() -> None:
+    """For ``jitserve serve`` once its servers have stopped: if a model's load still runs on its thread (a
+    compile inside XLA, a model.py that never returns), end the process here, its logs flushed. Python's own
+    exit would stop that thread wherever it is, and inside C++ that aborts the process ("terminate called
+    ...") with no exit status 0."""
+    running = loads_running()
+    if running:
+        logging.getLogger("jitserve.serve").warning("exiting with the load of %s still running: abandoned",
+                                                    ", ".join(f"model '{name}'" for name in running))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 CONTROL_MODES = ("none", "explicit", "poll")
 MODEL_FILE = "model.py"

@@ -42,6 +42,7 @@ from .ring import (
     FAILED,
     GO,
     INFER,
+    LISTENING,
     NO_SLOT,
     READY,
     RELAY,
@@ -72,10 +73,12 @@ class FrontLink(Peer):
         self.tasks: dict[int, asyncio.Task[None]] = {}  # its requests running here, by tag
         self.relays: dict[int, asyncio.Queue[Any]] = {}  # its relayed requests' messages, by tag
         self.ready: asyncio.Future[None] = self.loop.create_future()  # it has bound the port
+        self.listening: asyncio.Future[None] = self.loop.create_future()  # it listens: connections reach it
         self.closed: asyncio.Future[None] = self.loop.create_future()  # its socket closed: it exited
         self._writable = asyncio.Event()
         self._writable.set()
         self.handlers = {INFER: self._infer, CANCEL: self._cancel, COUNT: self._count, READY: self._ready,
+                         LISTENING: self._listening,
                          RELAY: self._relay, RELAY_BODY: self._relayed, RELAY_LAST: self._relayed,
                          RELAY_GONE: self._relayed}
 
@@ -86,11 +89,12 @@ class FrontLink(Peer):
             inbox.put_nowait(relayed_message(RELAY_GONE, b""))
         self.relays.clear()
         self._writable.set()
-        if not self.ready.done():
-            self.ready.set_exception(FrontProcessError(
-                f"HTTP front process {self.index} (pid {self.process.pid}) exited before it listened; the lines it "
-                f"logged above say why"))
-            self.ready.exception()  # retrieved here: the starter may be gone
+        for started in (self.ready, self.listening):
+            if not started.done():
+                started.set_exception(FrontProcessError(
+                    f"HTTP front process {self.index} (pid {self.process.pid}) exited before it listened; the "
+                    f"lines it logged above say why"))
+                started.exception()  # retrieved here: the starter may be gone
         self.closed.set_result(None)
         self.on_lost(self)
 
@@ -107,6 +111,9 @@ class FrontLink(Peer):
 
     def _ready(self, kind: int, tag: int, slot: int, payload: bytes) -> None:
         self.ready.set_result(None)
+
+    def _listening(self, kind: int, tag: int, slot: int, payload: bytes) -> None:
+        self.listening.set_result(None)
 
     def _infer(self, kind: int, tag: int, slot: int, payload: bytes) -> None:
         header, tensors = read_message(payload or self.ring.slot(slot))
@@ -188,10 +195,13 @@ class Fronts:
         self._restarts: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        """Start every front; once all have bound the port, let them listen."""
+        """Start every front; once all have bound the port, let them listen, and return once all listen (the
+        kernel spreads new connections over the sockets listening when they come: a server reported ready
+        while some fronts were still on their way would give its first clients to the others alone)."""
         links = await asyncio.gather(*(self._start(index) for index in range(len(self.links))))
         for link in links:
             link.outbox.send(GO)
+        await asyncio.gather(*(link.listening for link in links))
 
     async def _start(self, index: int) -> FrontLink:
         loop = asyncio.get_running_loop()
@@ -226,6 +236,12 @@ class Fronts:
                 await asyncio.sleep(RESTART_PAUSE)
                 continue
             started.outbox.send(GO)
+            try:
+                await started.listening
+            except FrontProcessError as error:
+                log.error("%s; trying again in %g s", error, RESTART_PAUSE)
+                await asyncio.sleep(RESTART_PAUSE)
+                continue
             log.info("HTTP front process %d started again (pid %d)", link.index, started.process.pid)
             return
 

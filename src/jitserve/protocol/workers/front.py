@@ -40,6 +40,7 @@ from .ring import (
     GO,
     HEAD,
     INFER,
+    LISTENING,
     NO_SLOT,
     READY,
     RELAY_ABORT,
@@ -241,6 +242,8 @@ async def _serve(connection: socket.socket, ring: Ring, listener: socket.socket,
     link.lost.add_done_callback(lambda _: setattr(server, "should_exit", True))
     gc.collect()
     gc.freeze()  # as the engine does: what lives until exit is out of the collector's sight
+    listener.listen(config.backlog)  # before the engine reports ready (uvicorn listening again changes nothing)
+    link.outbox.send(LISTENING)
     await server.serve(sockets=[listener])  # a SIGTERM that came meanwhile set should_exit: it drains at once
 
 

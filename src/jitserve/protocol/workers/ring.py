@@ -37,9 +37,9 @@ _ALIGN = 8
 _NUMBERS = {name: (dtype.newbyteorder("<"), dtype) for name, dtype in DATATYPES.items()}  # how a slot holds them
 
 # the frames' kinds, front -> engine
-INFER, CANCEL, COUNT, READY, RELAY, RELAY_BODY, RELAY_LAST, RELAY_GONE = range(8)
+INFER, CANCEL, COUNT, READY, RELAY, RELAY_BODY, RELAY_LAST, RELAY_GONE, LISTENING = range(9)
 # engine -> front
-CONFIG, GO, ANSWER, FAILED, DONE, RELAY_HEAD, RELAY_CHUNK, RELAY_END, RELAY_ABORT = range(8, 17)
+CONFIG, GO, ANSWER, FAILED, DONE, RELAY_HEAD, RELAY_CHUNK, RELAY_END, RELAY_ABORT = range(9, 18)
 
 ENGINE_GONE = "the engine process of this server exited before answering; retry once it is back"
 
