@@ -1,7 +1,7 @@
 """What the HTTP and gRPC fronts share: the models, inference, and errors as statuses.
 
 Every network request takes the model's server's corridor (``call_async``,
-``open_stream_async``: the serving's ``preprocess`` and ``postprocess`` run
+``stream_async``: the serving's ``preprocess`` and ``postprocess`` run
 as for an in-process caller), so HTTP and gRPC callers share batches with
 each other and with in-process callers.
 """
@@ -34,8 +34,9 @@ from ..errors import (
     UnknownServerError,
     is_raised_by_model,
 )
+from ..serving.corridor import Rows
 from ..serving.front import Front
-from ..serving.generation import GenerationFront
+from ..serving.generation import GenerationFront, Prompt
 from ..serving.server import Server
 from ..serving.stats import Phases
 from ..version import __version__
@@ -183,7 +184,7 @@ class InferenceService:
         replaces, if any, which the caller stops (drained: what it holds finishes there). Requests that
         took the old one but had not queued yet are sent to the new one (see :meth:`_current`)."""
         name, version = split_version(key)
-        spec: Spec = (GenerationSpec(name, cast(GenerationFront, server), version) if server.generates
+        spec: Spec = (GenerationSpec(name, cast(GenerationFront, server), version) if server.asks is Prompt
                       else ModelSpec(name, cast(Server, server), version))
         old = self.versions.get(name, {}).get(version)
         self.metrics.add(name, version, server)
@@ -338,10 +339,10 @@ class InferenceService:
                                 f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
         with self._tallied(spec):
             try:
-                outputs = await server.call_async(value, self.request_timeout, priority)
+                outputs = await server.call_async(Rows(value, self.request_timeout, priority))
             except ServerStoppedError:
                 spec = self._current(spec)  # reloaded or unloaded meanwhile
-                outputs = await spec.server.call_async(spec.value(tensors), self.request_timeout, priority)
+                outputs = await spec.server.call_async(Rows(spec.value(tensors), self.request_timeout, priority))
         named = spec.named_outputs(outputs)
         if requested and sum(requested.values()) * _rows(spec, tensors) > OFF_LOOP_CLASSES:  # classes of many rows
             return spec.version, await asyncio.to_thread(select_outputs, named, requested, model,
@@ -365,10 +366,10 @@ class InferenceService:
             return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority, True),
                                               requested)
         try:
-            items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
+            items = spec.server.stream_async(Rows(spec.value(tensors), self.request_timeout, priority))
         except ServerStoppedError:
             spec = self._current(spec)  # reloaded or unloaded meanwhile
-            items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
+            items = spec.server.stream_async(Rows(spec.value(tensors), self.request_timeout, priority))
         return spec.version, self._stream(spec, items, requested)
 
     async def _stream(self, spec: Spec, items: AsyncIterator[Any], requested: Mapping[str, int] | None
