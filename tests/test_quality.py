@@ -60,8 +60,9 @@ FOLDER_CAPS = {
     # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46)
     "serving": 1_875,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
-    # request's share)
-    "serving/generation": 1_400,
+    # request's share); 1,450: a generation's typed entry points on the one contract (issue 43: Prompt, call
+    # and stream, the caller's side of js.generate moved here from the registry)
+    "serving/generation": 1_450,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

@@ -124,7 +124,7 @@ def test_a_repository_of_two_checkpoints_loads_reloads_and_unloads_them_under_lo
             threading.Event().wait(0.05)
         stopping.set()
         for caller in callers:
-            caller.join(120)
+            caller.join(SLOW_CALLS)
         client.unload_model("llama-tied")
         assert not client.is_model_ready("llama-tied") and client.is_model_ready("gpt2-8-heads")
         (tmp_path / "gpt2-8-heads" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')

@@ -1,9 +1,10 @@
 """What the HTTP and gRPC fronts share: the models, inference, and errors as statuses.
 
-Every network request takes the model's server's corridor (``call_async``,
-``open_stream_async``: the serving's ``preprocess`` and ``postprocess`` run
-as for an in-process caller), so HTTP and gRPC callers share batches with
-each other and with in-process callers.
+Every network request is what its model's spec (``protocol/model.py``) makes
+of it, the engine's typed request, given to the model's front's entry points
+(``call_async``, ``stream_async``: a serving's ``preprocess`` and
+``postprocess`` run as for an in-process caller), so HTTP and gRPC callers
+share batches with each other and with in-process callers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -35,23 +36,19 @@ from ..errors import (
     is_raised_by_model,
 )
 from ..serving.front import Front
-from ..serving.generation import GenerationFront
-from ..serving.server import Server
 from ..serving.stats import Phases
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .codec import shown
 from .logs import ClientMistakes
 from .metrics import Metrics
-from .model import GenerationSpec, ModelSpec, select_outputs
+from .model import SPECS, Spec, select_outputs
 from .shared_memory import SystemSharedMemory
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is configured
     from .tracing import Tracing
 
 log = logging.getLogger("jitserve.serve")
-
-Spec = ModelSpec | GenerationSpec  # a served model as the network sees it
 
 EXTENSIONS = ["binary_tensor_data", "classification", "model_repository", "statistics"]
 
@@ -183,8 +180,7 @@ class InferenceService:
         replaces, if any, which the caller stops (drained: what it holds finishes there). Requests that
         took the old one but had not queued yet are sent to the new one (see :meth:`_current`)."""
         name, version = split_version(key)
-        spec: Spec = (GenerationSpec(name, cast(GenerationFront, server), version) if server.generates
-                      else ModelSpec(name, cast(Server, server), version))
+        spec = SPECS[server.asks](name, server, version)
         old = self.versions.get(name, {}).get(version)
         self.metrics.add(name, version, server)
         if self.tracing is not None:
@@ -325,28 +321,19 @@ class InferenceService:
         spec = self.model(model, version)
         refuse_unsupported(parameters or (), "the request")
         if self.access_log:
-            REQUEST_ROWS.set(_rows(spec, tensors))
-        if isinstance(spec, GenerationSpec):
-            with self._tallied(spec):
-                steps = [outputs async for outputs in self._generated(spec, tensors, parameters, priority, False)]
-            return spec.version, select_outputs(spec.whole(steps), requested, model)
-        value = spec.value(tensors)
-        server = spec.server
-        serving = server.serving
-        if serving.streaming:
-            raise ProtocolError(f"model '{model}' streams its results: call it with ModelStreamInfer (gRPC) or "
-                                f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
+            REQUEST_ROWS.set(spec.rows(tensors))
+        parameters = parameters or {}
+        ask: Any = spec.ask(tensors, parameters, priority, self.request_timeout, False)  # what its spec reads
         with self._tallied(spec):
             try:
-                outputs = await server.call_async(value, self.request_timeout, priority)
+                named = await spec.call(ask)
             except ServerStoppedError:
                 spec = self._current(spec)  # reloaded or unloaded meanwhile
-                outputs = await spec.server.call_async(spec.value(tensors), self.request_timeout, priority)
-        named = spec.named_outputs(outputs)
-        if requested and sum(requested.values()) * _rows(spec, tensors) > OFF_LOOP_CLASSES:  # classes of many rows
-            return spec.version, await asyncio.to_thread(select_outputs, named, requested, model,
-                                                         spec.server.serving.labels)
-        return spec.version, select_outputs(named, requested, model, spec.server.serving.labels)
+                ask = spec.ask(tensors, parameters, priority, self.request_timeout, False)
+                named = await spec.call(ask)
+        if requested and sum(requested.values()) * spec.rows(tensors) > OFF_LOOP_CLASSES:  # classes of many rows
+            return spec.version, await asyncio.to_thread(select_outputs, named, requested, model, spec.labels)
+        return spec.version, select_outputs(named, requested, model, spec.labels)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Mapping[str, int] | None,
                      priority: int | None = None, version: str | None = None,
@@ -360,44 +347,31 @@ class InferenceService:
         spec = self.model(model, version)
         refuse_unsupported(parameters or (), "the request")
         if self.access_log:
-            REQUEST_ROWS.set(_rows(spec, tensors))
-        if isinstance(spec, GenerationSpec):
-            return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority, True),
-                                              requested)
+            REQUEST_ROWS.set(spec.rows(tensors))
+        parameters = parameters or {}
+        ask: Any = spec.ask(tensors, parameters, priority, self.request_timeout, True)  # what its spec reads
         try:
-            items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
+            items = spec.stream(ask)
         except ServerStoppedError:
             spec = self._current(spec)  # reloaded or unloaded meanwhile
-            items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
+            ask = spec.ask(tensors, parameters, priority, self.request_timeout, True)
+            items = spec.stream(ask)
         return spec.version, self._stream(spec, items, requested)
 
-    async def _stream(self, spec: Spec, items: AsyncIterator[Any], requested: Mapping[str, int] | None
-                      ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+    async def _stream(self, spec: Spec, items: AsyncIterator[list[tuple[str, np.ndarray]]],
+                      requested: Mapping[str, int] | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """The stream's outputs; tallied in the statistics once it ends or fails (not when the client leaves)."""
-        named = spec.named_outputs if isinstance(spec, ModelSpec) else (lambda outputs: outputs)
-        labels = spec.server.serving.labels if isinstance(spec, ModelSpec) else None
         with self._tallied(spec):
             async for outputs in items:
-                yield select_outputs(named(outputs), requested, spec.name, labels)
+                yield select_outputs(outputs, requested, spec.name, spec.labels)
 
-    def _generated(self, spec: GenerationSpec, tensors: Mapping[str, np.ndarray],
-                   parameters: Mapping[str, Any] | None, priority: int | None, streaming: bool
-                   ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
-        if priority is not None:
-            raise ProtocolError(f"model '{spec.name}' is a generation: it admits prompts in arrival order and has "
-                                f"no priority levels; send no 'priority' parameter")
-        return spec.generate(tensors, parameters or {}, self.request_timeout, streaming)
-
-    def _current(self, spec: Spec) -> ModelSpec:
+    def _current(self, spec: Spec) -> Spec:
         """After ``spec``'s server refused a request as stopped: the model that replaced it (a reload), else
         the error again (the server is shutting down, or the model was unloaded: unknown now)."""
         current = self.versions.get(spec.name, {}).get(spec.version)
         if current is spec or self.draining:
             raise ServerStoppedError(f"server {spec.name!r} is stopped and takes no new requests")
-        current = self.model(spec.name, spec.version)
-        if not isinstance(current, ModelSpec):
-            raise ProtocolError(f"model '{spec.name}' was reloaded as a generation; send it a prompt")
-        return current
+        return self.model(spec.name, spec.version)
 
     def _tallied(self, spec: Spec) -> _Tallied:
         """Count what a ``with`` block runs in the model's statistics (see :class:`_Tallied`)."""
@@ -509,12 +483,6 @@ class _Tallied:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
         if kind is None or issubclass(kind, Exception):
             self.tally.add(self.started, ok=kind is None)
-
-
-def _rows(spec: Spec, tensors: Mapping[str, np.ndarray]) -> int:
-    """A request's rows, as the access log counts them: its first input's first axis (a prompt is one)."""
-    first = next(iter(tensors.values()), None)
-    return 1 if isinstance(spec, GenerationSpec) else 0 if first is None or first.ndim == 0 else int(first.shape[0])
 
 
 def _duration(count: int, ns: float) -> dict[str, int]:
