@@ -44,7 +44,7 @@ PERF_ANALYZER = VENV / "perf-analyzer"
 PERF_ANALYZER_WHEELS = ("tritonclient==2.51.0", "nvidia-cuda-runtime-cu12>=12.4,<13")
 # the C load generators a bench drives (bench name -> (command, the Debian package that has it)): wrk for HTTP,
 # nghttp2's h2load for gRPC (an HTTP/2 client; ghz, the gRPC one, is not packaged in Debian)
-BENCH_TOOLS = {"front": (("wrk", "wrk"), ("h2load", "nghttp2-client"))}
+BENCH_TOOLS = {"front": (("wrk", "wrk"), ("h2load", "nghttp2-client")), "workers": (("wrk", "wrk"),)}
 
 
 def _project_hash() -> str:

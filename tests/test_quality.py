@@ -49,8 +49,13 @@ FOLDER_CAPS = {
     # 3,550: clients' mistakes logged without flooding the log, no server path in a client's error (issue 46);
     # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py);
     # 3,800: the per-request path lean (issue 48): metric families fed without a lock (protocol/metrics.py);
-    # 3,850: gRPC's raw contents read where they lie in the request (protocol/grpc.py's parse_infer)
-    "protocol": 3_850,
+    # 3,850: gRPC's raw contents read where they lie in the request (protocol/grpc_request.py's parse_infer);
+    # 3,900: both of those beside issue 43's typed entry points (each kind's spec asks its front)
+    "protocol": 3_900,
+    # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
+    # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
+    # the ASGI relay of the routes the fronts do not decode
+    "protocol/workers": 700,
     # 1,750: issue 43's typed statistics (stats.py: the shared counters, each engine's, their sum) and the
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
     # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's
@@ -59,8 +64,9 @@ FOLDER_CAPS = {
     # per-request path lean (issue 48: one queue's plan without urgencies, completions counted per batch)
     "serving": 1_900,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
-    # request's share)
-    "serving/generation": 1_400,
+    # request's share); 1,450: a generation's typed entry points on the one contract (issue 43: Prompt, call
+    # and stream, the caller's side of js.generate moved here from the registry)
+    "serving/generation": 1_450,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

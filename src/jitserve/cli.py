@@ -231,7 +231,8 @@ def _network_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"host": args.host, "port": args.port, "grpc_port": None if args.no_grpc else args.grpc_port,
             "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout, "limits": limits,
             "access": Access(api_key, tuple(args.cors_origin or ())), "tls": tls, "access_log": args.access_log,
-            "trace_endpoint": args.trace_endpoint, "allow_client_shm": args.allow_client_shm}
+            "trace_endpoint": args.trace_endpoint, "allow_client_shm": args.allow_client_shm,
+            "http_workers": args.http_workers}
 
 
 def _logging(args: argparse.Namespace) -> None:
@@ -242,6 +243,7 @@ def _logging(args: argparse.Namespace) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
+    from .protocol.repository import exit_past_loads
 
     if [args.target is not None, bool(args.hf), args.model_repository is not None].count(True) != 1:
         raise OptionError("serve takes one of a TARGET, --hf DIR or --model-repository DIR")
@@ -255,6 +257,7 @@ def serve_command(args: argparse.Namespace) -> int:
         run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
         _logging(args)
         app.run(lambda servers: None, attach=repository, **_network_options(args))
+        exit_past_loads()
         return 0
     run_cpu_computations_inline()  # before the user's module runs anything on JAX's CPU client
     _logging(args)
@@ -390,6 +393,9 @@ def _add_network(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
     parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    parser.add_argument("--http-workers", type=int, metavar="N", help="serve HTTP from N front processes on the "
+                        "port (SO_REUSEPORT) that decode requests and hand their tensors to this process, which "
+                        "batches them, through shared memory (default: HTTP in this process)")
     parser.add_argument("--request-timeout", type=float, help="seconds a request may wait before it starts "
                         "(default: the serving's own timeouts)")
     from .protocol.limits import Limits

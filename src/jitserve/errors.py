@@ -136,6 +136,24 @@ class ModelError(JitserveError):
         self.status = status
 
 
+class FrontProcessError(JitserveError, RuntimeError):
+    """An HTTP front process of ``jitserve serve --http-workers N`` exited before it listened (the lines it
+    logged say why)."""
+
+
+class RelayedError(JitserveError):
+    """The engine process's answer to a request an HTTP front process handed it (``jitserve serve
+    --http-workers N``) when that request failed there: the message, HTTP status and gRPC status name the
+    engine's service gave it, the model version it is counted under and its rows (for the access log)."""
+
+    def __init__(self, message: str, status: int, grpc_status: str, version: str | None, rows: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+        self.grpc_status = grpc_status
+        self.version = version
+        self.rows = rows
+
+
 _RAISED_BY_MODEL = "_jitserve_raised_by_model"
 
 

@@ -26,6 +26,9 @@ from netutil import start_server, stop
 
 PROMPT = "Once upon a time"
 STEPS = 12
+# a load compiles a checkpoint's programs: minutes on a busy machine, past tritonclient's 60 s socket timeout;
+# this bound catches a hang, it times nothing
+SLOW_CALLS = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +92,12 @@ def test_a_repository_of_two_checkpoints_loads_reloads_and_unloads_them_under_lo
     for variant in ("llama-tied", "gpt2-8-heads"):
         shutil.copytree(made(variant), tmp_path / variant)
     running = start_server(f"--model-repository={tmp_path}", "--model-control-mode", "explicit")
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}")
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}", network_timeout=SLOW_CALLS)
     failures, answers, stopping = [], [], threading.Event()
 
     def call(model):
-        own = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}")  # a client per thread (gevent's)
+        own = httpclient.InferenceServerClient(f"127.0.0.1:{running.port}",  # a client per thread (gevent's)
+                                               network_timeout=SLOW_CALLS)
         while not stopping.is_set():
             try:
                 result = own.infer(model, [text_input(httpclient)], parameters={"max_tokens": STEPS})
@@ -120,7 +124,7 @@ def test_a_repository_of_two_checkpoints_loads_reloads_and_unloads_them_under_lo
             threading.Event().wait(0.05)
         stopping.set()
         for caller in callers:
-            caller.join(120)
+            caller.join(SLOW_CALLS)
         client.unload_model("llama-tied")
         assert not client.is_model_ready("llama-tied") and client.is_model_ready("gpt2-8-heads")
         (tmp_path / "gpt2-8-heads" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import queue
 import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from generation_models import expected, expected_text  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from netutil import start_server, stop  # noqa: E402
+from waiting import until  # noqa: E402
 
 MODELS = str(Path(__file__).with_name("generation_models.py")) + ":models"
 PROMPT = [5, 6, 7]
@@ -184,10 +184,7 @@ def test_a_client_that_leaves_frees_its_slot_and_metrics_show_the_generation(ser
         received += connection.recv(65536)
     assert gauge(server, "jitserve_generation_slots_busy", "slow") == 1
     connection.close()
-    deadline = time.monotonic() + 10
-    while gauge(server, "jitserve_generation_slots_busy", "slow") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gauge(server, "jitserve_generation_slots_busy", "slow") == 0, "the slot is free at the next step"
+    until(lambda: gauge(server, "jitserve_generation_slots_busy", "slow") == 0, "the slot to be free at the next step")
     assert gauge(server, "jitserve_generation_slots", "slow") == 2
     assert gauge(server, "jitserve_generation_first_output_seconds_count", "slow") >= 1
     assert gauge(server, "jitserve_generation_step_seconds_count", "slow") >= 1

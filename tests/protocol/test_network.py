@@ -30,6 +30,7 @@ from network_models import example  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from netutil import Running, free_port, start_server, stop  # noqa: E402
+from waiting import until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_BODY = 200_000
@@ -848,17 +849,23 @@ def test_fuzz_grpc_messages_never_internal_never_hang(server, tensors, model, ga
         channel.close()
 
 
+def queued_rows(running: Running, model: str) -> float:
+    """The rows of ``model`` waiting in ``running``'s queue now, as its metrics say."""
+    metrics = running.request("GET", "/metrics")[2].decode()
+    return float(re.search(rf'jitserve_queue_depth\{{model="{model}",version="1"\}} (\S+)', metrics).group(1))
+
+
 def test_sigterm_drains_in_flight_requests():
     running = start()
     results = []
-    caller = threading.Thread(target=lambda: results.append(running.infer_json(
-        "slow", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [4.0]}]})))
+    rows = [float(v) for v in range(20)]  # 10 batches of 0.1 s
+    caller = threading.Thread(target=lambda: results.append(running.infer_json("chunked", column(rows), timeout=60)))
     caller.start()
-    time.sleep(0.2)
+    until(lambda: queued_rows(running, "chunked") > 0, "the request to be queued")  # in flight, however slow
     output = stop(running)
-    caller.join(30)
-    assert results and results[0][0] == 200 and results[0][1]["outputs"][0]["data"] == [5.0]
-    assert "model 'slow' drained and stopped" in output
+    caller.join(60)
+    assert results and results[0][0] == 200 and results[0][1]["outputs"][0]["data"] == [2 * v for v in rows]
+    assert "model 'chunked' drained and stopped" in output
     assert os.name != "posix" or running.process.returncode == 0
 
 
@@ -874,7 +881,7 @@ def test_drain_timeout_bounds_the_drain_and_answers_what_did_not_start():
 
     caller = threading.Thread(target=call)  # 10 batches of 0.1 s
     caller.start()
-    time.sleep(0.15)
+    until(lambda: queued_rows(running, "chunked") > 0, "the request to be queued")
     output = stop(running)
     caller.join(30)
     stats = re.search(r"model 'chunked' drained and stopped: (ServerStats\(.*\))", output).group(1)

@@ -412,6 +412,7 @@ def test_many_slow_loads_hold_no_shared_pool_and_sigterm_during_a_load_exits(rep
     finally:
         output = stop(running)  # SIGTERM with the gated loads still running; stop() asserts exit code 0
     assert "Traceback" not in output
+    assert "exiting with the load of model 'gated' still running: abandoned" in output
 
 
 def test_a_load_that_never_finishes_fails_at_the_load_timeout_and_the_model_loads_again(repository):

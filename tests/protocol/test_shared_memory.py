@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor  
 from wire_models import gate_files  # noqa: E402
 
 from netutil import serving  # noqa: E402
+from waiting import until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = str(ROOT / "tests/protocol/wire_models.py") + ":models"
@@ -291,10 +292,8 @@ def test_unregister_unmaps_and_a_request_holding_a_region_finishes_with_it(clien
         go.unlink(missing_ok=True)
     assert len(results) == 1
     np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [1, 2]), x + 1)
-    deadline = time.monotonic() + 10  # the answer is sent before the request's last references go
-    while (mapped(server, into_key) or mapped(server, out_key)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not mapped(server, into_key) and not mapped(server, out_key)
+    # the answer is sent before the request's last references go
+    until(lambda: not mapped(server, into_key) and not mapped(server, out_key), "the regions to be unmapped")
 
 
 # the same extension over raw HTTP and gRPC messages: what tritonclient never sends ---------------------------

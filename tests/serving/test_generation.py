@@ -19,6 +19,7 @@ from jitserve.packed import PACKED_ELEMENTS, PackedLayout
 from jitserve.serving.generation import delivery, programs
 from jitserve.serving.generation import server as generation_server
 from jitserve.template import templates_of
+from waiting import HANG_S, until
 
 VOCAB = 97
 
@@ -344,11 +345,6 @@ def test_a_step_that_fails_on_the_device_fails_its_requests_and_the_server_goes_
     assert stats.errors >= 1 and stats.slots_busy == 0
 
 
-def slow_decode(params, state, last):
-    time.sleep(0.02)
-    return {"position": state["position"] + 1, "total": state["total"] + 1}, np.asarray(last) + 0
-
-
 def paced(permits: threading.Semaphore, slots: int, **options) -> js.Generation:
     """A generation run as written (eager) whose decode steps once per permit: a test decides how many steps
     run before what it checks, whatever the machine's speed. Each output repeats the prompt's sum."""
@@ -406,7 +402,8 @@ def test_a_closed_stream_frees_its_slot_at_the_next_launch_of_several_steps():
 
 
 def test_update_params_swaps_the_weights_between_requests_under_load_without_a_compile():
-    """Every request is generated entirely by one set of weights; each update returns once its set is live."""
+    """Every request is generated entirely by one set of weights; each update returns once its set is live.
+    Each update waits until a caller was answered by the weights before it, however fast the machine."""
     prompts, steps = random_requests(3, 8, 40)
     answers, failures, stop_load = [], [], threading.Event()
 
@@ -416,6 +413,11 @@ def test_update_params_swaps_the_weights_between_requests_under_load_without_a_c
                 answers.append((i, js.generate("gen-swap", prompts[i], max_steps=steps[i]).tolist()))
             except Exception as error:
                 failures.append(error)
+                return
+
+    def answered_by(scale, since):
+        """Whether a caller was answered by ``scale`` in the answers from ``since`` on (or one failed)."""
+        return failures or any(got == expected(prompts[i], steps[i], scale=scale) for i, got in answers[since:])
 
     with js.serve(generation(slots=3), name="gen-swap") as server:
         compiles = server.stats().compiles
@@ -423,14 +425,17 @@ def test_update_params_swaps_the_weights_between_requests_under_load_without_a_c
         for thread in threads:
             thread.start()
         try:
-            for scale in [2, 1, 3, 2, 1, 3]:
-                time.sleep(0.05)
+            since = 0
+            for before, scale in zip([1, 2, 1, 3, 2, 1], [2, 1, 3, 2, 1, 3]):
+                until(lambda: answered_by(before, since), f"a caller answered by scale {before}")
+                since = len(answers)
                 server.update_params({"scale": np.int32(scale)})
                 assert js.generate("gen-swap", prompts[0], max_steps=9).tolist() == expected(prompts[0], 9, scale=scale)
+            until(lambda: answered_by(3, since), "a caller answered by scale 3")
         finally:
             stop_load.set()
             for thread in threads:
-                thread.join(30)
+                thread.join(HANG_S)
         with pytest.raises(js.TemplateMismatchError) as info:
             server.update_params({"scale": np.float32(2)})
         assert str(info.value) == "params['scale']: expected int32(), got float32()"
@@ -440,7 +445,7 @@ def test_update_params_swaps_the_weights_between_requests_under_load_without_a_c
                                    "(params=PATH), so there is no file to reload them from")
         assert js.generate("gen-swap", prompts[0], max_steps=9).tolist() == expected(prompts[0], 9, scale=3)
         assert server.stats().compiles == compiles
-    assert not failures and len(answers) > 24
+    assert not failures
     by_scale = {scale: {i for i, got in answers if got == expected(prompts[i], steps[i], scale=scale)}
                 for scale in (1, 2, 3)}
     assert all(got in [expected(prompts[i], steps[i], scale=scale) for scale in (1, 2, 3)] for i, got in answers)
@@ -448,24 +453,29 @@ def test_update_params_swaps_the_weights_between_requests_under_load_without_a_c
 
 
 def test_an_update_waits_for_the_requests_in_slots_and_new_prompts_wait_for_it():
-    slow = js.Generation(prefill, slow_decode, params=PARAMS, slots=2, max_length=512, prefill_lengths=[8],
-                         compiler="eager")  # each output repeats the first, the prompt's sum times the scale
-    with js.serve(slow, name="gen-swap-wait") as server:
+    """Each output repeats the first, the prompt's sum times the scale. The running request steps only as
+    the test allows: it is in its slot, whatever the machine's speed, while the update and a new prompt wait;
+    the loop steps on with that prompt queued and a slot free, and does not admit it."""
+    permits = threading.Semaphore(2)  # two steps give the first two outputs (one is queued before delivery)
+    with js.serve(paced(permits, slots=2), name="gen-swap-wait") as server:
         stream = js.generate_stream("gen-swap-wait", [1, 2], max_steps=25)
         assert int(next(stream)) == 3
         updated = threading.Thread(target=server.update_params, args=({"scale": np.int32(5)},))
         updated.start()
+        until(lambda: server._new_params is not None, "the update to wait for the slots to run empty")
         later: list[list[int]] = []
         queued = threading.Thread(target=lambda: later.append(js.generate("gen-swap-wait", [1, 2],
                                                                           max_steps=2).tolist()))
-        time.sleep(0.1)
         queued.start()
-        time.sleep(0.1)
+        until(lambda: server.stats().queue_depth == 1, "the new prompt to be queued")
+        permits.release(2)
+        assert [int(next(stream)) for _ in range(3)] == [3] * 3  # the last after a turn planned with it queued
         assert updated.is_alive(), "the update waits for the request in its slot"
         assert server.stats().queue_depth == 1, "a free slot takes no prompt while new weights wait"
-        assert [int(o) for o in stream] == [3] * 24, "a running request keeps its weights to its end"
-        updated.join(10)
-        queued.join(10)
+        permits.release(1000)
+        assert [int(o) for o in stream] == [3] * 21, "a running request keeps its weights to its end"
+        updated.join(HANG_S)
+        queued.join(HANG_S)
         assert later == [[15, 15]], "a prompt queued meanwhile runs with the new weights"
     with pytest.raises(js.ServerStoppedError):
         server.update_params({"scale": np.int32(2)})

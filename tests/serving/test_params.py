@@ -7,7 +7,6 @@ import importlib
 import json
 import logging
 import threading
-import time
 import zipfile
 
 import jax
@@ -18,6 +17,7 @@ import pytest
 import jitserve as js
 from jitserve import iree
 from jitserve.params import save_params
+from waiting import HANG_S, until
 
 ROW = js.template((8,), "float32")
 
@@ -153,53 +153,62 @@ def _offset_model(params, x):
 
 
 def test_20_swaps_under_8_callers_every_answer_from_exactly_one_weight_set():
-    """Requests of 1..12 rows with batch_size 8: many are split over two batches, and still see one set."""
+    """Requests of 1..12 rows with batch_size 8: many are split over two batches, and still see one set. Each
+    swap waits until a caller was answered by the weights before it, so that all 21 sets serve, however the
+    callers and the swaps interleave."""
     serving = js.Serving(_offset_model, params={"offset": np.zeros(4, np.float32)}, batch_size=8,
                          batch_timeout=0.001, input_template=js.template((4,), "float32"))
     answers: list[np.ndarray] = []
+    answered_by: set[float] = set()  # the weight sets that answered a whole request
     failures: list[BaseException] = []
+    done = threading.Event()
     with js.serve(serving, name="params-swaps") as server:
         compiles = server.stats().compiles
-        deadline = time.monotonic() + 2.0
 
         def caller(seed):
             rng = np.random.default_rng(seed)
-            while time.monotonic() < deadline:
+            while not done.is_set():
                 rows = int(rng.integers(1, 13))
                 try:
-                    answers.append(js.batched_run("params-swaps", js.Batch.concatenate([np.zeros((rows, 4),
-                                                                                                np.float32)])))
+                    answer = js.batched_run("params-swaps", js.Batch.concatenate([np.zeros((rows, 4), np.float32)]))
                 except BaseException as error:
                     failures.append(error)
+                    return
+                answers.append(answer)
+                values = set(answer.ravel().tolist())
+                if len(values) == 1:
+                    answered_by.update(values)
 
         threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(8)]
         for thread in threads:
             thread.start()
-        for version in range(1, 21):
-            time.sleep(0.08)
-            server.update_params({"offset": np.full(4, version, np.float32)})
-        for thread in threads:
-            thread.join()
+        try:
+            for version in range(1, 21):
+                until(lambda: failures or version - 1 in answered_by, f"an answer of weights {version - 1}")
+                server.update_params({"offset": np.full(4, version, np.float32)})
+            until(lambda: failures or 20 in answered_by, "an answer of the last weights")
+        finally:
+            done.set()
+            for thread in threads:
+                thread.join(HANG_S)
         assert server.stats().compiles == compiles
         assert js.batched_run("params-swaps", js.Batch.concatenate([np.zeros((1, 4), np.float32)])).tolist() == \
             [[20.0] * 4], "update_params returns once the new weights are live"
     assert not failures
-    assert len(answers) > 100
-    seen = set()
     for answer in answers:
         values = set(answer.ravel().tolist())
         assert len(values) == 1 and values <= set(map(float, range(21))), values
-        seen |= values
-    assert len(seen) > 10, "the swaps happened while the callers ran"
+    assert answered_by == set(map(float, range(21))), "each set answered while the callers ran"
 
 
 def test_a_batch_of_requests_pinned_to_two_weight_sets_runs_once_per_set():
-    """A low-priority request split over batches keeps its weights while an urgent one started on the new."""
-    started = threading.Event()
+    """A low-priority request split over batches keeps its weights while an urgent one started on the new: its
+    first batch is held until the urgent rows are queued behind it, however fast the machine."""
+    started, go = threading.Event(), threading.Event()
 
     def slow(params, x):
         started.set()
-        time.sleep(0.3)
+        assert go.wait(HANG_S), "the gate stayed shut"
         return x + params["offset"]
 
     serving = js.Serving(slow, params={"offset": np.zeros(1, np.float32)}, batch_size=4, batch_timeout=0,
@@ -209,13 +218,15 @@ def test_a_batch_of_requests_pinned_to_two_weight_sets_runs_once_per_set():
         low = threading.Thread(target=lambda: results.setdefault("low", js.batched_run(
             "params-pinned", js.Batch.concatenate([np.zeros((6, 1), np.float32)]), priority=2)))
         low.start()
-        started.wait(5)  # the first 4 rows of the low-priority request run with offset 0
+        until(started.is_set, "the first 4 rows of the low-priority request to run, with offset 0")
         server.update_params({"offset": np.ones(1, np.float32)})
         high = threading.Thread(target=lambda: results.setdefault("high", js.batched_run(
             "params-pinned", js.Batch.concatenate([np.zeros((6, 1), np.float32)]), priority=1)))
         high.start()
-        low.join()
-        high.join()
+        until(lambda: server.stats().queue_depth == 8, "the urgent rows queued beside the low request's last 2")
+        go.set()
+        low.join(HANG_S)
+        high.join(HANG_S)
         stats = server.stats()
     assert results["low"].ravel().tolist() == [0.0] * 6
     assert results["high"].ravel().tolist() == [1.0] * 6

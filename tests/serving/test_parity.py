@@ -12,6 +12,7 @@ import pytest
 import jitserve as js
 from jitserve.serving.queue import BatchPolicy, Queues
 from jitserve.serving.request import Request
+from waiting import HANG_S, until
 
 
 def rows(*values, dtype=np.float32):
@@ -21,7 +22,7 @@ def rows(*values, dtype=np.float32):
 def blocking_serving(gate: threading.Event, seen: list, **options):
     def fn(x):
         seen.extend(np.asarray(x)[:, 0].tolist())
-        gate.wait(10)
+        assert gate.wait(HANG_S), "the gate stayed shut"
         return x * 2
 
     return js.Serving(fn, compiler="eager", input_template=js.template((1,), "float32"), **options)
@@ -41,19 +42,23 @@ def test_stop_with_a_timeout_drains_for_at_most_that_long_then_answers_the_rest(
             outcomes[value] = error
 
     threads = [threading.Thread(target=call, args=(v,)) for v in (1.0, 2.0, 3.0)]
-    for thread in threads:
+    threads[0].start()
+    until(lambda: seen == [1.0], "1.0 to run (blocked on the gate)")
+    for thread in threads[1:]:
         thread.start()
-        time.sleep(0.05)  # 1.0 runs (blocked on the gate), 2.0 and 3.0 wait
+    until(lambda: server.stats().queue_depth == 2, "2.0 and 3.0 to wait")
     stopper = threading.Thread(target=server.stop, kwargs={"timeout": 0.2})
     stopper.start()
-    time.sleep(0.4)  # past the deadline: the waiting requests are answered, the running one goes on
+    # past the deadline the waiting requests are answered, while the running one goes on (its gate is shut)
+    until(lambda: 2.0 in outcomes and 3.0 in outcomes, "the waiting requests to be answered")
+    assert 1.0 not in outcomes
     assert isinstance(outcomes.get(2.0), js.ServerStoppedError) and isinstance(outcomes.get(3.0), js.ServerStoppedError)
     assert str(outcomes[2.0]) == ("server 'deadline' stopped (its drain timeout of 0.2s ran out) before all of this "
                                   "request ran; nothing of it ran")
     gate.set()
-    stopper.join(10)
+    stopper.join(HANG_S)
     for thread in threads:
-        thread.join(10)
+        thread.join(HANG_S)
     assert outcomes[1.0] == [[2.0]] and seen == [1.0], "what started finished; what did not never ran"
     assert server.stats().stopped == 2
 
@@ -117,18 +122,19 @@ def test_declared_batch_keys_compile_per_key_at_warm_up_and_pass_the_key():
 def test_higher_priority_rows_run_first_though_lower_ones_were_queued_first():
     gate, seen = threading.Event(), []
     serving = blocking_serving(gate, seen, batch_size=2, batch_timeout=0.001, priority_levels=3)
-    with js.serve(serving, name="prio"):
+    with js.serve(serving, name="prio") as server:
         threads = [threading.Thread(target=js.batched_run, args=("prio", rows(0.0)))]
         threads[0].start()
-        time.sleep(0.05)  # the partition is busy with 0.0
-        for value, priority in [(1.0, 3), (2.0, 3), (3.0, None), (10.0, 1), (11.0, 1), (20.0, 2)]:
+        until(lambda: seen == [0.0], "the partition to be busy with 0.0")
+        for queued, (value, priority) in enumerate([(1.0, 3), (2.0, 3), (3.0, None), (10.0, 1), (11.0, 1),
+                                                    (20.0, 2)], 1):
             threads.append(threading.Thread(target=js.batched_run, args=("prio", rows(value)),
                                             kwargs={"priority": priority}))
             threads[-1].start()
-            time.sleep(0.01)
+            until(lambda: server.stats().queue_depth == queued, f"{value} to be queued")
         gate.set()
         for thread in threads:
-            thread.join(10)
+            thread.join(HANG_S)
     assert seen == [0.0, 10.0, 11.0, 20.0, 1.0, 2.0, 3.0], "by level, then arrival (None is the default, 3)"
 
 
@@ -136,7 +142,7 @@ def test_low_priority_rows_still_finish_under_sustained_high_priority_load():
     serving = js.Serving(lambda x: (time.sleep(0.002), x)[1], batch_size=1, batch_timeout=0, compiler="eager",
                          priority_levels=2, priority_aging=0.05, input_template=js.template((1,), "float32"))
     stop = threading.Event()
-    with js.serve(serving, name="aging"):
+    with js.serve(serving, name="aging") as server:
         def flood():
             while not stop.is_set():
                 js.batched_run("aging", rows(1.0), priority=1)
@@ -144,13 +150,13 @@ def test_low_priority_rows_still_finish_under_sustained_high_priority_load():
         flooders = [threading.Thread(target=flood) for _ in range(4)]
         for thread in flooders:
             thread.start()
-        time.sleep(0.05)
+        until(lambda: server.stats().requests > 8, "the flood to be under way")
         try:
-            result = js.batched_run("aging", rows(7.0), priority=2, timeout=30)  # promoted after 0.05 s
+            result = js.batched_run("aging", rows(7.0), priority=2, timeout=HANG_S)  # promoted after 0.05 s
         finally:
             stop.set()
             for thread in flooders:
-                thread.join(10)
+                thread.join(HANG_S)
     assert result.tolist() == [[7.0]]
 
 
@@ -161,21 +167,21 @@ def test_priority_levels_have_their_own_queue_bounds_and_default_timeouts():
     with js.serve(serving, name="levels") as server:
         busy = threading.Thread(target=js.batched_run, args=("levels", rows(0.0)), kwargs={"priority": 1})
         busy.start()
-        time.sleep(0.05)
+        until(lambda: seen == [0.0], "the partition to be busy with 0.0")
         with pytest.raises(TimeoutError, match="timed out after 0.1s before its rows started"):
             js.batched_run("levels", rows(1.0), priority=2)  # the level's default timeout
-        outcome = []
-        waiting = threading.Thread(target=lambda: outcome.append(pytest.raises(
-            TimeoutError, js.batched_run, "levels", rows(2.0), priority=2)))
+        outcome = []  # a request that waits however long the test takes to fill the level's queue
+        waiting = threading.Thread(target=lambda: outcome.append(
+            js.batched_run("levels", rows(2.0), priority=2, timeout=HANG_S)))
         waiting.start()
-        time.sleep(0.02)
+        until(lambda: server.stats().queue_depth == 1, "2.0 to be queued")
         with pytest.raises(js.QueueFullError, match="queue for priority level 2 is full: 1 rows queued, its "
                                                     "max_queue is 1"):
             js.batched_run("levels", rows(3.0), priority=2)
-        waiting.join(10)  # it times out too: the partition is still busy
-        assert outcome
         gate.set()
-        busy.join(10)
+        busy.join(HANG_S)
+        waiting.join(HANG_S)
+        assert outcome[0].tolist() == [[4.0]]
         assert server.stats().rejected == 1
     with pytest.raises(js.BatchError, match=r"priority must be 0 \(the default level\) or 1..2 \(1 is the most "
                                             r"urgent\), got 5"):
@@ -242,7 +248,7 @@ def test_a_split_request_streams_its_first_rows_while_later_ones_still_run():
     calls = iter(range(3))
 
     def fn(x):
-        gates[next(calls)].wait(10)
+        assert gates[next(calls)].wait(HANG_S), "the gate stayed shut"
         return x * 2
 
     serving = js.Serving(fn, batch_size=2, batch_timeout=0.001, compiler="eager",
@@ -273,7 +279,7 @@ def test_a_serving_that_yields_steps_streams_each_step_to_each_caller():
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(10)
+            thread.join(HANG_S)
         assert results == {1.0: [[[10.0]], [[11.0]], [[12.0]]], 2.0: [[[20.0]], [[21.0]], [[22.0]]]}
         assert [s.tolist() for s in js.batched_run("steps", rows(3.0))] == [[[30.0]], [[31.0]], [[32.0]]]
         with pytest.raises(js.BatchSizeError, match=r"batch size \(5\) cannot exceed server batch size of 4 \(a "
@@ -289,7 +295,7 @@ def test_a_request_of_a_serving_that_yields_steps_is_never_split_across_batches(
     gate = threading.Event()
 
     def generate(x):
-        gate.wait(10)
+        assert gate.wait(HANG_S), "the gate stayed shut"
         for step in range(3):
             yield x + step
 
@@ -304,10 +310,10 @@ def test_a_request_of_a_serving_that_yields_steps_is_never_split_across_batches(
         threads = [threading.Thread(target=read, args=(float(v), 1 + v % 3)) for v in range(6)]  # 12 rows
         for thread in threads:
             thread.start()
-        time.sleep(0.2)
+        until(lambda: server.stats().requests == 6, "every request to be queued or running")
         gate.set()
         for thread in threads:
-            thread.join(10)
+            thread.join(HANG_S)
         assert results == {float(v): [[[float(v + step)]] * (1 + v % 3) for step in range(3)] for v in range(6)}
         assert server.stats().rows == 12
 
@@ -396,7 +402,7 @@ def test_bisecting_a_failed_batch_fails_only_the_bad_requests():
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(10)
+            thread.join(HANG_S)
         stats = server.stats()
     assert isinstance(outcomes[5], ValueError) and str(outcomes[5]) == "negative input"
     assert all(outcomes[p] == values[p] * 2 for p in range(16) if p != 5), "good requests get their rows"
@@ -417,5 +423,5 @@ def test_a_function_that_always_fails_is_not_retried_endlessly_and_bisecting_can
             for thread in threads:
                 thread.start()
             for thread in threads:
-                thread.join(10)
+                thread.join(HANG_S)
             assert len(errors) == 8 and server.stats().bisect_runs <= most

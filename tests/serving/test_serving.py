@@ -16,6 +16,7 @@ import pytest
 import jitserve as js
 from jitserve import compilers
 from jitserve.compilers.xla import XlaCompiler
+from waiting import HANG_S, until
 
 
 def double(x):
@@ -274,7 +275,7 @@ def test_many_threads_random_sizes_every_result_checked():
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=60)
+            t.join(HANG_S)
         stats = server.stats()
     assert not failures and sorted(done) == list(range(12))
     assert stats.requests == 12 * 15
@@ -354,26 +355,23 @@ def test_queue_bound_rejects_at_once():
     gate = threading.Event()
 
     def slow(x):
-        gate.wait(10)
+        assert gate.wait(HANG_S), "the gate stayed shut"
         return x
 
     serving = js.Serving(slow, batch_size=2, batch_timeout=0, max_queue=3, compiler="eager")
     with js.serve(serving, name="bounded") as server:
         first = threading.Thread(target=js.batched_run, args=("bounded", js.Batch.stack([np.ones(1)] * 2)))
         first.start()
-        deadline = time.monotonic() + 5
-        while server.stats().in_flight == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
+        until(lambda: server.stats().in_flight == 1, "the first batch to run")
         queued = threading.Thread(target=js.batched_run, args=("bounded", js.Batch.stack([np.ones(1)] * 3)))
         queued.start()
-        while server.stats().queue_depth < 3 and time.monotonic() < deadline:
-            time.sleep(0.001)
+        until(lambda: server.stats().queue_depth == 3, "3 rows to be queued")
         with pytest.raises(js.QueueFullError) as info:
             js.batched_run("bounded", js.Batch.stack([np.ones(1)]))
         assert str(info.value) == ("server 'bounded' queue is full: 3 rows queued, max_queue is 3; "
                                    "a request of 1 rows was rejected")
         gate.set()
-        first.join(5), queued.join(5)
+        first.join(HANG_S), queued.join(HANG_S)
         assert server.stats().rejected == 1
 
 
@@ -383,7 +381,7 @@ def test_timeout_before_start_means_rows_never_run():
 
     def slow(x):
         ran.append(x.copy())
-        gate.wait(10)
+        assert gate.wait(HANG_S), "the gate stayed shut"
         return x
 
     serving = js.Serving(slow, batch_size=1, batch_timeout=0, compiler="eager")
@@ -395,8 +393,8 @@ def test_timeout_before_start_means_rows_never_run():
         with pytest.raises(TimeoutError, match="timed out after 0.05s before its rows started"):
             js.batched_run("slow", js.Batch.stack([np.array([99.0])]), timeout=0.05)
         gate.set()
-        blocker.join(5)
-        assert js.batched_run("slow", js.Batch.stack([np.array([2.0])]), timeout=5).tolist() == [[2.0]]
+        blocker.join(HANG_S)
+        assert js.batched_run("slow", js.Batch.stack([np.array([2.0])]), timeout=HANG_S).tolist() == [[2.0]]
         stats = server.stats()
     assert [r.tolist() for r in ran] == [[[1.0]], [[2.0]]], "the timed-out rows never ran"
     assert stats.timeouts == 1
@@ -411,7 +409,7 @@ def test_stop_drains_and_refuses_new_calls():
     while server.stats().queue_depth == 0:
         time.sleep(0.001)
     server.stop()
-    caller.join(5)
+    caller.join(HANG_S)
     assert results[0].tolist() == [[6]], "queued work ran although its batch timeout had not passed"
     with pytest.raises(js.UnknownServerError, match="no server named 'drain' is running"):
         js.batched_run("drain", js.Batch.stack([np.array([1])]))
@@ -422,7 +420,7 @@ def test_stop_drains_and_refuses_new_calls():
 def _blocking_serving(gate, ran):
     def blocked(x):
         ran.append(x.copy())
-        gate.wait(10)
+        assert gate.wait(HANG_S), "the gate stayed shut"
         return x * 2
 
     return js.Serving(blocked, batch_size=1, batch_timeout=0, compiler="eager")
@@ -454,9 +452,9 @@ def test_stop_without_drain_answers_unstarted_requests_and_finishes_started_ones
     while server.stats().queue_depth:
         time.sleep(0.001)
     gate.set()
-    stopper.join(5)
+    stopper.join(HANG_S)
     for thread in threads:
-        thread.join(5)
+        thread.join(HANG_S)
     assert outcomes[1] == [[2]], "the started request finished"
     for value in (2, 3, 4):
         assert isinstance(outcomes[value], js.ServerStoppedError)
@@ -482,7 +480,7 @@ def test_a_second_stop_waits_for_the_first_ones_drain():
     assert second.is_alive(), "the second stop() returned while the first was still draining"
     gate.set()
     for thread in (first, second, caller):
-        thread.join(5)
+        thread.join(HANG_S)
     drained = second_returned[0]
     assert (drained.rows, drained.in_flight, drained.queue_depth) == (1, 0, 0), \
         "when the second stop() returned, the running request had finished and its rows been delivered"
@@ -545,7 +543,7 @@ def test_async_callers():
 
 def test_async_timeout_withdraws_the_request():
     gate = threading.Event()
-    serving = js.Serving(lambda x: (gate.wait(10), x)[1], batch_size=1, batch_timeout=0, compiler="eager")
+    serving = js.Serving(lambda x: (gate.wait(HANG_S), x)[1], batch_size=1, batch_timeout=0, compiler="eager")
 
     async def main():
         first = asyncio.ensure_future(js.batched_run_async("async-slow", js.Batch.stack([np.array([1])])))
@@ -562,7 +560,7 @@ def test_async_timeout_withdraws_the_request():
 def test_cancelled_async_caller_takes_its_rows_off_the_queue():
     gate = threading.Event()
     ran = []
-    serving = js.Serving(lambda x: (ran.append(x.copy()), gate.wait(10), x)[2], batch_size=1, batch_timeout=0,
+    serving = js.Serving(lambda x: (ran.append(x.copy()), gate.wait(HANG_S), x)[2], batch_size=1, batch_timeout=0,
                          compiler="eager")
 
     async def main(server):

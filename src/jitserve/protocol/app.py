@@ -36,6 +36,7 @@ from .service import InferenceService
 
 log = logging.getLogger("jitserve.serve")
 
+MAX_HTTP_WORKERS = 256
 # open files kept beside the HTTP and gRPC connections: compilers, model files, logs, and refused connections
 # lingering (LINGERING_REFUSALS)
 FILES_KEPT_FREE = 256
@@ -47,7 +48,7 @@ class Attached(Protocol):
     def stop(self) -> None: ...
 
 
-class _Shutdown:
+class Shutdown:
     """Raises KeyboardInterrupt on the first SIGTERM that reaches it; later ones are logged and ignored, so
     that a second signal during the drain cannot break it off (SIGKILL stops at once)."""
 
@@ -63,7 +64,7 @@ class _Shutdown:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-class _HttpServer(uvicorn.Server):
+class HttpServer(uvicorn.Server):
     """uvicorn's server, telling ``on_signal`` at the first signal, so that gRPC stops accepting and both
     fronts report not ready at the same moment HTTP stops accepting."""
 
@@ -165,10 +166,12 @@ def fit_connections(limits: Limits, open_files: int, grpc: bool = True) -> Limit
 
 
 def http_config(service: InferenceService, host: str, port: int, limits: Limits = Limits(), access: Access = Access(),
-                tls: Tls | None = None, grace: float = 30.0) -> uvicorn.Config:
-    """uvicorn's configuration of jitserve's HTTP front: the connection guards of ``limits``, no access log, no
-    lifespan or proxy headers; at shutdown requests in flight have ``grace`` seconds."""
-    return uvicorn.Config(HttpFront(service, limits, access), host=host, port=port, lifespan="off",
+                tls: Tls | None = None, grace: float = 30.0, app: Any = None) -> uvicorn.Config:
+    """uvicorn's configuration of jitserve's HTTP front (``app``, by default an ``HttpFront`` of ``service``):
+    the connection guards of ``limits``, no access log, no lifespan or proxy headers; at shutdown requests
+    in flight have ``grace`` seconds."""
+    app = HttpFront(service, limits, access) if app is None else app
+    return uvicorn.Config(app, host=host, port=port, lifespan="off",
                           proxy_headers=False, server_header=False, access_log=False, log_level="warning",
                           log_config=None,
                           # TLS is the protocol's, which counts a connection and times its handshake from accept
@@ -177,11 +180,27 @@ def http_config(service: InferenceService, host: str, port: int, limits: Limits 
                           timeout_graceful_shutdown=grace)  # type: ignore[arg-type]
 
 
+async def _serve_fronts(count: int, service: InferenceService, host: str, port: int, limits: Limits, access: Access,
+                        tls: Tls | None, grace: float, access_log: bool, stop_accepting: Callable[[], None]) -> None:
+    """HTTP from ``count`` front processes over this one (``protocol/workers/``). They decode ``/infer``
+    themselves unless what it may need lives in this process alone (client shared memory regions, traces):
+    then every request is relayed here."""
+    from .workers.engine import front_settings, serve_fronts
+
+    local_infer = not service.shared_memory.allowed and service.tracing is None
+    if not local_infer:
+        log.info("HTTP: the front processes relay /infer to this one, which holds the shared memory regions "
+                 "clients register and makes the traces")
+    settings = front_settings(host, port, count, limits, access, tls, grace, access_log, local_infer)
+    await serve_fronts(count, settings, service, HttpFront(service, limits, access), stop_accepting, grace)
+
+
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
         grpc_port: int | None = 8001, request_timeout: float | None = None, limits: Limits = Limits(),
         on_exit: Callable[[], None] | None = None, drain_timeout: float | None = None, access: Access = Access(),
         tls: Tls | None = None, attach: Callable[[InferenceService], Attached] | None = None,
-        access_log: bool = False, trace_endpoint: str | None = None, allow_client_shm: bool = False) -> None:
+        access_log: bool = False, trace_endpoint: str | None = None, allow_client_shm: bool = False,
+        http_workers: int | None = None) -> None:
     """Serve over HTTP (and gRPC unless ``grpc_port`` is None) until a signal, holding clients to ``limits``
     and ``access`` (API key, CORS), over TLS when ``tls`` is given.
     ``start(servers)`` fills ``servers`` by model name (:func:`start_locally`, or a cluster's coalescers), and
@@ -190,13 +209,18 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     (drained, for at most ``drain_timeout`` seconds when given), then ``on_exit()`` runs. ``access_log``: one
     line per inference request (``protocol/access.py``); ``trace_endpoint``: OpenTelemetry spans sent to
     that OTLP/HTTP collector (``protocol/tracing.py``), flushed at exit; ``allow_client_shm``: clients may
-    register system shared memory regions (``protocol/shared_memory.py``), all unregistered at exit."""
+    register system shared memory regions (``protocol/shared_memory.py``), all unregistered at exit;
+    ``http_workers``: HTTP served by that many front processes over this one (``protocol/workers/``)."""
+    if http_workers is not None and (isinstance(http_workers, bool) or not isinstance(http_workers, int)
+                                     or not 1 <= http_workers <= MAX_HTTP_WORKERS):
+        raise OptionError(f"--http-workers must be a count of front processes from 1 to {MAX_HTTP_WORKERS}, "
+                          f"got {http_workers!r}")
     optional_seconds("request_timeout", request_timeout)  # checked before anything starts: a NaN drain
     optional_seconds("drain_timeout", drain_timeout)  # timeout would otherwise fail only at exit
     check_ports_free(host, [port, grpc_port])
     limits = fit_connections(limits, raise_file_limit(), grpc=grpc_port is not None)
     grace = 30.0 if drain_timeout is None else drain_timeout  # seconds the drain may take at shutdown
-    signal.signal(signal.SIGTERM, _Shutdown())
+    signal.signal(signal.SIGTERM, Shutdown())
     servers: dict[str, Server] = {}
     grpc_server = None
     service: InferenceService | None = None
@@ -228,12 +252,15 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
         # callers 100 -> 40 ms, bench/peers.py)
         gc.collect()
         gc.freeze()
-        http_server = _HttpServer(config, stop_accepting)
         log.info("HTTP: %s://%s:%d/v2 (models: %s; OpenAI's API at /v1; metrics at /metrics)%s",
                  "https" if tls else "http", host, port,
                  ", ".join(service.models) or "none", "; API key required" if access.api_key is not None else "")
         with asyncio.Runner(loop_factory=event_loop_factory(tls is not None)) as runner:
-            runner.run(http_server.serve())
+            if http_workers is None:
+                runner.run(HttpServer(config, stop_accepting).serve())
+            else:
+                runner.run(_serve_fronts(http_workers, service, host, port, limits, access, tls, grace, access_log,
+                                         stop_accepting))
     except KeyboardInterrupt as reason:
         log.info("%s: shutting down", str(reason) or "SIGINT")
     finally:

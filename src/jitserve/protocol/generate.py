@@ -20,7 +20,7 @@ def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[st
     other field, and those under ``parameters``, a parameter. ``stream``, where sent, is a parameter that
     must match the endpoint."""
     inputs = {tensor.name: tensor.datatype for tensor in getattr(spec, "inputs", ())}
-    if not hasattr(spec, "generate"):
+    if not spec.server.servable.generates:
         raise ProtocolError(f"model '{spec.name}' is not a generation: the generate endpoints serve generations; "
                             f"call /v2/models/{spec.name}/infer")
     request = json_object(body, "the generate request")

@@ -8,12 +8,16 @@ the batch axis) and its outputs. It turns decoded request tensors into a
 dict keys of an entry, else ``input`` (``input_0``, ``input_1``, ... for a
 tuple); outputs likewise with ``output``. A :class:`GenerationSpec` describes a
 :class:`~jitserve.Generation`: a prompt in, an output per step.
+
+Both give the network service the same four things: ``ask`` (a request's
+tensors and parameters, checked, as what the model's front takes: the
+engine's typed request), ``call`` and ``stream`` (its named outputs, through
+the front's entry points of the same names), ``rows`` and ``labels``.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +27,8 @@ import numpy as np
 from .. import compilers
 from ..batch import Batch
 from ..errors import OptionError, ProtocolError
-from ..serving.generation import Delivery, GenerationFront, Sampling, stacked
+from ..serving.corridor import Rows
+from ..serving.generation import GenerationFront, Prompt, Sampling, stacked, stop_text
 from ..serving.server import Server
 from ..template import Template, is_template
 from .codec import BYTES, datatype_of, dtype_of, shown
@@ -123,6 +128,40 @@ class ModelSpec:
     def metadata(self) -> dict[str, Any]:
         return {"name": self.name, "versions": [self.version], "platform": "jitserve",
                 "inputs": [t.metadata() for t in self.inputs], "outputs": [t.metadata() for t in self.outputs]}
+
+    @property
+    def labels(self) -> Mapping[str, Sequence[str]] | None:
+        """The class labels of its outputs (for Triton's classification)."""
+        return self.server.serving.labels
+
+    @staticmethod
+    def rows(tensors: Mapping[str, np.ndarray]) -> int:
+        """A request's rows, as the access log counts them: its first input's first axis."""
+        first = next(iter(tensors.values()), None)
+        return 0 if first is None or first.ndim == 0 else int(first.shape[0])
+
+    def ask(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any], priority: int | None,
+            timeout: float | None, streaming: bool) -> Rows:
+        """What a request asks the serving: its tensors' value (:meth:`value`) at ``priority``, given up after
+        ``timeout`` before its rows start; ``streaming``: the call answers more than once (a stream), which a
+        serving that streams its results needs."""
+        value = self.value(tensors)
+        if self.server.serving.streaming and not streaming:
+            raise ProtocolError(f"model '{self.name}' streams its results: call it with ModelStreamInfer (gRPC) or "
+                                f"POST /v2/models/{self.name}/infer_stream (HTTP, server-sent events)")
+        return Rows(value, timeout, priority)
+
+    async def call(self, ask: Rows) -> list[tuple[str, np.ndarray]]:
+        """The named outputs of what ``ask`` asks."""
+        return self.named_outputs(await self.server.call_async(ask))
+
+    def stream(self, ask: Rows) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        """The named outputs of ``ask`` as they are ready (queued now: its errors raise here)."""
+        return self._named(self.server.stream_async(ask))
+
+    async def _named(self, items: AsyncGenerator[Any, None]) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        async for outputs in items:
+            yield self.named_outputs(outputs)
 
     def config(self) -> dict[str, Any]:
         """Triton's model configuration (its JSON form; the gRPC ``ModelConfig`` has the same fields):
@@ -254,16 +293,13 @@ def classify(array: np.ndarray, count: int, labels: Sequence[str] | None, name: 
 
 @dataclass(frozen=True)
 class Asked:
-    """What one generation request asks: its prompt, its most outputs, how to pick them, what its caller
-    gets (a ``Delivery``: its stop text), whether to stream (None: as the call does; False: the whole text
-    in one response, even to a stream) and the text that comes first (the prompt's, where a text
-    generation's ``exclude_input_in_output`` is false)."""
+    """What one generation request asks: of the generation's front, a :class:`Prompt`; of the network,
+    whether its answer comes whole (a streaming call's request that says ``stream`` false: the whole text in
+    one response) and the text that comes first (the prompt's, where a text generation's
+    ``exclude_input_in_output`` is false)."""
 
-    prompt: np.ndarray
-    steps: int
-    sampling: Sampling
-    delivery: Delivery
-    stream: bool | None = None
+    prompt: Prompt
+    whole: bool = False
     echo: str = ""
 
 
@@ -323,8 +359,21 @@ class GenerationSpec:
                 "output": [t.config() for t in self.outputs], "model_transaction_policy": {"decoupled": True},
                 "parameters": {name: {"string_value": str(value)} for name, value in parameters.items()}}
 
-    def request(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> Asked:
-        """What a request asks (:class:`Asked`), checked (the prompt's length by the server)."""
+    labels = None  # a generation's outputs have no class labels
+
+    @staticmethod
+    def rows(tensors: Mapping[str, np.ndarray]) -> int:
+        """A request's rows, as the access log counts them: a prompt is one."""
+        return 1
+
+    def ask(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any], priority: int | None,
+            timeout: float | None, streaming: bool) -> Asked:
+        """What a request asks (:class:`Asked`), checked (the prompt itself by the generation's front);
+        ``streaming``: the call answers more than once (a stream), else once (``infer``, which refuses
+        ``stream`` true). ``timeout``: how long its prompt may wait for a slot."""
+        if priority is not None:
+            raise ProtocolError(f"model '{self.name}' is a generation: it admits prompts in arrival order and has "
+                                f"no priority levels; send no 'priority' parameter")
         if self.input_name not in tensors or (not self.text and len(tensors) > 1):
             takes = "(BYTES: the prompt's text)" if self.text else "(INT32 or INT64 token ids)"
             raise ProtocolError(f"model '{self.name}' takes {'the' if self.text else 'one'} input, "
@@ -332,11 +381,10 @@ class GenerationSpec:
                                 f"{', '.join(repr(shown(name)) for name in tensors) or 'none'}")
         fields = read_fields(self.name, self.text, {name: array for name, array in tensors.items()
                                                     if name != self.input_name}, parameters)
-        prompt = given = tensors[self.input_name]
+        prompt = tensors[self.input_name]
         generation = self.server.generation
         if generation.preprocess is not None:  # it checks the prompt, and the server its token ids
-            given = prompt.reshape(-1)[0] if prompt.dtype.kind == "O" and prompt.size == 1 else prompt
-            prompt = generation.prompt_of(given)
+            prompt = prompt.reshape(-1)[0] if prompt.dtype.kind == "O" and prompt.size == 1 else prompt
         elif prompt.dtype.kind not in "iu":
             raise ProtocolError(f"input 'prompt' has datatype {datatype_of(prompt.dtype)}, but model "
                                 f"'{self.name}' expects INT32 or INT64 token ids")
@@ -350,28 +398,28 @@ class GenerationSpec:
         except OptionError as error:
             raise ProtocolError(f"a sampling parameter: {error}") from None
         try:
-            delivery = Delivery(generation, fields.get("stop"), prompt)
+            stop_text(generation, fields.get("stop"))
         except OptionError as error:
             raise ProtocolError(f"the 'stop' parameter: {error}") from None
-        echo = "" if fields.get("exclude_input_in_output", True) else \
-            given.decode(errors="replace") if isinstance(given, bytes) else str(given)
-        return Asked(prompt, fields.get(self.steps_parameter, self.DEFAULT_STEPS), sampling, delivery,
-                     fields.get("stream"), echo)
-
-    def generate(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any], timeout: float | None,
-                 streaming: bool) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
-        """Check and queue the request now (on the running event loop: its errors raise here, before a
-        response starts); its outputs as they come, one ``[("output", array)]`` per step, or the whole text
-        at once where a streaming call's request says ``stream`` false. ``streaming``: the call answers
-        more than once (a stream), else once (``infer``, which refuses ``stream`` true)."""
-        asked = self.request(tensors, parameters)
-        if asked.stream and not streaming:
+        stream = fields.get("stream")
+        if stream and not streaming:
             raise ProtocolError(f"model '{self.name}': 'stream' true asks for a response per token, which infer "
                                 f"does not give; send the request over ModelStreamInfer (gRPC) or to infer_stream "
                                 f"or generate_stream (HTTP)")
-        request = self.server.submit(asked.prompt, asked.steps, asyncio.get_running_loop(), asked.sampling)
-        items = asked.delivery.each_async(self.server.outputs_async(request, timeout))
-        return self._outputs(items, asked.echo, streaming and asked.stream is False)
+        echo = "" if fields.get("exclude_input_in_output", True) else \
+            prompt.decode(errors="replace") if isinstance(prompt, bytes) else str(prompt)
+        steps = fields.get(self.steps_parameter, self.DEFAULT_STEPS)
+        return Asked(Prompt(prompt, steps, sampling, fields.get("stop"), timeout), streaming and stream is False, echo)
+
+    async def call(self, asked: Asked) -> list[tuple[str, np.ndarray]]:
+        """The whole answer: the outputs stacked; a text generation's text as one string, after its echo."""
+        answer = await self.server.call_async(asked.prompt)
+        return [(self.output_name, stacked([asked.echo + answer]) if self.text else answer)]
+
+    def stream(self, asked: Asked) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        """The request queued now (its errors raise here, before a response starts); its outputs as they come,
+        one ``[("output", array)]`` per step, or the whole text at once where ``asked.whole``."""
+        return self._outputs(self.server.stream_async(asked.prompt), asked.echo, asked.whole)
 
     async def _outputs(self, items: AsyncGenerator[Any, None], echo: str, whole: bool
                        ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
@@ -387,9 +435,8 @@ class GenerationSpec:
         finally:
             await items.aclose()
 
-    def whole(self, steps: Sequence[list[tuple[str, np.ndarray]]]) -> list[tuple[str, np.ndarray]]:
-        """A request's answer at once: its outputs stacked; a text generation's text joined into one."""
-        outputs = [step[0][1] for step in steps]
-        if self.text:
-            return [(self.output_name, stacked(["".join(output[0] for output in outputs)]))]
-        return [(self.output_name, np.concatenate(outputs) if outputs else stacked([]))]
+
+Spec = ModelSpec | GenerationSpec  # a served model as the network sees it
+# what a model's front asks -> the spec of the model (given its name, the front and its version): a new kind of
+# servable is an entry
+SPECS: dict[type, Callable[[str, Any, str], Spec]] = {Rows: ModelSpec, Prompt: GenerationSpec}

@@ -379,7 +379,6 @@ class OpenAIDoor:
 
 def _hook(spec: Spec) -> TextHook | None:
     """The hook of a model the OpenAI API serves: a checkpoint's text generation or embedding model."""
-    servable = spec.server.generation if isinstance(spec, GenerationSpec) else spec.server.serving
-    hook = text_hook(servable)
+    hook = text_hook(spec.server.servable)
     return hook if hook is not None and KINDS[type(spec)] == hook.task else None
 

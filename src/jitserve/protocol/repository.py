@@ -35,6 +35,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import sys
 import threading
 import types
 from collections.abc import Iterable, Mapping
@@ -49,6 +50,29 @@ from ..serving.serving import Serving
 from .service import InferenceService, hide_paths
 
 log = logging.getLogger("jitserve.repository")
+LOAD_THREAD = "jitserve-model-"  # the name of each thread a model.py (or a checkpoint's compile) runs on
+
+
+def loads_running() -> list[str]:
+    """The models whose load still runs on a thread of its own: unfinished, or abandoned at the load timeout
+    (a model.py that never returns, a compile inside XLA)."""
+    return [thread.name.removeprefix(LOAD_THREAD) for thread in threading.enumerate()
+            if thread.name.startswith(LOAD_THREAD) and thread.is_alive()]
+
+
+def exit_past_loads() -> None:
+    """For ``jitserve serve`` once its servers have stopped: if a model's load still runs on its thread (a
+    compile inside XLA, a model.py that never returns), end the process here, its logs flushed. Python's own
+    exit would stop that thread wherever it is, and inside C++ that aborts the process ("terminate called
+    ...") with no exit status 0."""
+    running = loads_running()
+    if running:
+        logging.getLogger("jitserve.serve").warning("exiting with the load of %s still running: abandoned",
+                                                    ", ".join(f"model '{name}'" for name in running))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 CONTROL_MODES = ("none", "explicit", "poll")
 MODEL_FILE = "model.py"
@@ -245,7 +269,7 @@ class ModelRepository:
             except Exception as error:  # noqa: BLE001 - handed to the load that waits for it
                 outcome["error"] = error
 
-        thread = threading.Thread(target=run, name=f"jitserve-model-{_shown(name)}", daemon=True)
+        thread = threading.Thread(target=run, name=f"{LOAD_THREAD}{_shown(name)}", daemon=True)
         thread.start()
         thread.join(self.load_timeout)
         if thread.is_alive():

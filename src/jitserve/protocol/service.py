@@ -1,9 +1,10 @@
 """What the HTTP and gRPC fronts share: the models, inference, and errors as statuses.
 
-Every network request takes the model's server's corridor (``call_async``,
-``open_stream_async``: the serving's ``preprocess`` and ``postprocess`` run
-as for an in-process caller), so HTTP and gRPC callers share batches with
-each other and with in-process callers.
+Every network request is what its model's spec (``protocol/model.py``) makes
+of it, the engine's typed request, given to the model's front's entry points
+(``call_async``, ``stream_async``: a serving's ``preprocess`` and
+``postprocess`` run as for an in-process caller), so HTTP and gRPC callers
+share batches with each other and with in-process callers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -35,23 +36,19 @@ from ..errors import (
     is_raised_by_model,
 )
 from ..serving.front import Front
-from ..serving.generation import GenerationFront
-from ..serving.server import Server
 from ..serving.stats import Phases
 from ..version import __version__
 from .access import REQUEST_ID, REQUEST_ROWS, log_access, request_id
 from .codec import shown
 from .logs import ClientMistakes
 from .metrics import Metrics
-from .model import GenerationSpec, ModelSpec, select_outputs
+from .model import SPECS, Spec, select_outputs
 from .shared_memory import SystemSharedMemory
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is configured
     from .tracing import Tracing
 
 log = logging.getLogger("jitserve.serve")
-
-Spec = ModelSpec | GenerationSpec  # a served model as the network sees it
 
 EXTENSIONS = ["binary_tensor_data", "classification", "model_repository", "statistics"]
 
@@ -183,8 +180,7 @@ class InferenceService:
         replaces, if any, which the caller stops (drained: what it holds finishes there). Requests that
         took the old one but had not queued yet are sent to the new one (see :meth:`_current`)."""
         name, version = split_version(key)
-        spec: Spec = (GenerationSpec(name, cast(GenerationFront, server), version) if server.generates
-                      else ModelSpec(name, cast(Server, server), version))
+        spec = SPECS[server.asks](name, server, version)
         old = self.versions.get(name, {}).get(version)
         self.metrics.add(name, version, server)
         if self.tracing is not None:
@@ -325,29 +321,20 @@ class InferenceService:
         spec = self.model(model, version)
         refuse_unsupported(parameters or (), "the request")
         if self.access_log:
-            REQUEST_ROWS.set(_rows(spec, tensors))
-        if isinstance(spec, GenerationSpec):
-            with self._tallied(spec):
-                steps = [outputs async for outputs in self._generated(spec, tensors, parameters, priority, False)]
-            return spec.version, select_outputs(spec.whole(steps), requested, model)
-        value = spec.value(tensors)
-        server = spec.server
-        serving = server.serving
-        if serving.streaming:
-            raise ProtocolError(f"model '{model}' streams its results: call it with ModelStreamInfer (gRPC) or "
-                                f"POST /v2/models/{model}/infer_stream (HTTP, server-sent events)")
+            REQUEST_ROWS.set(spec.rows(tensors))
+        parameters = parameters or {}
+        ask: Any = spec.ask(tensors, parameters, priority, self.request_timeout, False)  # what its spec reads
         with self._tallied(spec):
             try:
-                outputs = await server.call_async(value, self.request_timeout, priority)
+                named = await spec.call(ask)
             except ServerStoppedError:
                 spec = self._current(spec)  # reloaded or unloaded meanwhile
-                outputs = await spec.server.call_async(spec.value(tensors), self.request_timeout, priority)
-        named = spec.named_outputs(outputs)
+                ask = spec.ask(tensors, parameters, priority, self.request_timeout, False)
+                named = await spec.call(ask)
         classes = sum(requested.values()) if requested else 0
-        if classes and classes * _rows(spec, tensors) > OFF_LOOP_CLASSES:  # classes of many rows
-            return spec.version, await asyncio.to_thread(select_outputs, named, requested, model,
-                                                         spec.server.serving.labels)
-        return spec.version, select_outputs(named, requested, model, spec.server.serving.labels)
+        if classes and classes * spec.rows(tensors) > OFF_LOOP_CLASSES:  # classes of many rows
+            return spec.version, await asyncio.to_thread(select_outputs, named, requested, model, spec.labels)
+        return spec.version, select_outputs(named, requested, model, spec.labels)
 
     def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Mapping[str, int] | None,
                      priority: int | None = None, version: str | None = None,
@@ -361,53 +348,47 @@ class InferenceService:
         spec = self.model(model, version)
         refuse_unsupported(parameters or (), "the request")
         if self.access_log:
-            REQUEST_ROWS.set(_rows(spec, tensors))
-        if isinstance(spec, GenerationSpec):
-            return spec.version, self._stream(spec, self._generated(spec, tensors, parameters, priority, True),
-                                              requested)
+            REQUEST_ROWS.set(spec.rows(tensors))
+        parameters = parameters or {}
+        ask: Any = spec.ask(tensors, parameters, priority, self.request_timeout, True)  # what its spec reads
         try:
-            items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
+            items = spec.stream(ask)
         except ServerStoppedError:
             spec = self._current(spec)  # reloaded or unloaded meanwhile
-            items = spec.server.open_stream_async(spec.value(tensors), self.request_timeout, priority)
+            ask = spec.ask(tensors, parameters, priority, self.request_timeout, True)
+            items = spec.stream(ask)
         return spec.version, self._stream(spec, items, requested)
 
-    async def _stream(self, spec: Spec, items: AsyncIterator[Any], requested: Mapping[str, int] | None
-                      ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+    async def _stream(self, spec: Spec, items: AsyncIterator[list[tuple[str, np.ndarray]]],
+                      requested: Mapping[str, int] | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """The stream's outputs; tallied in the statistics once it ends or fails (not when the client leaves)."""
-        named = spec.named_outputs if isinstance(spec, ModelSpec) else (lambda outputs: outputs)
-        labels = spec.server.serving.labels if isinstance(spec, ModelSpec) else None
         with self._tallied(spec):
             async for outputs in items:
-                yield select_outputs(named(outputs), requested, spec.name, labels)
+                yield select_outputs(outputs, requested, spec.name, spec.labels)
 
-    def _generated(self, spec: GenerationSpec, tensors: Mapping[str, np.ndarray],
-                   parameters: Mapping[str, Any] | None, priority: int | None, streaming: bool
-                   ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
-        if priority is not None:
-            raise ProtocolError(f"model '{spec.name}' is a generation: it admits prompts in arrival order and has "
-                                f"no priority levels; send no 'priority' parameter")
-        return spec.generate(tensors, parameters or {}, self.request_timeout, streaming)
-
-    def _current(self, spec: Spec) -> ModelSpec:
+    def _current(self, spec: Spec) -> Spec:
         """After ``spec``'s server refused a request as stopped: the model that replaced it (a reload), else
         the error again (the server is shutting down, or the model was unloaded: unknown now)."""
         current = self.versions.get(spec.name, {}).get(spec.version)
         if current is spec or self.draining:
             raise ServerStoppedError(f"server {spec.name!r} is stopped and takes no new requests")
-        current = self.model(spec.name, spec.version)
-        if not isinstance(current, ModelSpec):
-            raise ProtocolError(f"model '{spec.name}' was reloaded as a generation; send it a prompt")
-        return current
+        return self.model(spec.name, spec.version)
 
     def _tallied(self, spec: Spec) -> _Tallied:
         """Count what a ``with`` block runs in the model's statistics (see :class:`_Tallied`)."""
         return _Tallied(self.tallies[(spec.name, spec.version)])
 
     def count(self, model: str, protocol: str, status: int | str, version: str | None = None) -> None:
-        """Count one answered request in ``jitserve_requests_total`` and the access log (a model this server
-        does not have is counted as model "", so that clients cannot grow the label set)."""
-        asked = model
+        """Count one answered request in ``jitserve_requests_total`` and the access log."""
+        counted = self.counted(model, protocol, status, version)
+        if self.access_log:
+            log_access(loggable(model), counted, protocol, status)
+
+    def counted(self, model: str, protocol: str, status: int | str, version: str | None = None,
+                times: int = 1) -> str:
+        """Count one answered request (or ``times`` alike) in ``jitserve_requests_total``; returns the version
+        it is counted under (a model this server does not have is counted as model "" and version "", so that
+        clients cannot grow the label set)."""
         spec = self.models.get(model)
         if spec is None:
             model = version = ""
@@ -417,20 +398,25 @@ class InferenceService:
             version = ""  # nor versions a client makes up
         key = (model, version, protocol, str(status))
         counter = self._counters.get(key)
-        if counter is None:  # prometheus_client's labels() takes a lock and builds a key: once per key
+        if counter is None:  # labels() builds a key and looks it up: once per key
             counter = self._counters[key] = self.metrics.requests.labels(*key)
-        counter.inc()
-        if self.access_log:
-            log_access(loggable(asked), version, protocol, status)
+        counter.inc(times)
+        return version
 
     def failed(self, protocol: str, model: str, error: BaseException,
                version: str | None = None) -> tuple[int, str, str]:
-        """Count and log a failed request; returns its HTTP status, gRPC status name and the message for the
-        client. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
+        """Count and log a failed request (see :meth:`refusal`); returns its HTTP status, gRPC status name and
+        the message for the client."""
+        http_status, grpc_status, message = self.refusal(protocol, model, error)
+        self.count(model, protocol, http_status if protocol == "http" else grpc_status, version)
+        return http_status, grpc_status, message
+
+    def refusal(self, protocol: str, model: str, error: BaseException) -> tuple[int, str, str]:
+        """A failed request's HTTP status, gRPC status name and message for the client, logged but not
+        counted. A model's own failure (500 / INTERNAL) is logged with its traceback under a request id and
         the client gets only that id; a client's mistake, or a model's :class:`ModelError` (whose message is
         meant for the client), is a line told to :attr:`mistakes` (a warning while that kind of mistake is
-        new, else a debug line). What the client sent is
-        escaped and cut before it reaches the log."""
+        new, else a debug line). What the client sent is escaped and cut before it reaches the log."""
         http_status, grpc_status = status_of(error)
         status: int | str = http_status if protocol == "http" else grpc_status
         if http_status == 500 and not isinstance(error, ModelError):
@@ -440,7 +426,6 @@ class InferenceService:
         else:
             self.mistakes.tell(f"{protocol}: model '{loggable(model)}': {status}: {loggable(str(error))}")
             message = str(error)
-        self.count(model, protocol, status, version)
         return http_status, grpc_status, message
 
 
@@ -499,12 +484,6 @@ class _Tallied:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
         if kind is None or issubclass(kind, Exception):
             self.tally.add(self.started, ok=kind is None)
-
-
-def _rows(spec: Spec, tensors: Mapping[str, np.ndarray]) -> int:
-    """A request's rows, as the access log counts them: its first input's first axis (a prompt is one)."""
-    first = next(iter(tensors.values()), None)
-    return 1 if isinstance(spec, GenerationSpec) else 0 if first is None or first.ndim == 0 else int(first.shape[0])
 
 
 def _duration(count: int, ns: float) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """Serving with dynamic batching: ``Serving``, the in-process ``Server``, its queues and the registry of names;
 ``Generation``, continuous batching of decode loops."""
 
-from .generation import Generation, GenerationServer, PagedCache, Sampling
+from .corridor import Rows
+from .generation import Generation, GenerationServer, PagedCache, Prompt, Sampling
 from .partition import BatchReport
 from .queue import BatchPolicy
 from .registry import (
@@ -22,7 +23,7 @@ from .request import Request
 from .server import Server
 from .serving import Serving
 
-__all__ = ["BatchPolicy", "BatchReport", "Generation", "GenerationServer", "PagedCache", "Request", "Sampling",
-           "Server", "Serving",
+__all__ = ["BatchPolicy", "BatchReport", "Generation", "GenerationServer", "PagedCache", "Prompt", "Request",
+           "Rows", "Sampling", "Server", "Serving",
            "batched_run", "batched_run_async", "batched_stream", "batched_stream_async", "generate", "generate_async",
            "generate_stream", "generate_stream_async", "lookup", "register_cluster", "serve", "servers"]

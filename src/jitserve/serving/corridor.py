@@ -1,12 +1,14 @@
 """The corridor: the part of a server its callers see, the one path of every request.
 
-:class:`Corridor` (each server owns one) and its ``call``, ``call_async``,
-``open_stream`` and ``open_stream_async`` do prepare (the serving's ``preprocess``) -> submit ->
-wait -> finish (``postprocess``), the one path of every request, whether it
-comes from :func:`jitserve.batched_run`, the network or a cluster replica; the
-waiting itself (sync, asyncio, streamed, with timeouts and withdrawal) is
-written here once. The request handle it hands out and waits on is
-:class:`~jitserve.serving.request.Request`.
+What a caller asks a serving is :class:`Rows` (its value, timeout and
+priority). :class:`Corridor` (each server owns one) and its ``call``,
+``call_async``, ``stream`` and ``stream_async`` of Rows, the server's entry
+points of :class:`~jitserve.serving.front.Front`, do prepare (the serving's
+``preprocess``) -> submit -> wait -> finish (``postprocess``), the one path of
+every request, whether it comes from :func:`jitserve.batched_run`, the network
+or a cluster replica; the waiting itself (sync, asyncio, streamed, with
+timeouts and withdrawal) is written here once. The request handle it hands
+out and waits on is :class:`~jitserve.serving.request.Request`.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import jax
 
 from ..batch import Batch
 from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, ServerStoppedError
+from .front import wrong_request
 from .options import seconds_option
 from .queue import Queues
 from .request import Reading, Request, concatenate_outputs, finish, prepare, read, read_async
@@ -28,6 +32,20 @@ from .serving import Serving
 from .stats import ServerStats
 
 _ABANDONED = ConnectionAbortedError("the caller stopped reading the stream")
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """What a caller asks a serving's server: run ``value`` (a Batch, or what the serving's ``preprocess``
+    takes) batched with concurrent callers at ``priority`` (1 the most urgent level; None: the serving's
+    default); ``timeout``: give up on rows that have not started after that many seconds (None: the
+    level's default)."""
+
+    servable: ClassVar[str] = "js.Serving"  # what serves it, and the function that asks it, in errors
+    entry: ClassVar[str] = "js.batched_run"
+    value: Any
+    timeout: float | None = None
+    priority: int | None = None
 
 
 class Corridor:
@@ -102,45 +120,46 @@ class Corridor:
 
     # the corridor: prepare -> submit -> wait -> finish -----------------------------------------
 
-    def call(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
-        """Run ``value`` (what the serving's ``preprocess`` takes, else a Batch) batched with concurrent
-        callers, at ``priority`` (1 the most urgent level; None: the default); ``preprocess`` and
-        ``postprocess`` run in the caller. Returns exactly this caller's results. ``timeout``: give up on
-        a request whose rows have not started after that many seconds (default: its level's)."""
-        request, info, timeout = self._enter(value, timeout, priority, None, False)
+    def call(self, rows: Rows) -> Any:
+        """Run the rows batched with concurrent callers; ``preprocess`` and ``postprocess`` run in the
+        caller. Returns exactly this caller's results."""
+        request, info, timeout = self._enter(rows, None, False)
         return finish(self.serving.postprocess, self.result(request, timeout), info, request.reports)
 
-    async def call_async(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
+    async def call_async(self, rows: Rows) -> Any:
         """:meth:`call` for asyncio callers: awaits the rows without blocking the event loop."""
-        request, info, timeout = self._enter(value, timeout, priority, asyncio.get_running_loop(), False)
+        request, info, timeout = self._enter(rows, asyncio.get_running_loop(), False)
         return finish(self.serving.postprocess, await self.result_async(request, timeout), info, request.reports)
 
-    def open_stream(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Iterator[Any]:
+    def stream(self, rows: Rows) -> Generator[Any, None, None]:
         """:meth:`call` whose results come as they are ready: this caller's rows in order, one part per
         batch that ran some of them, or one item per step of a serving that yields steps; ``postprocess``
         runs on each. The request is prepared and queued now (its errors raise here); closing the iterator
         early takes the rows that have not started off the queue."""
-        request, info, timeout = self._enter(value, timeout, priority, None, True)
+        request, info, timeout = self._enter(rows, None, True)
         postprocess = self.serving.postprocess
-        return (finish(postprocess, outputs, info, request.reports) for outputs in self.stream(request, timeout))
+        return (finish(postprocess, outputs, info, request.reports) for outputs in self.outputs(request, timeout))
 
-    def open_stream_async(self, value: Any, timeout: float | None = None,
-                          priority: int | None = None) -> AsyncIterator[Any]:
-        """:meth:`open_stream` for a caller on a running event loop: an async iterator."""
-        request, info, timeout = self._enter(value, timeout, priority, asyncio.get_running_loop(), True)
-        return self._finished_async(self.stream_async(request, timeout), request, info)
+    def stream_async(self, rows: Rows) -> AsyncGenerator[Any, None]:
+        """:meth:`stream` for a caller on a running event loop: an async iterator."""
+        request, info, timeout = self._enter(rows, asyncio.get_running_loop(), True)
+        return self._finished_async(self.outputs_async(request, timeout), request, info)
 
-    async def _finished_async(self, items: AsyncIterator[Any], request: Request, info: Any) -> AsyncIterator[Any]:
+    async def _finished_async(self, items: AsyncIterator[Any], request: Request,
+                              info: Any) -> AsyncGenerator[Any, None]:
         async for outputs in items:
             yield finish(self.serving.postprocess, outputs, info, request.reports)
 
-    def _enter(self, value: Any, timeout: float | None, priority: int | None,
-               loop: asyncio.AbstractEventLoop | None, stream: bool) -> tuple[Request, Any, float | None]:
+    def _enter(self, rows: Rows, loop: asyncio.AbstractEventLoop | None,
+               stream: bool) -> tuple[Request, Any, float | None]:
         """Prepare and queue: the request, ``preprocess``'s info and the timeout to wait with."""
+        if type(rows) is not Rows:
+            raise wrong_request(self.name, Rows, rows)
+        timeout, priority = rows.timeout, rows.priority
         if timeout is not None:
             seconds_option("timeout", timeout, or_none=True)
         serving = self.serving
-        batch, info = prepare(serving.preprocess, value)
+        batch, info = prepare(serving.preprocess, rows.value)
         request = self.submit(batch, loop, priority, stream)
         if timeout is None and serving.priority_queues:
             timeout = serving.default_timeout(priority)
@@ -196,14 +215,14 @@ class Corridor:
         return Reading(request.stream, timeout, lambda: request.started, lambda: self._expire(request, timeout),
                        lambda: self._abandon(request), StreamOrder(self.serving.streaming).take)
 
-    def stream(self, request: Request, timeout: float | None) -> Iterator[Any]:
+    def outputs(self, request: Request, timeout: float | None) -> Iterator[Any]:
         """The outputs of a ``stream=True`` request as they come: consecutive row ranges in order (each
         step, for a serving that yields steps). Closing the iterator early takes unstarted rows off the
         queues; ``timeout`` as for :meth:`result`."""
         return read(self._reading(request, timeout))
 
-    def stream_async(self, request: Request, timeout: float | None) -> AsyncIterator[Any]:
-        """:meth:`stream` for a request submitted with its event loop and ``stream=True``."""
+    def outputs_async(self, request: Request, timeout: float | None) -> AsyncIterator[Any]:
+        """:meth:`outputs` for a request submitted with its event loop and ``stream=True``."""
         return read_async(self._reading(request, timeout))
 
     def _expire(self, request: Request, timeout: float | None) -> None:

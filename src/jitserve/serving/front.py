@@ -6,14 +6,17 @@ A :class:`~jitserve.serving.server.Server` (batches of a ``Serving``) and a
 cluster) are both fronts: a name; ``stop`` and ``stopping``; weights (``update_params``,
 ``reload_params``, ``params_source``, and whether a reload may keep the server and swap them); typed
 statistics (:class:`~jitserve.serving.stats.FrontStats`, each engine adding its own); reports to a
-:class:`Listener`. ``generates`` says which entry points it has: ``call``/``open_stream`` of rows, or
-``submit``/``outputs`` of a prompt.
+:class:`Listener`; and the entry points of a caller that asks for a result or its pieces: ``call`` and
+``stream`` (``call_async`` and ``stream_async`` on an event loop), given the engine's typed request, which
+``asks`` names: a serving's :class:`~jitserve.serving.corridor.Rows`, a generation's
+:class:`~jitserve.serving.generation.Prompt`. A request of the other kind is refused by name
+(:func:`wrong_request`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
+from collections.abc import AsyncGenerator, Callable, Generator
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 from ..errors import OptionError
 from ..params import load_params
@@ -32,10 +35,23 @@ class Listener(Protocol):
     def step(self, kind: str, seconds: float) -> None: ...
 
 
-class Front:
+Ask = TypeVar("Ask")  # the typed request of a front's engine
+
+
+def wrong_request(name: str, asks: Any, ask: Any) -> OptionError:
+    """The error of server ``name``, which takes ``asks`` requests, given ``ask``: the kind of servable it
+    serves and the function to call, or what it takes."""
+    kind = getattr(type(ask), "servable", None)
+    if kind is None:
+        return OptionError(f"server {name!r} takes a {asks.__name__} request ({asks.servable}'s), got "
+                           f"{type(ask).__name__}")
+    return OptionError(f"server {name!r} serves a {asks.servable}, not a {kind}: call {asks.entry}")
+
+
+class Front(Generic[Ask]):
     """A named, running server of either engine (see the module's docstring)."""
 
-    generates: ClassVar[bool] = False  # True: a generation's prompts; False: a serving's rows
+    asks: ClassVar[type]  # the request its entry points take, which names the kind of servable it serves
     name: str
     _stopping: bool
     _on_stop: list[Callable[[Any], None]]
@@ -47,6 +63,30 @@ class Front:
         raise NotImplementedError
 
     def stats(self) -> FrontStats:
+        raise NotImplementedError
+
+    @property
+    def servable(self) -> Any:
+        """What it serves: a ``Serving`` or a ``Generation``."""
+        raise NotImplementedError
+
+    # the entry points: what a caller asks, its result or its pieces --------------------------------
+
+    def call(self, ask: Ask) -> Any:
+        """The whole result of ``ask``, once it is done."""
+        raise NotImplementedError
+
+    async def call_async(self, ask: Ask) -> Any:
+        """:meth:`call` for a caller on a running event loop."""
+        raise NotImplementedError
+
+    def stream(self, ask: Ask) -> Generator[Any, None, None]:
+        """The result of ``ask`` in pieces as they are ready. The request is checked and queued now (its
+        errors raise here); closing the iterator early takes back what has not run."""
+        raise NotImplementedError
+
+    def stream_async(self, ask: Ask) -> AsyncGenerator[Any, None]:
+        """:meth:`stream` for a caller on a running event loop: an async iterator."""
         raise NotImplementedError
 
     def listen(self, listener: Listener) -> None:

@@ -4,23 +4,24 @@ A name is looked up in this process first and then in every cluster this
 process is connected to (Nx.Serving's order); ``("local", name)`` or
 ``("ray", name)`` forces one. Cluster back ends live above this layer and
 plug themselves in with :func:`register_cluster`; to this module a cluster is
-only something that starts servings and finds a :class:`Server`-like
-front (the cluster's caller-side coalescer) by name.
+only something that starts servings and finds a :class:`Front` by name (the
+cluster's caller-side coalescer, or its front of a generation). The calls
+are each a typed request (:class:`Rows`, :class:`Prompt`) given to the
+front's entry points, which refuse one of the other kind.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Protocol, TypeGuard, cast
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
 from ..errors import OptionError, ServerExistsError, UnknownServerError
+from .corridor import Rows
 from .front import Front
-from .generation import Delivery, Generation, GenerationFront, GenerationServer, Sampling, stacked
-from .options import optional_seconds
+from .generation import Generation, GenerationServer, Prompt, Sampling
 from .server import Server
 from .serving import Serving
 
@@ -131,32 +132,18 @@ def servers() -> dict[str, Front]:
     return dict(_servers)
 
 
-def _batching(name: str | tuple[str, str]) -> Server:
-    server = lookup(name)
-    if server.generates:
-        raise OptionError(f"server {server.name!r} serves a js.Generation, not a js.Serving: call js.generate")
-    return cast(Server, server)
-
-
-def _generating(name: str | tuple[str, str]) -> GenerationFront:
-    server = lookup(name)
-    if not server.generates:
-        raise OptionError(f"server {server.name!r} serves a js.Serving, not a js.Generation: call js.batched_run")
-    return cast(GenerationFront, server)
-
-
 def batched_run(name: str | tuple[str, str], value: Any, timeout: float | None = None,
                 priority: int | None = None) -> Any:
     """Run ``value`` (a Batch, or what the serving's ``preprocess`` takes) on server ``name``, batched
     with concurrent callers, at ``priority`` (1 the most urgent level; None: the default); returns exactly
     this caller's rows. ``preprocess`` and ``postprocess`` run here, in the caller."""
-    return _batching(name).call(value, timeout, priority)
+    return lookup(name).call(Rows(value, timeout, priority))
 
 
 async def batched_run_async(name: str | tuple[str, str], value: Any, timeout: float | None = None,
                             priority: int | None = None) -> Any:
     """``batched_run`` for asyncio callers: awaits the rows without blocking the event loop."""
-    return await _batching(name).call_async(value, timeout, priority)
+    return await lookup(name).call_async(Rows(value, timeout, priority))
 
 
 def batched_stream(name: str | tuple[str, str], value: Any, timeout: float | None = None,
@@ -165,13 +152,13 @@ def batched_stream(name: str | tuple[str, str], value: Any, timeout: float | Non
     batch that ran some of them (the first rows while later ones still run), or one item per step of a
     serving that yields steps (``Serving(..., streaming=True)``). ``postprocess`` runs on each item.
     Closing the iterator early takes the rows that have not started off the queue."""
-    yield from _batching(name).open_stream(value, timeout, priority)
+    yield from lookup(name).stream(Rows(value, timeout, priority))
 
 
 async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout: float | None = None,
                                priority: int | None = None) -> AsyncIterator[Any]:
     """``batched_stream`` for asyncio callers (``async for``)."""
-    async for outputs in _batching(name).open_stream_async(value, timeout, priority):
+    async for outputs in lookup(name).stream_async(Rows(value, timeout, priority)):
         yield outputs
 
 
@@ -184,46 +171,27 @@ def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: 
     its text reaches one (left out; see :class:`StopText`). ``sampling``: ``temperature``, ``top_k``,
     ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without). A generation
     with a ``detokenizer`` (a checkpoint's, from :func:`jitserve.from_pretrained`) answers one string."""
-    generation = _generating(name).generation
-    return _answer(generation, list(generate_stream(name, prompt, max_steps, timeout, stop, **sampling)))
+    return lookup(name).call(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
 
 
 def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
                     stop: Any = None, **sampling: Any) -> Iterator[Any]:
     """:func:`generate` one output at a time, each as its step finishes; closing the iterator cancels the
     request and frees its slot at the next step."""
-    optional_seconds("timeout", timeout)
-    server = _generating(name)
-    tokens = server.generation.prompt_of(prompt)
-    delivery = Delivery(server.generation, stop, tokens)
-    request = server.submit(tokens, max_steps, sampling=Sampling(**sampling))
-    yield from delivery.each(server.outputs(request, timeout))
+    yield from lookup(name).stream(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
 
 
 async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
                          stop: Any = None, **sampling: Any) -> np.ndarray:
     """:func:`generate` for asyncio callers."""
-    generation = _generating(name).generation
-    return _answer(generation, [output async for output in generate_stream_async(name, prompt, max_steps, timeout,
-                                                                                 stop, **sampling)])
-
-
-def _answer(generation: Generation, items: list[Any]) -> Any:
-    """A whole generation's answer: one string for a detokenizing generation, else its outputs stacked."""
-    return "".join(items) if generation.detokenizer is not None else stacked(items)
+    return await lookup(name).call_async(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
 
 
 async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
                                 timeout: float | None = None, stop: Any = None, **sampling: Any
                                 ) -> AsyncIterator[Any]:
     """:func:`generate_stream` for asyncio callers (``async for``)."""
-    optional_seconds("timeout", timeout)
-    server = _generating(name)
-    tokens = server.generation.prompt_of(prompt)
-    delivery = Delivery(server.generation, stop, tokens)
-    request = server.submit(tokens, max_steps, asyncio.get_running_loop(),
-                            Sampling(**sampling))
-    items = delivery.each_async(server.outputs_async(request, timeout))
+    items = lookup(name).stream_async(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
     try:
         async for item in items:
             yield item

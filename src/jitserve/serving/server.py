@@ -1,8 +1,9 @@
 """The in-process server: a pool of partitions that run batches taken from the queues.
 
-Callers :meth:`Server.submit` rows (split into pieces of at most
-``batch_size``) and wait on the :class:`~jitserve.serving.request.Request` they
-get back. Each partition is a worker thread with its own executor; a free
+Callers ask for rows (:class:`~jitserve.serving.corridor.Rows`) with
+:meth:`Server.call` or :meth:`Server.stream`: the corridor submits them
+(split into pieces of at most ``batch_size``) and waits on the
+:class:`~jitserve.serving.request.Request` it gets back. Each partition is a worker thread with its own executor; a free
 partition waits until :class:`~jitserve.serving.queue.Queues` says a queue is
 ready, takes a batch from it, runs it and hands every caller its rows. The
 waiting workers are the queue of free partitions, so a row passes between
@@ -25,7 +26,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from typing import Any, Self
 
 import jax
@@ -34,7 +35,7 @@ from .. import compilers
 from ..batch import Batch
 from ..errors import OptionError, ServerStoppedError
 from ..template import is_template
-from .corridor import Corridor
+from .corridor import Corridor, Rows
 from .front import Front, Listener
 from .options import optional_seconds
 from .partition import BatchExecutor, BatchReport, BatchRunner, Partition, Weights
@@ -48,11 +49,13 @@ from .worker import ProcessExecutor
 log = logging.getLogger("jitserve.server")
 
 
-class Server(BatchRunner, Front):
+class Server(BatchRunner, Front[Rows]):
     """A named, running server of one :class:`Serving`. Use :func:`jitserve.serve` to start one.
 
     ``executors`` (one per partition) replace the compiled executors of the serving's own partitions;
     ``policy`` replaces the serving's batching policy (the cluster coalescer sends rows unpadded)."""
+
+    asks = Rows
 
     def __init__(self, serving: Serving, name: str, executors: Sequence[BatchExecutor] | None = None,
                  policy: BatchPolicy | None = None) -> None:
@@ -88,22 +91,25 @@ class Server(BatchRunner, Front):
         """Queue ``batch``'s rows; returns the request (see :meth:`Corridor.submit`)."""
         return self.corridor.submit(batch, loop, priority, stream)
 
-    def call(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
-        """Run ``value`` batched with concurrent callers (see :meth:`Corridor.call`)."""
-        return self.corridor.call(value, timeout, priority)
+    def call(self, ask: Rows) -> Any:
+        """Run the rows batched with concurrent callers (see :meth:`Corridor.call`)."""
+        return self.corridor.call(ask)
 
-    async def call_async(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Any:
+    async def call_async(self, ask: Rows) -> Any:
         """:meth:`call` for asyncio callers."""
-        return await self.corridor.call_async(value, timeout, priority)
+        return await self.corridor.call_async(ask)
 
-    def open_stream(self, value: Any, timeout: float | None = None, priority: int | None = None) -> Iterator[Any]:
-        """:meth:`call` whose results come as they are ready (see :meth:`Corridor.open_stream`)."""
-        return self.corridor.open_stream(value, timeout, priority)
+    def stream(self, ask: Rows) -> Generator[Any, None, None]:
+        """:meth:`call` whose results come as they are ready (see :meth:`Corridor.stream`)."""
+        return self.corridor.stream(ask)
 
-    def open_stream_async(self, value: Any, timeout: float | None = None,
-                          priority: int | None = None) -> AsyncIterator[Any]:
-        """:meth:`open_stream` for a caller on a running event loop."""
-        return self.corridor.open_stream_async(value, timeout, priority)
+    def stream_async(self, ask: Rows) -> AsyncGenerator[Any, None]:
+        """:meth:`stream` for a caller on a running event loop."""
+        return self.corridor.stream_async(ask)
+
+    @property
+    def servable(self) -> Serving:
+        return self.serving
 
     # lifecycle -------------------------------------------------------------------------------
 

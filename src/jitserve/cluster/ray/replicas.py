@@ -21,6 +21,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 
 from ...batch import Batch
 from ...compilers.xla import run_cpu_computations_inline
+from ...serving.corridor import Rows
 from ...serving.generation import Generation, GenerationServer, Sampling
 from ...serving.server import Server
 from ...serving.serving import Serving
@@ -108,13 +109,13 @@ class Replica(Ownership):
     async def run(self, rows: Any, batch_key: Any = None) -> tuple[Any, int]:
         """Run one coalesced batch (a pytree of arrays, rows on axis 0, under its batch key); the outputs
         and the queue depth."""
-        outputs = await self.server.call_async(Batch.concatenate([rows]).key(batch_key))
+        outputs = await self.server.call_async(Rows(Batch.concatenate([rows]).key(batch_key)))
         return outputs, self.server.queue_depth
 
     async def run_stream(self, rows: Any, batch_key: Any = None) -> AsyncIterator[tuple[Any, int]]:
         """Run one coalesced batch of a streaming serving: its steps as the serving yields them, each with the
         queue depth (one Ray streaming call; a caller that cancels it stops the batch at its next step)."""
-        async for outputs in self.server.open_stream_async(Batch.concatenate([rows]).key(batch_key)):
+        async for outputs in self.server.stream_async(Rows(Batch.concatenate([rows]).key(batch_key))):
             yield outputs, self.server.queue_depth
 
     async def stats(self) -> ServerStats:

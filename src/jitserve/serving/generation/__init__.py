@@ -27,12 +27,12 @@ The package is in rooms, each importing only from those above it in this list:
   caller makes of them (:class:`Delivery`, :class:`StopText`, :func:`stacked`);
 - ``server``: :class:`GenerationServer`'s loop (plan -> programs -> deliver)
   and lifecycle, and :class:`GenerationFront`, what callers of a generation
-  server see.
+  server see, given what they ask, a :class:`Prompt`.
 """
 
-from .delivery import Delivery, StopText, stacked
-from .server import GenerationFront, GenerationServer
+from .delivery import Delivery, StopText, stacked, stop_text
+from .server import GenerationFront, GenerationServer, Prompt
 from .spec import GREEDY, Generation, PagedCache, Sampling
 
-__all__ = ["GREEDY", "Delivery", "Generation", "GenerationFront", "GenerationServer", "PagedCache", "Sampling",
-           "StopText", "stacked"]
+__all__ = ["GREEDY", "Delivery", "Generation", "GenerationFront", "GenerationServer", "PagedCache", "Prompt",
+           "Sampling", "StopText", "stacked", "stop_text"]

@@ -115,16 +115,23 @@ class StopText:
         return text[:len(text) - keep]
 
 
+def stop_text(generation: Generation, stop: Any) -> StopText | None:
+    """A request's ``stop`` for ``generation`` (None: none), else an OptionError saying what was wrong."""
+    if stop is None:
+        return None
+    if generation.postprocess is None and generation.detokenizer is None:
+        raise OptionError("stop needs a generation whose postprocess gives text; this one gives its outputs "
+                          "as they are")
+    return StopText(stop)
+
+
 class Delivery:
     """What one caller of a generation gets, in the caller: each output through ``postprocess``, and with
     ``stop`` (text pieces only) the text cut at the first stop sequence (:class:`StopText`)."""
 
     def __init__(self, generation: Generation, stop: Any = None, prompt: Any = None) -> None:
-        if stop is not None and generation.postprocess is None and generation.detokenizer is None:
-            raise OptionError("stop needs a generation whose postprocess gives text; this one gives its outputs "
-                              "as they are")
         self.generation = generation
-        self.stop = None if stop is None else StopText(stop)
+        self.stop = stop_text(generation, stop)
         # a detokenizer's decoder for this request, which reads the prompt's token ids for context
         self.text = None if generation.detokenizer is None else generation.detokenizer(np.asarray(prompt))
 

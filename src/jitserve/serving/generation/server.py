@@ -11,7 +11,9 @@ unrolled, so the host's work of queueing a step (on a GPU, launching it) is
 paid once per so many steps; requests are then admitted and freed between
 launches, and outputs reach their callers a launch at a time. Around the loop:
 warm-up (``start``), ``stop``, weights swapped between requests
-(``update_params``), statistics and listeners.
+(``update_params``), statistics and listeners. What callers see of a
+generation server, here or on a cluster, is :class:`GenerationFront`: what
+they ask is a :class:`Prompt`.
 """
 
 from __future__ import annotations
@@ -21,20 +23,21 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Generator
-from typing import Any, NamedTuple, Self
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Self
 
 import jax
 
 from ... import compilers
 from ...errors import OptionError, QueueFullError, ServerStoppedError, raised_by_model
 from ...template import Template, check_params
-from ..front import Front, Listener
+from ..front import Front, Listener, wrong_request
 from ..options import optional_seconds
 from ..request import Reading, read, read_async
 from ..serving import owned_host_array
 from ..stats import GenerationStats, Phases
 from ..warmup import compile_each
-from .delivery import GenerationRequest, hand_over
+from .delivery import Delivery, GenerationRequest, hand_over, stacked
 from .paged_programs import PagedPrograms
 from .paged_scheduler import PagedScheduler
 from .programs import Programs, to_host
@@ -48,12 +51,32 @@ ENGINES: dict[str, tuple[type[Programs], type[Scheduler[Any]]]] = {"slots": (Pro
                                                                     "paged": (PagedPrograms, PagedScheduler)}
 
 
-class GenerationFront(Front):
-    """What ``js.generate`` and the network front call: a :class:`GenerationServer` in this process, or a
-    cluster's front of generation replicas (``jitserve.cluster.ray``). ``submit`` checks and queues a
-    request; ``outputs`` / ``outputs_async`` give its outputs as they come (closing them cancels it)."""
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What a caller asks a generation's server: outputs for ``prompt`` (1-D integer token ids, or what the
+    generation's ``preprocess`` takes), at most ``max_steps`` of them, their tokens picked as ``sampling``
+    says (a ``logits=True`` generation's), a text generation's text cut at ``stop`` (a string or a list of
+    them, see :class:`~.delivery.StopText`); ``timeout``: give up if no slot frees within that many
+    seconds."""
 
-    generates = True
+    servable: ClassVar[str] = "js.Generation"  # what serves it, and the function that asks it, in errors
+    entry: ClassVar[str] = "js.generate"
+    prompt: Any
+    max_steps: int
+    sampling: Sampling = GREEDY
+    stop: Any = None
+    timeout: float | None = None
+
+
+class GenerationFront(Front[Prompt]):
+    """What ``js.generate`` and the network front call: a :class:`GenerationServer` in this process, or a
+    cluster's front of generation replicas (``jitserve.cluster.ray``). The entry points of a
+    :class:`Prompt` (``call``, ``stream`` and their asyncio forms) run the generation's ``preprocess`` and
+    what each output gives the caller (a :class:`~.delivery.Delivery`) in the caller, around the engine's
+    own: ``submit`` checks and queues a request's token ids; ``outputs`` / ``outputs_async`` give its outputs
+    as they come (closing them cancels it), as a cluster replica, which runs neither, calls them."""
+
+    asks = Prompt
     generation: Generation
     name: str
     output_template: Template  # what each step gives one request
@@ -70,6 +93,44 @@ class GenerationFront(Front):
 
     def stats(self) -> GenerationStats:
         raise NotImplementedError
+
+    @property
+    def servable(self) -> Generation:
+        return self.generation
+
+    def call(self, ask: Prompt) -> Any:
+        """Every output, stacked on a first axis; a generation with a ``detokenizer`` answers one string."""
+        return self._answer(list(self.stream(ask)))
+
+    async def call_async(self, ask: Prompt) -> Any:
+        items = self.stream_async(ask)
+        try:
+            return self._answer([item async for item in items])
+        finally:
+            await items.aclose()  # a caller cancelled meanwhile frees the slot now, not when this is collected
+
+    def stream(self, ask: Prompt) -> Generator[Any, None, None]:
+        """Each output as its step finishes, as the caller gets it (``postprocess``, stop text); closing the
+        iterator cancels the request and frees its slot at the next step."""
+        delivery, request = self._enter(ask, None)
+        return delivery.each(self.outputs(request, ask.timeout))
+
+    def stream_async(self, ask: Prompt) -> AsyncGenerator[Any, None]:
+        delivery, request = self._enter(ask, asyncio.get_running_loop())
+        return delivery.each_async(self.outputs_async(request, ask.timeout))
+
+    def _enter(self, ask: Prompt, loop: asyncio.AbstractEventLoop | None) -> tuple[Delivery, Any]:
+        """The caller's side of a request (its token ids, what it makes of the outputs) and the request, queued."""
+        if type(ask) is not Prompt:
+            raise wrong_request(self.name, Prompt, ask)
+        optional_seconds("timeout", ask.timeout)
+        tokens = self.generation.prompt_of(ask.prompt)
+        delivery = Delivery(self.generation, ask.stop, tokens)
+        return delivery, self.submit(tokens, ask.max_steps, loop, ask.sampling)
+
+    def _answer(self, items: list[Any]) -> Any:
+        """A whole request's answer: one string for a detokenizing generation, else its outputs stacked."""
+        return "".join(items) if self.generation.detokenizer is not None else stacked(items)
 
     def update_params(self, params: Any) -> None:
         """Generate with new weights (see :meth:`GenerationServer.update_params`)."""
