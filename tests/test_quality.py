@@ -56,8 +56,9 @@ FOLDER_CAPS = {
     # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46)
     "serving": 1_875,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
-    # request's share)
-    "serving/generation": 1_400,
+    # request's share); 1,600: log-probabilities and penalties per request on the device (issue 45: picking.py,
+    # a scored program of each kind, the penalties' counts and their start, log-probabilities delivered)
+    "serving/generation": 1_600,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

@@ -1,7 +1,7 @@
 """Serving with dynamic batching: ``Serving``, the in-process ``Server``, its queues and the registry of names;
 ``Generation``, continuous batching of decode loops."""
 
-from .generation import Generation, GenerationServer, PagedCache, Sampling
+from .generation import Generation, GenerationServer, PagedCache, Sampling, TokenLogprobs
 from .partition import BatchReport
 from .queue import BatchPolicy
 from .registry import (
@@ -23,6 +23,6 @@ from .server import Server
 from .serving import Serving
 
 __all__ = ["BatchPolicy", "BatchReport", "Generation", "GenerationServer", "PagedCache", "Request", "Sampling",
-           "Server", "Serving",
+           "Server", "Serving", "TokenLogprobs",
            "batched_run", "batched_run_async", "batched_stream", "batched_stream_async", "generate", "generate_async",
            "generate_stream", "generate_stream_async", "lookup", "register_cluster", "serve", "servers"]

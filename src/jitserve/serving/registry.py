@@ -15,8 +15,6 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol, TypeGuard, cast
 
-import numpy as np
-
 from ..errors import OptionError, ServerExistsError, UnknownServerError
 from .front import Front
 from .generation import Delivery, Generation, GenerationFront, GenerationServer, Sampling, stacked
@@ -176,40 +174,50 @@ async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout:
 
 
 def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
-             stop: Any = None, **sampling: Any) -> np.ndarray:
+             stop: Any = None, **sampling: Any) -> Any:
     """Generate from ``prompt`` (1-D integer token ids, or what the generation's ``preprocess`` takes) on
     generation server ``name``: every output, stacked on a first axis; at most ``max_steps`` of them,
     ending right after one equal to the serving's ``eos``. ``timeout``: give up if no slot frees within
     that many seconds. ``stop``: a string or a list of them that ends a text generation's request where
-    its text reaches one (left out; see :class:`StopText`). ``sampling``: ``temperature``, ``top_k``,
-    ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without). A generation
-    with a ``detokenizer`` (a checkpoint's, from :func:`jitserve.from_pretrained`) answers one string."""
+    its text reaches one (left out; see :class:`StopText`). ``sampling``: how a ``logits=True`` generation
+    picks the tokens (:class:`Sampling`: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``min_tokens``,
+    ``stop_token_ids``, the penalties; greedy without). A generation with a ``detokenizer`` (a checkpoint's,
+    from :func:`jitserve.from_pretrained`) answers one string. With ``logprobs=N``: ``(answer, logprobs)``,
+    the second a list of :class:`TokenLogprobs`, one per output."""
     generation = _generating(name).generation
-    return _answer(generation, list(generate_stream(name, prompt, max_steps, timeout, stop, **sampling)))
+    return _answer(generation, list(generate_stream(name, prompt, max_steps, timeout, stop, **sampling)),
+                   sampling.get("logprobs") is not None)
 
 
 def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
                     stop: Any = None, **sampling: Any) -> Iterator[Any]:
     """:func:`generate` one output at a time, each as its step finishes; closing the iterator cancels the
-    request and frees its slot at the next step."""
+    request and frees its slot at the next step. With ``logprobs=N``, each item comes paired with the
+    :class:`TokenLogprobs` of the outputs that gave it: ``(item, [TokenLogprobs, ...])`` (a piece of text
+    may come of several outputs, or of none)."""
     optional_seconds("timeout", timeout)
     server = _generating(name)
     tokens = server.generation.prompt_of(prompt)
-    delivery = Delivery(server.generation, stop, tokens)
-    request = server.submit(tokens, max_steps, sampling=Sampling(**sampling))
+    picking = Sampling(**sampling)
+    delivery = Delivery(server.generation, stop, tokens, picking.logprobs is not None)
+    request = server.submit(tokens, max_steps, sampling=picking)
     yield from delivery.each(server.outputs(request, timeout))
 
 
 async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
-                         stop: Any = None, **sampling: Any) -> np.ndarray:
+                         stop: Any = None, **sampling: Any) -> Any:
     """:func:`generate` for asyncio callers."""
     generation = _generating(name).generation
     return _answer(generation, [output async for output in generate_stream_async(name, prompt, max_steps, timeout,
-                                                                                 stop, **sampling)])
+                                                                                 stop, **sampling)],
+                   sampling.get("logprobs") is not None)
 
 
-def _answer(generation: Generation, items: list[Any]) -> Any:
-    """A whole generation's answer: one string for a detokenizing generation, else its outputs stacked."""
+def _answer(generation: Generation, items: list[Any], scored: bool) -> Any:
+    """A whole generation's answer: one string for a detokenizing generation, else its outputs stacked; for a
+    request that asked for log-probabilities, with them: ``(answer, [TokenLogprobs, ...])``."""
+    if scored:
+        return _answer(generation, [item for item, _ in items], False), [one for _, some in items for one in some]
     return "".join(items) if generation.detokenizer is not None else stacked(items)
 
 
@@ -220,9 +228,9 @@ async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_st
     optional_seconds("timeout", timeout)
     server = _generating(name)
     tokens = server.generation.prompt_of(prompt)
-    delivery = Delivery(server.generation, stop, tokens)
-    request = server.submit(tokens, max_steps, asyncio.get_running_loop(),
-                            Sampling(**sampling))
+    picking = Sampling(**sampling)
+    delivery = Delivery(server.generation, stop, tokens, picking.logprobs is not None)
+    request = server.submit(tokens, max_steps, asyncio.get_running_loop(), picking)
     items = delivery.each_async(server.outputs_async(request, timeout))
     try:
         async for item in items:

@@ -83,9 +83,10 @@ class GenerationFront(Front):
 
 class _Dispatched(NamedTuple):
     """Outputs queued on the device, for ``requests[i]`` in row ``rows[i]``: ``step``: a launch of decode
-    steps, its outputs (steps, slots, ...), queued at ``started``; else the first outputs of admitted
-    prompts, one row each. ``queued``: the phases of its launch so far (its inputs made, the programs
-    queued, the copy of its outputs to the host started), which its delivery completes."""
+    steps, its outputs (a tuple: the tokens (steps, slots, ...), then a scored program's log-probabilities
+    and top tokens), queued at ``started``; else the first outputs of admitted prompts, one row each.
+    ``queued``: the phases of its launch so far (its inputs made, the programs queued, the copy of its
+    outputs to the host started), which its delivery completes."""
 
     requests: list[GenerationRequest]
     rows: list[int]
@@ -350,9 +351,9 @@ class GenerationServer(GenerationFront):
         waiting = time.perf_counter()
         jax.block_until_ready(item.outputs)
         computed = time.perf_counter()
-        outputs = owned_host_array(item.outputs)
-        if not item.step:
-            outputs = outputs[None]  # prefills give one output per prompt: as one step
+        outputs, *scores = [owned_host_array(output) for output in item.outputs]
+        if not item.step:  # prefills give one output per prompt: as one step
+            outputs, scores = outputs[None], [score[None] for score in scores]
         now = time.perf_counter()
         elapsed = now - max(item.started, self._ready)  # from when the device could start it
         self._ready = now
@@ -365,7 +366,7 @@ class GenerationServer(GenerationFront):
             request.infer_s += phases.infer_s
             request.output_s += phases.output_s
         with self._lock:  # so that a caller handed its last output finds itself counted
-            delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos)
+            delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos, scores)
             stats = self._stats
             stats.outputs += delivered
             if item.step:
