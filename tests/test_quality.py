@@ -47,8 +47,9 @@ FOLDER_CAPS = {
     # OpenAI's API on the HTTP port (protocol/openai.py, its request checks in protocol/openai_request.py);
     # 3,500: Triton's system shared memory extension (protocol/shared_memory.py, its HTTP and gRPC calls), BF16;
     # 3,550: clients' mistakes logged without flooding the log, no server path in a client's error (issue 46);
-    # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py)
-    "protocol": 3_700,
+    # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py);
+    # 3,750: OpenAI's logprobs (completions' and chat's shapes, streamed per chunk) and penalties (issue 45)
+    "protocol": 3_750,
     # 1,750: issue 43's typed statistics (stats.py: the shared counters, each engine's, their sum) and the
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
     # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's
