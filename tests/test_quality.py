@@ -47,8 +47,9 @@ FOLDER_CAPS = {
     # OpenAI's API on the HTTP port (protocol/openai.py, its request checks in protocol/openai_request.py);
     # 3,500: Triton's system shared memory extension (protocol/shared_memory.py, its HTTP and gRPC calls), BF16;
     # 3,550: clients' mistakes logged without flooding the log, no server path in a client's error (issue 46);
-    # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py)
-    "protocol": 3_700,
+    # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py);
+    # 3,750: OpenAI's logprobs (completions' and chat's shapes, streamed per chunk) and penalties (issue 45)
+    "protocol": 3_750,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode
@@ -61,8 +62,10 @@ FOLDER_CAPS = {
     "serving": 1_875,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
     # request's share); 1,450: a generation's typed entry points on the one contract (issue 43: Prompt, call
-    # and stream, the caller's side of js.generate moved here from the registry)
-    "serving/generation": 1_450,
+    # and stream, the caller's side of js.generate moved here from the registry); 1,650: log-probabilities
+    # and penalties per request on the device (issue 45: picking.py, a scored program of each kind, the
+    # penalties' counts and their start, log-probabilities delivered)
+    "serving/generation": 1_650,
 }
 SOURCE = ROOT / "src" / "jitserve"
 
