@@ -11,7 +11,8 @@ second run starts at once.
     python3 dev.py test [ARGS]     # the whole test suite (ARGS go to pytest; installs Chromium and
                                    # perf_analyzer's library with apt-get, perf_analyzer with pip)
     python3 dev.py demo            # softmax with every installed compiler against numpy
-    python3 dev.py bench NAME      # one script of bench/, e.g. peers (with the bench extra)
+    python3 dev.py bench NAME      # one script of bench/, e.g. peers (with the bench extra; front installs
+                                   # its load generators, wrk and h2load, with apt-get)
     python3 dev.py env             # only set up the environment
 
 The task replaces this process (exec), so signals such as SIGTERM reach it.
@@ -41,6 +42,9 @@ TASK_EXTRAS = {"serve": ("http",), "demo": ("iree",), "bench": (*ALL_EXTRAS, "be
 # tritonclient of the dev extra. The binary also links libb64.so.0d, Debian's libb64-0d.
 PERF_ANALYZER = VENV / "perf-analyzer"
 PERF_ANALYZER_WHEELS = ("tritonclient==2.51.0", "nvidia-cuda-runtime-cu12>=12.4,<13")
+# the C load generators a bench drives (bench name -> (command, the Debian package that has it)): wrk for HTTP,
+# nghttp2's h2load for gRPC (an HTTP/2 client; ghz, the gRPC one, is not packaged in Debian)
+BENCH_TOOLS = {"front": (("wrk", "wrk"), ("h2load", "nghttp2-client")), "workers": (("wrk", "wrk"),)}
 
 
 def _project_hash() -> str:
@@ -90,13 +94,11 @@ def ensure_chromium() -> None:
         apt_install("chromium", "the browser test")
 
 
-def ensure_wrk() -> None:
-    """wrk, the C load generator bench/workers.py drives HTTP with: Debian's ``wrk``, unless one is on PATH."""
-    if shutil.which("wrk") is None:
-        apt_install("wrk", "bench/workers.py")
-
-
-BENCH_TOOLS = {"workers": ensure_wrk}  # bench name -> what installs the tool it drives
+def ensure_bench_tools(bench: str) -> None:
+    """The load generators ``bench`` drives (``BENCH_TOOLS``), installed with apt-get unless on PATH."""
+    for command, package in BENCH_TOOLS.get(bench, ()):
+        if shutil.which(command) is None:
+            apt_install(package, f"bench/{bench}.py")
 
 
 def ensure_perf_analyzer() -> None:
@@ -147,7 +149,7 @@ def main(argv: list[str]) -> int:
         ensure_chromium()
         ensure_perf_analyzer()
     if task == "bench":
-        BENCH_TOOLS.get(args[0], lambda: None)()
+        ensure_bench_tools(args[0])
     return TASKS[task](args)
 
 

@@ -59,6 +59,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -266,7 +267,7 @@ def floor_answers(port: int) -> tuple[dict[bytes, tuple[list, bytes]], dict[byte
     """Every request the load generator sends, and its answer ready to write, encoded by jitserve's own
     encoders (so the floor writes the same bytes jitserve does): HTTP (by body: response headers and body,
     JSON or binary tensors) and gRPC (by message: the serialized ModelInferResponse)."""
-    from jitserve.protocol.grpc import _infer_response
+    from jitserve.protocol.grpc_request import infer_response
     from jitserve.protocol.http import _encode_response
 
     http: dict[bytes, tuple[list, bytes]] = {}
@@ -276,7 +277,7 @@ def floor_answers(port: int) -> tuple[dict[bytes, tuple[list, bytes]], dict[byte
             for rows, request, expected in load_requests(sizes, protocol, "/v2/models/mlp/infer", port):
                 outputs = [("output", expected.reshape(rows, FEATURES))]
                 if protocol == "grpc":
-                    grpc[request] = _infer_response("mlp", "1", "", outputs, {}).SerializeToString()
+                    grpc[request] = infer_response("mlp", "1", "", outputs, {}).SerializeToString()
                     continue
                 binary = {"output": (True, None)} if protocol == "http-binary" else {}  # as the request asks
                 _, headers, body = _encode_response("mlp", "1", None, outputs, binary, False)
@@ -289,9 +290,6 @@ def serve_floor(http_port: int, grpc_port: int) -> None:
     uvicorn (uvloop, httptools) with a bare ASGI callable, and ``grpc.aio`` on an event loop of its own
     thread, as ``jitserve serve`` runs them, answering every request with its precomputed answer: no
     decoding, no batching, no model, no encoding."""
-    import threading
-
-    import grpc
     import uvicorn
 
     http, answers = floor_answers(http_port)
@@ -309,20 +307,30 @@ def serve_floor(http_port: int, grpc_port: int) -> None:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
+    grpc_floor(grpc_port, answers.__getitem__)
+    uvicorn.run(app, host="127.0.0.1", port=http_port, loop="uvloop", http="httptools", lifespan="off",
+                access_log=False, log_level="warning")
+
+
+def grpc_floor(port: int, answer: Callable[[bytes], bytes]) -> None:
+    """A bare ``grpc.aio`` server on an event loop of a thread of its own, as ``jitserve serve`` runs gRPC,
+    answering each ``ModelInfer`` request (its bytes) with ``answer(request)``, precomputed bytes."""
+    import threading
+
+    import grpc
+
     async def infer(request: bytes, context) -> bytes:
-        return answers[request]
+        return answer(request)
 
     async def serve_grpc() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
             "inference.GRPCInferenceService", {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer)})])
-        server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+        server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
 
     threading.Thread(target=asyncio.run, args=(serve_grpc(),), daemon=True).start()
-    uvicorn.run(app, host="127.0.0.1", port=http_port, loop="uvloop", http="httptools", lifespan="off",
-                access_log=False, log_level="warning")
 
 
 def serve_jitserve_processes(http_port: int, grpc_port: int) -> None:

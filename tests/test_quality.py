@@ -48,8 +48,11 @@ FOLDER_CAPS = {
     # 3,500: Triton's system shared memory extension (protocol/shared_memory.py, its HTTP and gRPC calls), BF16;
     # 3,550: clients' mistakes logged without flooding the log, no server path in a client's error (issue 46);
     # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py);
-    # 3,750: OpenAI's logprobs (completions' and chat's shapes, streamed per chunk) and penalties (issue 45)
-    "protocol": 3_750,
+    # 3,750: OpenAI's logprobs (completions' and chat's shapes, streamed per chunk) and penalties (issue 45);
+    # 3,850: the per-request path lean (issue 48): metric families fed without a lock (protocol/metrics.py);
+    # 3,900: gRPC's raw contents read where they lie in the request (protocol/grpc_request.py's parse_infer),
+    # beside issue 43's typed entry points (each kind's spec asks its front)
+    "protocol": 3_950,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode
@@ -58,8 +61,9 @@ FOLDER_CAPS = {
     # one contract of a served thing (front.py: what the registry, protocol, metrics and Ray use of a server);
     # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's
     # statistics (issue 46: each batch's phases, each completed request's wait and share of them); 1,875:
-    # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46)
-    "serving": 1_875,
+    # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46); 1,900: the
+    # per-request path lean (issue 48: one queue's plan without urgencies, completions counted per batch)
+    "serving": 1_900,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
     # request's share); 1,450: a generation's typed entry points on the one contract (issue 43: Prompt, call
     # and stream, the caller's side of js.generate moved here from the registry); 1,650: log-probabilities

@@ -59,10 +59,16 @@ class _NewOrAdd:
 
     def __init__(self, build: Callable[..., Batch]) -> None:
         self.build = build
+        self.on_class: dict[type[Batch], Callable[..., Batch]] = {}  # owner -> its builder, made once
         functools.update_wrapper(self, build)  # type: ignore[arg-type]
 
     def __get__(self, instance: Batch | None, owner: type[Batch]) -> Callable[..., Batch]:
-        return functools.partial(self.build, owner, instance)
+        if instance is not None:
+            return functools.partial(self.build, owner, instance)
+        built = self.on_class.get(owner)
+        if built is None:
+            built = self.on_class[owner] = functools.partial(self.build, owner, None)
+        return built
 
 
 def _describe(rows: RowSignature) -> str:
@@ -128,6 +134,10 @@ class Batch:
 
     @classmethod
     def _add(cls, batch: Batch | None, entries: Sequence[Any], stacked: bool) -> Batch:
+        if batch is None and not stacked and type(entries) is list and len(entries) == 1:
+            entry = entries[0]  # the common case, one array with rows (a caller's request), without pytree work
+            if type(entry) is np.ndarray and entry.ndim and entry.shape[0]:
+                return cls([_Chunk([entry], 0, entry.shape[0], False)], _ONE_LEAF, ((entry.shape[1:], entry.dtype),))
         added = cls._build(entries, stacked)
         if batch is None:
             return added
@@ -223,6 +233,18 @@ class Batch:
         if rows < self.size:
             raise BatchError(f"cannot pad a batch of {self.size} rows down to {rows}")
         return self.pad(rows - self.size)
+
+    def given(self) -> Any:
+        """The rows as the one entry they came in holds them, without a copy: when the batch is one whole
+        entry of C-contiguous arrays with a row axis, unpadded (a lone request's batch); else None."""
+        if len(self._chunks) != 1 or self.padding:
+            return None
+        chunk = self._chunks[0]
+        leaves = chunk.leaves
+        if chunk.stacked or chunk.start or chunk.stop != leaves[0].shape[0] or not all(
+                leaf.flags.c_contiguous for leaf in leaves):
+            return None
+        return leaves[0] if self.tree is _ONE_LEAF else jax.tree_util.tree_unflatten(self.tree, leaves)
 
     def materialize(self, into: Callable[[int, tuple[int, ...], np.dtype], np.ndarray] | None = None) -> Any:
         """The rows as a pytree of arrays, zero-padded by ``padding`` rows: one new array per leaf, or the

@@ -29,6 +29,8 @@ DATATYPES: dict[str, np.dtype] = {
 }
 DATATYPE_OF: dict[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
 _LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items()}  # how binary data holds them
+_NATIVE = {name for name, dtype in DATATYPES.items() if _LITTLE_ENDIAN[name] == dtype}  # read as they come
+_WRITTEN_AS_IS = frozenset(DATATYPES[name] for name in _NATIVE)  # dtypes whose bytes are binary data as they are
 BYTES = "BYTES"
 _TEXT_KINDS = "OSU"  # numpy kinds that travel as BYTES: objects (bytes or str), fixed-size bytes and str
 _LENGTH = np.dtype("<u4")  # the length before each element of a binary BYTES tensor
@@ -65,6 +67,8 @@ def _element_bytes(value: Any) -> bytes:
 
 def raw_contents(array: np.ndarray) -> bytes:
     """A tensor's binary contents: numbers little-endian; BYTES elements each after its 4-byte length."""
+    if array.dtype in _WRITTEN_AS_IS:  # tobytes is C order whatever the array's
+        return array.tobytes()
     if array.dtype.kind not in _TEXT_KINDS:
         return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
     parts = []
@@ -119,10 +123,14 @@ def _decode_texts(tensor: str, dims: tuple[int, ...], values: Any) -> np.ndarray
 
 
 MAX_RANK = 32
+_INT = {int}
 MAX_DIMENSION = 2**31 - 1  # what any real tensor sent in one request stays under; [0, 2**63 - 1] is refused
 
 
 def check_shape(tensor: str, shape: Any) -> tuple[int, ...]:
+    if type(shape) is list and len(shape) <= MAX_RANK and (  # the common case, without a Python loop
+            not shape or (set(map(type, shape)) == _INT and min(shape) >= 0 and max(shape) <= MAX_DIMENSION)):
+        return tuple(shape)
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                         for d in shape):
         raise ProtocolError(f"input '{tensor}': shape must be a list of non-negative integers, got {_short(shape)}")
@@ -185,7 +193,8 @@ def decode_raw(tensor: str, datatype: str, shape: Any, raw: bytes | memoryview) 
     if len(raw) != expected:
         raise ProtocolError(f"input '{tensor}': {len(raw)} bytes of binary data, expected {expected} "
                             f"for {datatype} {list(dims)}")
-    return np.frombuffer(raw, _LITTLE_ENDIAN[datatype]).astype(dtype, copy=False).reshape(dims)
+    array = np.frombuffer(raw, _LITTLE_ENDIAN[datatype])
+    return (array if datatype in _NATIVE else array.astype(dtype)).reshape(dims)
 
 
 _SOURCE_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}  # JSON value kinds each target kind accepts
@@ -227,11 +236,38 @@ def decode_values(tensor: str, datatype: str, shape: Any, values: Any) -> np.nda
     dtype, dims = dtype_of(tensor, datatype), check_shape(tensor, shape)
     if datatype == BYTES:
         return _decode_texts(tensor, dims, values)
+    if type(values) is list:
+        exact = _plain_numbers(datatype, dtype, dims, values)
+        if exact is not None:
+            return exact
     array = _array(tensor, values)
     if number_kind(dtype) == "f" and array.dtype.kind in "UO":  # strings among the numbers: non-finite floats?
         values = _with_non_finite(tensor, values)
         array = _array(tensor, values)
     return _tensor(tensor, datatype, dtype, dims, array, values)
+
+
+# numpy kind of a datatype -> the Python types of the JSON values that one numpy call reads into it exactly
+_PLAIN_TYPES: dict[str, set[type]] = {"f": {float, int}, "i": {int}, "u": {int}, "b": {bool}}
+_INT64_MAX = 2**63 - 1  # the integers the checked path reads as such (beyond, as objects, which it refuses)
+
+
+def _plain_numbers(datatype: str, dtype: np.dtype, dims: tuple[int, ...], values: list[Any]) -> np.ndarray | None:
+    """A flat list of JSON numbers of the datatype's kind, as many as the shape holds, read by one numpy call,
+    its bounds checked on the list (a number too large for a narrow float) or by numpy (an integer out of
+    range raises); None for anything else (nested lists, true/false among numbers, strings, a wrong count,
+    a value out of range), which the checked path decodes or refuses with its message."""
+    kinds = set(map(type, values))
+    if not values or len(values) != math.prod(dims) or not kinds <= _PLAIN_TYPES[number_kind(dtype)]:
+        return None
+    if number_kind(dtype) == "f":  # numpy would make inf of a number too large, or read huge integers as floats
+        largest = min(_LARGEST.get(dtype, math.inf), _INT64_MAX if int in kinds else math.inf)
+        if not -largest <= min(values) <= max(values) <= largest:
+            return None
+    try:
+        return np.array(values, dtype).reshape(dims)
+    except OverflowError:
+        return None
 
 
 def decode_numbers(tensor: str, datatype: str, shape: Any, flat: np.ndarray) -> np.ndarray:

@@ -1,10 +1,9 @@
 """The Open Inference Protocol over gRPC: ``inference.GRPCInferenceService``.
 
-The messages come from ``inference.proto`` through its compiled descriptor
-set (``inference.binpb``), loaded into a private descriptor pool: no generated
-code, and no clash with a client such as tritonclient that registers the same
-message names in the same process. The server is ``grpc.aio`` on an event
-loop of its own thread; inference goes through the same servers as HTTP.
+The servicer, its bidirectional stream and the server. The messages, and an
+inference request read into tensors and answered, are ``protocol/grpc_request.py``'s.
+The server is ``grpc.aio`` on an event loop of its own thread; inference goes
+through the same servers as HTTP.
 """
 
 from __future__ import annotations
@@ -15,62 +14,40 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
-from google.protobuf.message import DecodeError
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection
 
 from ..errors import ProtocolError
 from .access import REQUEST_ARRIVED, Access, ApiKeyInterceptor, begin_request
-from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents, shown
+from .codec import shown
+from .grpc_request import (
+    MESSAGES,
+    POOL,
+    SERVICE,
+    decode_inputs,
+    flag,
+    infer_response,
+    parameter_values,
+    parse,
+    parse_infer,
+    priority,
+    requested_outputs,
+)
 from .limits import Limits, Tls
-from .model import class_count
-from .service import InferenceService, refuse_unsupported, status_of
-from .shared_memory import CALLS, OutputSlot, SystemSharedMemory, output_placement, placement
+from .service import InferenceService, status_of
+from .shared_memory import CALLS
 
 log = logging.getLogger("jitserve.grpc")
 
-SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 PENDING_CALLS = 1_000_000
 QUIET_SECONDS = 0.1  # at shutdown, gRPC core stops once no accepted inference call has run for this long
 DRAINING = "the server is shutting down and takes no new requests; retry on another server"
-_DESCRIPTORS = Path(__file__).with_name("inference.binpb")
-
-
-def _descriptor_pool() -> descriptor_pool.DescriptorPool:
-    """The protocol's messages, and those of the health and reflection services (for reflection to describe
-    every service this server has), in a pool of their own."""
-    pool = descriptor_pool.DescriptorPool()
-    for file in descriptor_pb2.FileDescriptorSet.FromString(_DESCRIPTORS.read_bytes()).file:
-        pool.Add(file)
-    for module in (health_pb2, reflection_pb2):
-        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
-    return pool
-
-
-def _message_classes(pool: descriptor_pool.DescriptorPool) -> dict[str, Any]:
-    service = pool.FindServiceByName(SERVICE)
-    names = {m.input_type.full_name for m in service.methods} | {m.output_type.full_name for m in service.methods}
-    return {name.split(".", 1)[1]: message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
-            for name in names}
-
-
-POOL = _descriptor_pool()
-MESSAGES = _message_classes(POOL)
-
-# datatype -> the typed contents field that carries it
-CONTENTS_FIELDS: dict[str, str] = {
-    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
-}
 
 
 class GrpcFront:
@@ -131,7 +108,7 @@ class GrpcFront:
     async def _control(self, action: str, request: Any, context: Any, response: str) -> Any:
         """A repository load or unload, answered once done (see ``InferenceService.load_or_unload``)."""
         try:
-            await self.service.load_or_unload(action, request.model_name, _parameter_values(request))
+            await self.service.load_or_unload(action, request.model_name, parameter_values(request.parameters))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             _, status, message = self.service.failed("grpc", request.model_name, error)
             await context.abort(getattr(grpc.StatusCode, status), message)
@@ -142,7 +119,9 @@ class GrpcFront:
         return await _answer(context, f"{method}Response",
                              lambda: CALLS[method](self.service.shared_memory, request) or {})
 
-    async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def ModelInfer(self, request: Any, context: Any,  # noqa: N802
+                         raw: list[memoryview] | None = None) -> Any:
+        """``raw``: the request's raw contents as :func:`parse_infer` read them, if it did."""
         model = request.model_name
         if self.service.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
@@ -150,15 +129,17 @@ class GrpcFront:
         tracing = self.service.tracing
         span = None if tracing is None else tracing.request("grpc", model, context.invocation_metadata() or ())
         try:
-            tensors = _decode_inputs(request, self.service.shared_memory)
-            names, slots = _requested(request, self.service.shared_memory)
+            tensors = decode_inputs(request, self.service.shared_memory, raw)
+            names, slots = requested_outputs(request, self.service.shared_memory) if request.outputs else (None, {})
             if span is not None:
                 span.phase("receive")
-            served, outputs = await self.service.infer(model, tensors, names, _priority(request),
-                                                       request.model_version, _parameter_values(request))
+            given = request.parameters  # each read of the field makes a new wrapper
+            level, parameters = (priority(given), parameter_values(given)) if given else (None, None)
+            served, outputs = await self.service.infer(model, tensors, names, level, request.model_version,
+                                                       parameters)
             if span is not None:
                 span.phase(None)  # the queue and batch spans come from the batches
-            response = _infer_response(model, served, request.id, outputs, slots)
+            response = infer_response(model, served, request.id, outputs, slots)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error, request.model_version)
             if span is not None:
@@ -284,21 +265,21 @@ class StreamCall:
         request = span = failure = stream = None
         status = "CANCELLED"  # unless it ends or fails
         try:
-            request = parse(MESSAGES["ModelInferRequest"], data)
+            request, raw = parse_infer(data)
             model = request.model_name
             if service.tracing is not None:
                 span = service.tracing.request("grpc", model, self.context.invocation_metadata() or (), "stream infer")
-            tensors = _decode_inputs(request, service.shared_memory)
-            names, slots = _requested(request, service.shared_memory)
+            tensors = decode_inputs(request, service.shared_memory, raw)
+            names, slots = requested_outputs(request, service.shared_memory)
             if span is not None:
                 span.phase("receive")
-            served, stream = service.infer_stream(model, tensors, names, _priority(request), request.model_version,
-                                                  _parameter_values(request))
-            marked = _flag(request, "triton_enable_empty_final_response")  # so the last one tells it is
+            served, stream = service.infer_stream(model, tensors, names, priority(request.parameters),
+                                                  request.model_version, parameter_values(request.parameters))
+            marked = flag(request, "triton_enable_empty_final_response")  # so the last one tells it is
             async for outputs in stream:
                 if span is not None:
                     span.output()
-                response = _infer_response(model, served, request.id, outputs, slots)
+                response = infer_response(model, served, request.id, outputs, slots)
                 if marked:
                     response.parameters["triton_final_response"].bool_param = False
                 await self._put(MESSAGES["ModelStreamInferResponse"](infer_response=response))
@@ -368,116 +349,23 @@ async def _answer(context: Any, response: str, make: Callable[[], dict[str, Any]
     return json_format.ParseDict(fields, MESSAGES[response]())
 
 
-def _infer_response(model: str, version: str, request_id: str, outputs: list[tuple[str, np.ndarray]],
-                    slots: dict[str, OutputSlot]) -> Any:
-    """The answer: each output's raw contents, or, for one written into its shared memory slot, none (an
-    empty entry, as Triton's, so that the contents stay in the outputs' order)."""
-    response = MESSAGES["ModelInferResponse"](model_name=model, model_version=version, id=request_id)
-    for name, array in outputs:
-        response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
-        slot = slots.get(name)
-        if slot is not None:
-            slot.write(array)
-        response.raw_output_contents.append(raw_contents(array) if slot is None else b"")
-    return response
-
-
-def _flag(request: Any, name: str) -> bool:
-    return name in request.parameters and request.parameters[name].WhichOneof("parameter_choice") == "bool_param" \
-        and request.parameters[name].bool_param
-
-
-def _parameter_values(request: Any) -> dict[str, Any]:
-    """The request's parameters as plain values (tritonclient sends integers as ``int64_param``)."""
-    return {name: getattr(parameter, parameter.WhichOneof("parameter_choice") or "bool_param")
-            for name, parameter in request.parameters.items()}
-
-
-def _requested(request: Any, shared_memory: SystemSharedMemory
-               ) -> tuple[dict[str, int] | None, dict[str, OutputSlot]]:
-    """The outputs a request asks for, each with its classification count (0: the tensor), or None for all;
-    and where in shared memory those it wants there go. An output parameter jitserve does not implement is
-    refused, not ignored."""
-    requested, slots = {}, {}
-    for output in request.outputs:
-        where = f"output '{shown(output.name)}'"
-        parameters = _parameter_values(output)
-        refuse_unsupported(set(parameters) - {"classification", "binary_data"}, where)
-        requested[output.name] = class_count(parameters.get("classification", 0), where)
-        place = output_placement(parameters, where) if parameters else None
-        if place is not None:
-            slots[output.name] = shared_memory.slot(output.name, place)
-    return requested or None, slots
-
-
-def _priority(request: Any) -> int | None:
-    """The request's ``priority`` parameter (tritonclient sends it as ``uint64_param``)."""
-    if "priority" not in request.parameters:
-        return None
-    parameter = request.parameters["priority"]
-    kind = parameter.WhichOneof("parameter_choice")
-    if kind not in ("int64_param", "uint64_param"):
-        raise ProtocolError(f"the 'priority' parameter must be an integer, got a {kind}")
-    return int(getattr(parameter, kind))
-
-
-def _decode_inputs(request: Any, shared_memory: SystemSharedMemory) -> dict[str, np.ndarray]:
-    """The request's input tensors: from raw contents (one entry per input not in shared memory, in order),
-    typed contents, or the shared memory regions they name."""
-    places = {position: place for position, tensor in enumerate(request.inputs) if tensor.parameters and
-              (place := placement(_parameter_values(tensor), f"input '{shown(tensor.name)}'")) is not None}
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs) - len(places):
-        raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs) - len(places)} "
-                            f"inputs{' not in shared memory' if places else ''}")
-    if raw and any(tensor.HasField("contents") for tensor in request.inputs):
-        raise ProtocolError("the request has both raw_input_contents and typed contents; the protocol allows one")
-    tensors: dict[str, np.ndarray] = {}
-    contents = iter(raw)
-    for position, tensor in enumerate(request.inputs):
-        if tensor.name in tensors:
-            raise ProtocolError(f"input '{tensor.name}' is given twice")
-        shape = list(tensor.shape)
-        place = places.get(position)
-        if place is not None:
-            if tensor.HasField("contents"):
-                raise ProtocolError(f"input '{tensor.name}' has both contents and shared_memory_region; send one")
-            tensors[tensor.name] = shared_memory.read(tensor.name, tensor.datatype, shape, place)
-            continue
-        if raw:
-            tensors[tensor.name] = decode_raw(tensor.name, tensor.datatype, shape, next(contents))
-            continue
-        dtype_of(tensor.name, tensor.datatype)
-        field = CONTENTS_FIELDS.get(tensor.datatype)
-        if field is None:
-            raise ProtocolError(f"input '{tensor.name}': {tensor.datatype} needs raw_input_contents")
-        misplaced = [filled.name for filled, _ in tensor.contents.ListFields() if filled.name != field]
-        if misplaced:
-            raise ProtocolError(f"input '{tensor.name}': {tensor.datatype} values go in contents.{field}, but the "
-                                f"request filled {', '.join(misplaced)}")
-        tensors[tensor.name] = decode_values(tensor.name, tensor.datatype, shape, list(getattr(tensor.contents, field)))
-    return tensors
-
-
-def parse(request_class: Any, data: bytes) -> Any:
-    """A request message from its bytes; bytes that are not one are the client's error (INVALID_ARGUMENT), not
-    the INTERNAL that gRPC answers when its own deserializer fails."""
-    try:
-        return request_class.FromString(data)
-    except DecodeError:
-        raise ProtocolError(f"the request is not a valid {request_class.DESCRIPTOR.full_name} message") from None
-
-
-def _parsing(handler: Callable[[Any, Any], Any], request_class: Any) -> Callable[[bytes, Any], Any]:
+def _parsing(handler: Callable[..., Any], parse_request: Callable[[bytes], tuple[Any, ...]]
+             ) -> Callable[[bytes, Any], Any]:
+    """A handler of the request's bytes: ``handler(request, context, *more)`` with what ``parse_request`` reads
+    from them, ``(request, *more)``; bytes that are no such request are INVALID_ARGUMENT."""
     async def parsed(data: bytes, context: Any) -> Any:
         _tag_request(context)
         try:
-            request = parse(request_class, data)
+            request, *more = parse_request(data)
         except ProtocolError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        return await handler(request, context)
+        return await handler(request, context, *more)
 
     return parsed
+
+
+def _parsed_as(request_class: Any) -> Callable[[bytes], tuple[Any]]:
+    return lambda data: (parse(request_class, data),)
 
 
 def _tag_request(context: Any) -> None:
@@ -490,12 +378,13 @@ def _handlers(front: GrpcFront) -> grpc.GenericRpcHandler:
     for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
                    "ModelConfig", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad",
                    "RepositoryModelUnload"):
+        parser = parse_infer if method == "ModelInfer" else _parsed_as(MESSAGES[f"{method}Request"])
         pool[method] = grpc.unary_unary_rpc_method_handler(
-            _parsing(getattr(front, method), MESSAGES[f"{method}Request"]),
+            _parsing(getattr(front, method), parser),
             response_serializer=MESSAGES[f"{method}Response"].SerializeToString)
     for method in CALLS:
         pool[method] = grpc.unary_unary_rpc_method_handler(
-            _parsing(functools.partial(front.shared_memory, method), MESSAGES[f"{method}Request"]),
+            _parsing(functools.partial(front.shared_memory, method), _parsed_as(MESSAGES[f"{method}Request"])),
             response_serializer=MESSAGES[f"{method}Response"].SerializeToString)
     pool["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         front.ModelStreamInfer, response_serializer=MESSAGES["ModelStreamInferResponse"].SerializeToString)

@@ -34,6 +34,7 @@ callable adds no framework routing or validation layers to the hot path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import logging
 import re
@@ -60,6 +61,7 @@ log = logging.getLogger("jitserve.http")
 HEADER_LENGTH = b"inference-header-content-length"
 JSON_HEADERS = [(b"content-type", b"application/json")]
 COMPRESS_BYTES = 1024  # responses from this size are gzipped for a client that accepts it
+ROUTES_REMEMBERED = 1024  # (method, path) -> handler and arguments, found once instead of by regex per request
 SEND_CHUNK_BYTES = 256 * 1024  # a large body goes out in pieces, so a slow reader holds one piece in the transport
 
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
@@ -86,6 +88,9 @@ class _Events:
         self.events = events
 
 
+Routed = tuple[Callable[..., Awaitable[Response | _Events]], dict[str, Any]]  # a route's handler, its arguments
+
+
 class HttpFront:
     """The ASGI application."""
 
@@ -96,6 +101,7 @@ class HttpFront:
         self.offload_bytes = limits.offload_bytes
         self._offloaded = asyncio.Semaphore(1)  # large bodies are decoded/encoded one at a time: bounded memory
         self.openai = OpenAIDoor(service)
+        self._routed: dict[tuple[str, str], Routed] = {}
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         memory = r"/v2/(?P<kind>system|cuda)sharedmemory(?:/region/(?P<region>[^/]+))?"
         self.routes: list[tuple[str, re.Pattern[str], Callable[..., Awaitable[Response | _Events]]]] = [
@@ -161,21 +167,29 @@ class HttpFront:
                     ) -> Response | _Events:
         method, path = scope["method"], scope["path"]
         method = "GET" if method == "HEAD" else method  # HEAD: GET's status and headers, no body
-        allowed = []
+        found = self._routed.get((method, path)) or self._match(method, path)
+        if found is None:
+            allowed = [route_method for route_method, pattern, _ in self.routes if pattern.fullmatch(path)]
+            refuse = openai_error if path.startswith("/v1/") else _error
+            if allowed:
+                return refuse(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
+            return refuse(404, f"no such endpoint: {method} {path}")
+        handler, arguments = found
+        if method == "POST":
+            return await handler(headers, receive, **arguments)
+        return await handler(**arguments)
+
+    def _match(self, method: str, path: str) -> Routed | None:
+        """The first route of ``method`` whose pattern ``path`` matches, and the arguments it gives, remembered
+        for the next request to that path."""
         for route_method, pattern, handler in self.routes:
-            match = pattern.fullmatch(path)
-            if match is None:
-                continue
-            if route_method != method:
-                allowed.append(route_method)
-                continue
-            if method == "POST":
-                return await handler(headers, receive, **match.groupdict())
-            return await handler(**match.groupdict())
-        refuse = openai_error if path.startswith("/v1/") else _error
-        if allowed:
-            return refuse(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
-        return refuse(404, f"no such endpoint: {method} {path}")
+            match = pattern.fullmatch(path) if route_method == method else None
+            if match is not None:
+                if len(self._routed) >= ROUTES_REMEMBERED:  # paths naming models that come and go: start afresh
+                    self._routed.clear()
+                found = self._routed[(method, path)] = (handler, match.groupdict())
+                return found
+        return None
 
     async def live(self) -> Response:
         return _json(200, {"live": True})
@@ -299,16 +313,20 @@ class HttpFront:
         span = None if self.service.tracing is None else self.service.tracing.request("http", model, headers.items())
         try:
             body, header_length = await self._read_body(headers, receive)
-            request, tensors, requested, binary_outputs = await self._off_loop(
-                len(body), lambda: parse_request(body, header_length, self.service.shared_memory))
+            parse = functools.partial(parse_request, body, header_length, self.service.shared_memory)
+            # a small body is decoded (and its answer encoded) here, without the coroutine of _off_loop
+            request, tensors, requested, binary_outputs = parse() if len(body) < self.offload_bytes \
+                else await self._off_loop(len(body), parse)
             if span is not None:
                 span.phase("receive")
             served, outputs = await self.service.infer(model, tensors, _classes(requested),
                                                        _priority(request), version, request.get("parameters"))
             if span is not None:
                 span.phase(None)  # the queue and batch spans come from the batches
-            response = await self._off_loop(sum(array.nbytes for _, array in outputs), lambda: _encode_response(
-                model, served, request.get("id"), outputs, _how(requested), binary_outputs))
+            size = sum([array.nbytes for _, array in outputs])
+            encode = functools.partial(_encode_response, model, served, request.get("id"), outputs, _how(requested),
+                                       binary_outputs)
+            response = encode() if size < self.offload_bytes else await self._off_loop(size, encode)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
             failed = self._failed(model, error, version)
             if span is not None:
@@ -511,14 +529,13 @@ def _priority(request: dict[str, Any]) -> int | None:
 
 
 def _json_data(array: np.ndarray) -> Any:
-    """A tensor's ``data`` for orjson: the flat array itself where orjson writes it exactly (finite values of a
-    native dtype), else the values as JSON-safe Python objects (non-finite floats as strings)."""
-    flat = np.ascontiguousarray(array.reshape(-1))
+    """A tensor's ``data`` for orjson: the flat array itself where orjson writes it from memory (a native
+    dtype; a float's NaN and infinities it writes as null, which :func:`_encode_response` looks for
+    afterwards), else the values as JSON-safe Python objects (non-finite floats as strings)."""
+    flat = array.reshape(-1)  # C-contiguous: a view of a contiguous array, else a copy
     if flat.dtype == BFLOAT16:  # each value exactly a float32, which orjson writes from memory
         flat = flat.astype(np.float32)
-    if flat.dtype in ORJSON_DTYPES and (flat.dtype.kind != "f" or np.isfinite(flat).all()):
-        return flat
-    return json_values(flat)
+    return flat if flat.dtype in ORJSON_DTYPES else json_values(flat)
 
 
 def _encode_response(model: str, version: str, request_id: Any, outputs: list[tuple[str, np.ndarray]],
@@ -526,6 +543,7 @@ def _encode_response(model: str, version: str, request_id: Any, outputs: list[tu
     """The answer: each output as JSON data, binary data after the JSON, or written into its shared memory
     slot (then without data, as Triton answers it)."""
     described, blobs = [], []
+    floats = []  # the entries whose float data orjson writes from memory: a NaN or an infinity would be null
     for name, array in outputs:
         entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
         as_binary, slot = how.get(name, (None, None))
@@ -536,12 +554,18 @@ def _encode_response(model: str, version: str, request_id: Any, outputs: list[tu
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = _json_data(array)
+            data = entry["data"] = _json_data(array)
+            if type(data) is np.ndarray and data.dtype.kind == "f":
+                floats.append(entry)
         described.append(entry)
     payload: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": described}
     if request_id is not None:
         payload["id"] = request_id
     header = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+    if floats and b"null" in header:  # maybe a non-finite float: each float output's values as JSON-safe ones
+        for entry in floats:
+            entry["data"] = json_values(entry["data"])
+        header = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return 200, JSON_HEADERS, header
     headers = [(b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(len(header)).encode())]

@@ -11,24 +11,23 @@
   each time to first output and each step.
 
 Every family of a model is labelled ``model`` and ``version`` (the version
-``1`` for a model served in one version).
+``1`` for a model served in one version). The per-request and per-batch
+families are fed without a lock (each thread its own tally, added up when
+scraped), so that they cost the hot path a few additions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import NamedTuple
+import bisect
+import itertools
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    GCCollector,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from ..serving.front import Front
 from ..serving.partition import BatchReport
@@ -52,6 +51,89 @@ _TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 
 LABELS = ["model", "version"]  # on every family of a model; requests add protocol and status
+
+
+class _Family:
+    """A counter or histogram family that requests and batches feed without a lock: each label set's child
+    keeps one tally per thread that writes to it (so no thread's addition is lost to another's), and a
+    scrape adds them up. prometheus_client's own take a lock and make Python calls per value, on every
+    request's path; these are a dict lookup and two additions."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str], make: Callable[[], Any]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = list(labels)
+        self._make = make
+        self.children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self.children.get(values)
+        if child is None:
+            child = self.children.setdefault(values, self._make())
+        return child
+
+
+class _CounterChild:
+    __slots__ = ("by_thread",)
+
+    def __init__(self) -> None:
+        self.by_thread: dict[int, float] = {}
+
+    def inc(self, amount: float = 1) -> None:
+        by_thread, ident = self.by_thread, threading.get_ident()
+        by_thread[ident] = by_thread.get(ident, 0) + amount
+
+    def value(self) -> float:
+        return sum(list(self.by_thread.values()))
+
+
+class _HistogramChild:
+    """Counts per bucket (the last for +Inf) and, after them, the sum of the values, per thread."""
+
+    __slots__ = ("bounds", "by_thread")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.by_thread: dict[int, list[float]] = {}
+
+    def observe(self, value: float) -> None:
+        ident = threading.get_ident()
+        mine = self.by_thread.get(ident)
+        if mine is None:
+            mine = self.by_thread[ident] = [0] * (len(self.bounds) + 1) + [0.0]
+        mine[bisect.bisect_left(self.bounds, value)] += 1  # its bucket: the first whose bound it does not exceed
+        mine[-1] += value
+
+    def read(self) -> list[float]:
+        return [sum(column) for column in zip(*list(self.by_thread.values()))] or [0] * (len(self.bounds) + 2)
+
+
+class Counter(_Family):
+    def __init__(self, name: str, documentation: str, labels: Sequence[str], registry: CollectorRegistry) -> None:
+        super().__init__(name, documentation, labels, _CounterChild)
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self.children.items()):
+            family.add_metric(values, child.value())
+        yield family
+
+
+class Histogram(_Family):
+    def __init__(self, name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        bounds = tuple(float(bound) for bound in buckets)
+        super().__init__(name, documentation, labels, lambda: _HistogramChild(bounds))
+        self.les = [floatToGoString(bound) for bound in (*bounds, math.inf)]
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self.children.items()):
+            *counts, total = child.read()
+            family.add_metric(values, list(zip(self.les, itertools.accumulate(counts))), total)
+        yield family
 
 
 class _ServerStats:

@@ -100,6 +100,7 @@ class ModelSpec:
         self.inputs = [TensorSpec(n, *spec) for n, spec in declared.get("inputs", {}).items()] or self.inputs
         self._expected = {t.name: (t, dtype_of(t.name, t.datatype)) for t in self.inputs}
         self._one_array = self._input_tree is not None and self._input_tree.num_nodes == 1  # no pytree to build
+        self._single = next(iter(self._expected.items())) if self._one_array and len(self._expected) == 1 else None
         self._outputs: list[TensorSpec] | None = [TensorSpec(n, *spec) for n, spec in
                                                   declared.get("outputs", {}).items()] or None
         self._output_names: dict[Any, list[str]] = {}  # output structure -> its leaves' names
@@ -188,6 +189,12 @@ class ModelSpec:
 
     def to_batch(self, tensors: Mapping[str, np.ndarray]) -> Batch:
         """The request's tensors (by name, batch on axis 0) as one batch, checked against the inputs."""
+        if self._single is not None and len(tensors) == 1:  # the common case, checked in a few comparisons
+            name, (spec, dtype) = self._single
+            array = tensors.get(name)
+            if array is not None and array.dtype == dtype and array.ndim and array.shape[1:] == spec.row_shape \
+                    and array.shape[0]:
+                return Batch.concatenate([array])
         if not tensors:
             raise ProtocolError(f"the request has no inputs; model '{self.name}' expects "
                                 f"{', '.join(t.name for t in self.inputs) or 'at least one'}")

@@ -331,7 +331,8 @@ class InferenceService:
                 spec = self._current(spec)  # reloaded or unloaded meanwhile
                 ask = spec.ask(tensors, parameters, priority, self.request_timeout, False)
                 named = await spec.call(ask)
-        if requested and sum(requested.values()) * spec.rows(tensors) > OFF_LOOP_CLASSES:  # classes of many rows
+        classes = sum(requested.values()) if requested else 0
+        if classes and classes * spec.rows(tensors) > OFF_LOOP_CLASSES:  # classes of many rows
             return spec.version, await asyncio.to_thread(select_outputs, named, requested, model, spec.labels)
         return spec.version, select_outputs(named, requested, model, spec.labels)
 
@@ -397,7 +398,7 @@ class InferenceService:
             version = ""  # nor versions a client makes up
         key = (model, version, protocol, str(status))
         counter = self._counters.get(key)
-        if counter is None:  # prometheus_client's labels() takes a lock and builds a key: once per key
+        if counter is None:  # labels() builds a key and looks it up: once per key
             counter = self._counters[key] = self.metrics.requests.labels(*key)
         counter.inc(times)
         return version

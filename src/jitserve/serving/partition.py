@@ -109,11 +109,13 @@ class BatchRunner:
                     break
                 if self._stopping and not queues:
                     return None
+                queues.waiting += 1
                 self._cond.wait(wait)
+                queues.waiting -= 1
             pieces, batch = queues.take(signature, time.monotonic())
             weights = self._pin(pieces) if self._swappable else self._weights
             self._in_flight += 1
-            if queues:
+            if queues and queues.waiting:
                 self._cond.notify()  # more rows are waiting: another free partition may take them
         return pieces, batch, weights, time.monotonic()
 
@@ -158,12 +160,12 @@ class BatchRunner:
             outcomes += run_outcomes
             reruns += run_reruns
             error = error or run_error
-            phases += run_phases
+            phases = run_phases if phases is NO_TIME else phases + run_phases
         elapsed = time.perf_counter() - started
         padded = batch.size + batch.padding
-        waits = tuple(formed - piece.enqueued for piece in pieces)
+        waits = tuple([formed - piece.enqueued for piece in pieces])
         report = BatchReport(self.name, partition.index, batch.size, padded, max(waits), elapsed, error, waits, formed,
-                             tuple(piece.request.trace for piece in pieces), phases)
+                             tuple([piece.request.trace for piece in pieces]), phases)
         with self._lock:  # a split request's parts may finish on several partitions at once
             finished = []
             for part, part_outputs, part_error in outcomes:
@@ -287,6 +289,8 @@ class BatchRunner:
         complete. (A serving that yields steps delivered them already: only the report and the count.)"""
         finished = []
         deliveries: list[tuple[Stream, Any]] = []
+        whole = rows = 0  # of the requests that ran in this batch alone: how many, their rows, their queue waits
+        waited = 0.0
         parts = self._pieces_of(pieces, outputs) if outputs is not None else ((piece, None) for piece in pieces)
         for piece, part in parts:
             request = piece.request
@@ -301,24 +305,32 @@ class BatchRunner:
             request.rows_left -= piece.batch.size
             if request.rows_left == 0:
                 finished.append(request)
-                self._count_completed(request, piece.enqueued)
+                if len(request.reports) == 1:  # counted below, with the others of this batch
+                    whole += 1
+                    rows += request.rows
+                    waited += report.formed_at - piece.enqueued
+                else:
+                    self._count_completed(request, piece.enqueued)
                 if request.stream is not None:
                     deliveries.append((request.stream, END))
-        put_all(deliveries)
+        if deliveries:
+            put_all(deliveries)
+        if whole:
+            stats = self._stats
+            stats.completed += whole
+            stats.completed_rows += rows
+            stats.completed_queue_s += waited
+            stats.completed_phases += report.phases.times(whole)
         return finished
 
     def _count_completed(self, request: Request, enqueued: float) -> None:
-        """Under the lock: a request whose rows all ran, counted as Triton counts a request: its wait from
-        ``enqueued`` until its first batch was formed, and the phases of each batch that ran some of its rows
-        (of several, one after another, for a request split across batches)."""
+        """Under the lock: a request whose rows ran in several batches, counted as Triton counts a request:
+        its wait from ``enqueued`` until its first batch was formed, and the phases of each batch that ran
+        some of its rows, one after another. (Those that ran in one batch :meth:`_deliver` counts at once.)"""
         stats = self._stats
         stats.completed += 1
         stats.completed_rows += request.rows
         reports = request.reports
-        if len(reports) == 1:
-            stats.completed_queue_s += reports[0].formed_at - enqueued
-            stats.completed_phases += reports[0].phases
-            return
         batches = {id(report): report for report in reports}.values()  # a batch may hold two of its pieces
         stats.completed_queue_s += min(report.formed_at for report in batches) - enqueued
         for report in batches:

@@ -83,8 +83,9 @@ class BatchPolicy:
 
     def join(self, pieces: Sequence[Piece]) -> Batch:
         """The pieces' rows as one batch, padded to its compiled size."""
-        rows = sum([piece.batch.size for piece in pieces])
-        return Batch.join([piece.batch for piece in pieces]).pad_to(self.padded_size(rows))
+        batch = Batch.join([piece.batch for piece in pieces])
+        batch.padding = self.padded_size(batch.size) - batch.size
+        return batch
 
     def urgency(self, piece: Piece, now: float) -> tuple[int, float]:
         """Which piece runs first: its level, moved up one per ``priority_aging`` seconds waited (never
@@ -128,7 +129,7 @@ class Queues:
     """The queues of pieces per batch signature, and the rows queued in each, per level and in all."""
 
     __slots__ = ("policy", "level_limits", "_queues", "depth", "level_depth", "_last_arrival", "_seconds_per_row",
-                 "wake_at")
+                 "wake_at", "waiting")
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
@@ -139,6 +140,7 @@ class Queues:
         self._last_arrival: float | None = None
         self._seconds_per_row: float | None = None  # the arrival gap per row, smoothed (the adaptive window)
         self.wake_at = math.inf  # when a waiting worker looks at the queues next on its own (see ``ready``)
+        self.waiting = 0  # workers waiting on the server's condition: with none, no arrival needs to wake one
 
     def __bool__(self) -> bool:
         return bool(self._queues)
@@ -163,7 +165,8 @@ class Queues:
 
     def add(self, request: Request, parts: Sequence[Batch], signature: Signature, now: float) -> bool:
         """Queue a request's parts (consecutive row ranges). True when a waiting worker must look now:
-        the queue was empty (a new deadline), now holds a full batch, or the window is adaptive."""
+        the queue was empty (a new deadline), now holds a full batch, or the window is adaptive (never
+        while no worker waits)."""
         queue = self._queues.get(signature)
         if queue is None:
             queue = self._queues[signature] = _SignatureQueue()
@@ -179,7 +182,7 @@ class Queues:
         self.depth += offset
         self.level_depth[request.level] = self.level_depth.get(request.level, 0) + offset
         self._arrived(offset, now)
-        return self._run_at(queue) < self.wake_at
+        return self.waiting > 0 and self._run_at(queue) < self.wake_at
 
     def _arrived(self, rows: int, now: float) -> None:
         if self._last_arrival is not None:
@@ -208,6 +211,14 @@ class Queues:
         queue due sooner than that is what ``add`` reports, so that a waiting worker wakes once per batch
         rather than once per request; a worker that runs a batch sets it to infinity (report every
         arrival), as a free worker may be waiting on an older plan."""
+        if len(self._queues) == 1:  # one queue: no urgencies to compare
+            ((signature, queue),) = self._queues.items()
+            run_at = self._run_at(queue)
+            if draining or run_at <= now:
+                self.wake_at = math.inf
+                return signature, None
+            self.wake_at = run_at
+            return None, run_at - now
         best = best_urgency = wait = None
         for signature, queue in self._queues.items():
             run_at = self._run_at(queue)

@@ -123,7 +123,11 @@ class Executor:
         run = self.compiled(rows, batch.tree, batch.row_signature, batch.user_key)
         buffers = self._input_buffers  # empty unless reused: then outputs are checked against them
         started = time.perf_counter()
-        inputs = batch.materialize(self._input_buffer if self._reuse_inputs else None)
+        # one request's whole rows go as they are (the executable copies them in); else stacked and padded,
+        # into the reused buffers
+        inputs = batch.given() if self._reuse_inputs else None
+        if inputs is None:
+            inputs = batch.materialize(self._input_buffer if self._reuse_inputs else None)
         computing = time.perf_counter()
         outputs = model_code(run, params, inputs) if self.serving.has_params else model_code(run, inputs)
         if self.serving.streaming:  # a generator of steps, each cut as it comes

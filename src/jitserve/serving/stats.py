@@ -34,6 +34,10 @@ class Phases:
     def __add__(self, other: Phases) -> Phases:
         return Phases(self.input_s + other.input_s, self.infer_s + other.infer_s, self.output_s + other.output_s)
 
+    def times(self, count: int) -> Phases:
+        """These phases counted ``count`` times (one execution's, for each of the requests it ran)."""
+        return Phases(self.input_s * count, self.infer_s * count, self.output_s * count)
+
     @property
     def total_s(self) -> float:
         return self.input_s + self.infer_s + self.output_s
