@@ -311,6 +311,18 @@ def test_stable_sorts_are_stable_and_constant_keys_work():
     np.testing.assert_array_equal(np.asarray(uniform), np.asarray(jax.random.uniform(jax.random.PRNGKey(0), (3,))))
 
 
+def test_a_sort_leaves_its_operand_to_the_operations_that_read_it_too():
+    """IREE sorted in the operand's own buffer, and an argmax of the same values beside the sort found them
+    sorted (a sampler's greedy fallback beside its top-p sort: token 82 for 14)."""
+    peaked = -np.abs(np.arange(97) - 14).astype(np.float32) / 4
+
+    def both(x):
+        return jnp.sort(x)[::-1][3], jnp.argmax(x), jnp.cumsum(jnp.sort(x))[2]
+
+    got = js.jit(both, compiler="iree")(peaked)
+    assert [np.asarray(value).item() for value in got] == [np.asarray(value).item() for value in jax.jit(both)(peaked)]
+
+
 def test_top_k_over_a_batch_of_vocabulary_rows_compiles_and_ranks_as_xla():
     """XLA's order (NaN highest, ties lowest index first) made explicit without a sort or a gather: with either,
     IREE could not compile a top_k over 64 rows of 50,000 (its stack allocation limit)."""

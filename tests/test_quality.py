@@ -34,7 +34,8 @@ FILE_CAPS = {
 # Raising one is a decision, stated in the commit that does it (which capability needs the lines); a new
 # folder gets its cap in the commit that makes it.
 FOLDER_CAPS = {
-    ".": 1_600,  # 1,550: cli's --model-load-timeout (issue 47); 1,600: mesh.py (tensor parallel, issue 44)
+    ".": 1_650,  # 1,550: cli's --model-load-timeout (issue 47); 1,600: mesh.py (tensor parallel, issue 44); 1,650:
+    # --http-workers checked before serve changes the process, one array's rows as a batch (issue 48, batch.py)
     "cluster": 50,
     "cluster/ray": 850,
     "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
@@ -48,10 +49,11 @@ FOLDER_CAPS = {
     # 3,500: Triton's system shared memory extension (protocol/shared_memory.py, its HTTP and gRPC calls), BF16;
     # 3,550: clients' mistakes logged without flooding the log, no server path in a client's error (issue 46);
     # 3,700: Triton's LLM convention as genai-perf's tensorrtllm and vllm back ends send it (protocol/llm.py);
-    # 3,800: the per-request path lean (issue 48): metric families fed without a lock (protocol/metrics.py);
-    # 3,850: gRPC's raw contents read where they lie in the request (protocol/grpc_request.py's parse_infer);
-    # 3,900: both of those beside issue 43's typed entry points (each kind's spec asks its front)
-    "protocol": 3_900,
+    # 3,750: OpenAI's logprobs (completions' and chat's shapes, streamed per chunk) and penalties (issue 45);
+    # 3,850: the per-request path lean (issue 48): metric families fed without a lock (protocol/metrics.py);
+    # 3,900: gRPC's raw contents read where they lie in the request (protocol/grpc_request.py's parse_infer),
+    # beside issue 43's typed entry points (each kind's spec asks its front)
+    "protocol": 3_950,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode
@@ -65,8 +67,10 @@ FOLDER_CAPS = {
     "serving": 1_900,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
     # request's share); 1,450: a generation's typed entry points on the one contract (issue 43: Prompt, call
-    # and stream, the caller's side of js.generate moved here from the registry)
-    "serving/generation": 1_450,
+    # and stream, the caller's side of js.generate moved here from the registry); 1,650: log-probabilities
+    # and penalties per request on the device (issue 45: picking.py, a scored program of each kind, the
+    # penalties' counts and their start, log-probabilities delivered)
+    "serving/generation": 1_650,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

@@ -247,6 +247,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     if [args.target is not None, bool(args.hf), args.model_repository is not None].count(True) != 1:
         raise OptionError("serve takes one of a TARGET, --hf DIR or --model-repository DIR")
+    app.check_http_workers(args.http_workers)  # before anything changes this process (JAX's CPU dispatch)
     if args.model_repository is not None:
         if args.ray is not None or args.name is not None or _overrides(args):
             raise OptionError("--model-repository serves each DIR/NAME/model.py as it is: --ray, --name, "

@@ -389,11 +389,13 @@ def test_a_text_generation_on_ray_answers_the_pieces_of_a_local_server(ray_clust
 
 def test_a_generation_on_two_replicas_streams_samples_and_frees_slots(ray_cluster):
     """Each replica owns its slots; callers are routed by load; a request's tokens are those of a local
-    server (greedy and seeded sampling alike); a caller that stops reading frees its slot."""
+    server (greedy and seeded sampling alike, penalized, with log-probabilities); a caller that stops reading
+    frees its slot."""
     prompts = [np.array([index + 1, 2, 3], np.int32) for index in range(12)]
     with js.serve(ray_models.generation(slots=2), name="gen-local") as local:
         greedy = [js.generate("gen-local", prompt, max_steps=10).tolist() for prompt in prompts]
         sampled = js.generate("gen-local", prompts[0], max_steps=10, temperature=1.5, seed=4).tolist()
+        scored, logprobs = js.generate("gen-local", prompts[3], max_steps=6, repetition_penalty=1.5, logprobs=2)
         assert local.stats().compiles > 0
     handle = js.serve(ray_models.generation(slots=2), name="gen", cluster="ray", replicas=2)
     try:
@@ -409,6 +411,9 @@ def test_a_generation_on_two_replicas_streams_samples_and_frees_slots(ray_cluste
             thread.join(120)
         assert [results[index] for index in range(len(prompts))] == greedy
         assert js.generate(("ray", "gen"), prompts[0], max_steps=10, temperature=1.5, seed=4).tolist() == sampled
+        remote, remote_logprobs = js.generate(("ray", "gen"), prompts[3], max_steps=6, repetition_penalty=1.5,
+                                              logprobs=2)
+        assert remote.tolist() == scored.tolist() and remote_logprobs == logprobs, "penalties and log-probabilities"
         per_replica = handle.stats().replicas
         assert sorted(per_replica) == ["gen/0", "gen/1"]
         assert all(stats.requests > 0 for stats in per_replica.values()), per_replica

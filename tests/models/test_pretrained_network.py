@@ -29,15 +29,18 @@ STEPS = 12
 # a load compiles a checkpoint's programs: minutes on a busy machine, past tritonclient's 60 s socket timeout;
 # this bound catches a hang, it times nothing
 SLOW_CALLS = 600.0
+PENALTIES = {"repetition_penalty": 0.6, "presence_penalty": -1.5}  # below neutral: repeats favoured
 
 
 @pytest.fixture(scope="module")
 def expected(made):
-    """What js.generate gives in process for PROMPT, per checkpoint."""
+    """What js.generate gives in process for PROMPT, per checkpoint (and with PENALTIES)."""
     answers = {}
     for variant in ("llama-tied", "gpt2-8-heads"):
         with js.serve(js.from_pretrained(made(variant), slots=2), name=f"in-process-{variant}"):
             answers[variant] = js.generate(f"in-process-{variant}", PROMPT, max_steps=STEPS)
+            answers[variant, "penalized"] = js.generate(f"in-process-{variant}", PROMPT, max_steps=STEPS,
+                                                        **PENALTIES)
     return answers
 
 
@@ -242,8 +245,9 @@ def test_tensorrtllm_and_vllm_requests_as_genai_perf_sends_them(llm, expected):
     assert inputs == [("text_input", "BYTES", [1]), ("max_tokens", "INT32", [1]), ("temperature", "FP32", [1]),
                       ("top_p", "FP32", [1]), ("top_k", "INT32", [1]), ("seed", "UINT64", [1]),
                       ("stop", "BYTES", [-1]), ("stop_token_ids", "INT32", [-1]), ("min_tokens", "INT32", [1]),
-                      ("min_length", "INT32", [1]), ("stream", "BOOL", [1]), ("exclude_input_in_output", "BOOL", [1]),
-                      ("sampling_parameters", "BYTES", [1])]
+                      ("min_length", "INT32", [1]), ("repetition_penalty", "FP32", [1]),
+                      ("presence_penalty", "FP32", [1]), ("frequency_penalty", "FP32", [1]), ("stream", "BOOL", [1]),
+                      ("exclude_input_in_output", "BOOL", [1]), ("sampling_parameters", "BYTES", [1])]
     grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{llm.grpc_port}")
     for config in (http.get_model_config("llm"), grpc.get_model_config("llm", as_json=True)["config"]):
         assert [(t["name"], t.get("optional", False)) for t in config["input"]] == \
@@ -262,6 +266,14 @@ def test_tensorrtllm_and_vllm_requests_as_genai_perf_sends_them(llm, expected):
     pieces = streamed(llm, [*vllm, tensor(grpcclient, "stream", [True], "BOOL")])
     assert "".join(pieces) == expected["llama-tied"] and len(pieces) > 1
     assert streamed(llm, [*vllm, tensor(grpcclient, "stream", [False], "BOOL")]) == [expected["llama-tied"]]
+    assert expected["llama-tied", "penalized"] != expected["llama-tied"]
+    penalties = [tensor(grpcclient, name, [value], "FP32", (1, 1)) for name, value in PENALTIES.items()]
+    assert "".join(streamed(llm, [*tensorrtllm, *penalties])) == expected["llama-tied", "penalized"]
+    as_vllm = tensor(grpcclient, "sampling_parameters", [json.dumps(
+        {"max_tokens": str(STEPS), **{name: str(value) for name, value in PENALTIES.items()}}).encode()], "BYTES")
+    assert "".join(streamed(llm, [text_input(grpcclient), as_vllm, tensor(grpcclient, "exclude_input_in_output",
+                                                                          [True], "BOOL")])) == \
+        expected["llama-tied", "penalized"]
 
     echoed = http.infer("llm", [text_input(httpclient), tensor(httpclient, "exclude_input_in_output", [False], "BOOL")],
                         parameters={"max_tokens": STEPS})

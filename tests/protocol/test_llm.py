@@ -20,19 +20,23 @@ def test_tensorrtllm_tensors_as_genai_perf_sends_them():
     tensors = {"max_tokens": np.array([[8]], np.int32), "exclude_input_in_output": np.array([True]),
                "stream": np.array([[True]]), "temperature": np.array([0.5], np.float32),
                "seed": np.array([7], np.uint64), "stop": texts("\n", "THE END"), "min_length": np.array([[8]]),
-               "stop_token_ids": np.array([3, 4], np.int32)}
+               "stop_token_ids": np.array([3, 4], np.int32), "repetition_penalty": np.array([[1.25]], np.float32),
+               "presence_penalty": np.array([0.5], np.float32), "frequency_penalty": np.array([-1.0], np.float32)}
     assert read_fields("m", True, tensors, {}) == {"max_tokens": 8, "exclude_input_in_output": True,
                                                    "stream": True, "temperature": 0.5, "seed": 7,
                                                    "stop": ["\n", "THE END"], "min_tokens": 8,
-                                                   "stop_token_ids": [3, 4]}
+                                                   "stop_token_ids": [3, 4], "repetition_penalty": 1.25,
+                                                   "presence_penalty": 0.5, "frequency_penalty": -1.0}
 
 
 def test_vllm_sampling_parameters_read_numbers_in_strings_as_vllm_does():
     tensors = {"sampling_parameters": texts('{"max_tokens": "4", "min_tokens": "4", "temperature": "0.25", '
-                                            '"top_k": 3, "stop": "x"}'),
+                                            '"top_k": 3, "stop": "x", "repetition_penalty": "1.1", '
+                                            '"frequency_penalty": 0.5}'),
                "stream": np.array([False]), "exclude_input_in_output": np.array([True])}
     assert read_fields("m", True, tensors, {}) == {"max_tokens": 4, "min_tokens": 4, "temperature": 0.25, "top_k": 3,
-                                                   "stop": "x", "stream": False, "exclude_input_in_output": True}
+                                                   "stop": "x", "repetition_penalty": 1.1, "frequency_penalty": 0.5,
+                                                   "stream": False, "exclude_input_in_output": True}
 
 
 def test_a_field_given_twice_must_agree():
@@ -52,13 +56,16 @@ def test_a_field_given_twice_must_agree():
 @pytest.mark.parametrize(("tensors", "parameters", "message"), [
     ({"bad_words": texts("x")}, {}, "model 'm' does not take the input 'bad_words'; it takes text_input and, "
                                     "optionally, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, "
-                                    "min_tokens, min_length, stream, exclude_input_in_output, sampling_parameters"),
+                                    "min_tokens, min_length, repetition_penalty, presence_penalty, "
+                                    "frequency_penalty, stream, exclude_input_in_output, sampling_parameters"),
     ({}, {"beam_width": 2}, "model 'm' does not take the parameter 'beam_width'; a text generation takes "
                             "max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, "
-                            "min_length, stream, exclude_input_in_output"),
+                            "min_length, repetition_penalty, presence_penalty, frequency_penalty, stream, "
+                            "exclude_input_in_output"),
     ({"sampling_parameters": texts('{"ignore_eos": true}')}, {},
      "the 'sampling_parameters' input: model 'm' does not take 'ignore_eos'; its sampling parameters are "
-     "max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens"),
+     "max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, repetition_penalty, "
+     "presence_penalty, frequency_penalty"),
     ({"sampling_parameters": texts("max_tokens=4")}, {},
      "the 'sampling_parameters' input must be a JSON object (vLLM's sampling parameters), got 'max_tokens=4'"),
     ({"sampling_parameters": texts("[4]")}, {}, "must be a JSON object (vLLM's sampling parameters), got '[4]'"),
@@ -71,6 +78,8 @@ def test_a_field_given_twice_must_agree():
     ({}, {"temperature": "hot"}, "the 'temperature' parameter must be a number, got 'hot'"),
     ({}, {"stop": ["a", 1]}, "the 'stop' parameter must be a string or a list of strings, got ['a', 1]"),
     ({}, {"stop_token_ids": 3}, "the 'stop_token_ids' parameter must be a list of token ids (integers), got 3"),
+    ({}, {"presence_penalty": "high"}, "the 'presence_penalty' parameter must be a number, got 'high'"),
+    ({"sampling_parameters": texts('{"logprobs": 2}')}, {}, "model 'm' does not take 'logprobs'"),
 ])
 def test_refusals_name_the_field_and_what_it_takes(tensors, parameters, message):
     with pytest.raises(ProtocolError) as refused:
@@ -82,7 +91,7 @@ def test_a_token_generation_takes_its_fields_as_parameters():
     assert read_fields("g", False, {}, {"max_steps": 3, "seed": 1, "priority": 0}) == {"max_steps": 3, "seed": 1}
     with pytest.raises(ProtocolError, match="does not take the parameter 'max_tokens'; a token generation takes "
                                             "max_steps, temperature, top_p, top_k, seed, stop, stop_token_ids, "
-                                            "min_tokens$"):
+                                            "min_tokens, repetition_penalty, presence_penalty, frequency_penalty$"):
         read_fields("g", False, {}, {"max_tokens": 3})
 
 

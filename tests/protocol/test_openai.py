@@ -225,6 +225,98 @@ def test_n_choices_are_seeded_one_apart_and_a_seed_repeats_them(client, folders)
     assert several.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in prompts), "each prompt once"
 
 
+def test_n_samples_of_one_prompt_share_its_blocks_in_the_paged_cache(served, client, folders):
+    prompt = checkpoints.CORPUS[1]  # a prompt no other test sends, of more than two blocks
+    length = len(AutoTokenizer.from_pretrained(folders["llama3"])(prompt)["input_ids"])
+    blocks = (length - 1) // 16
+    assert blocks >= 2 and length + 4 <= 64
+    server = served.servers["llama3"]
+    before = server.stats()
+    asked = {"model": "llama3", "prompt": prompt, "max_tokens": 4, "temperature": 1.0, "seed": 11}
+    answer = client.completions.create(n=4, **asked)
+    after = server.stats()
+    assert after.prefix_hits - before.prefix_hits >= 3 * blocks, "three samples took the first one's blocks"
+    alone = [client.completions.create(**{**asked, "seed": 11 + i}).choices[0].text for i in range(4)]
+    assert [choice.text for choice in answer.choices] == alone
+
+
+def reference_logprobs(folder: Path, ids: list[int], tokens: list[int]) -> np.ndarray:
+    """transformers' log-softmax of the logits of each output after ``ids``: a row per output."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1:]
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def test_completion_logprobs_are_transformers_log_softmax_streamed_or_not(client, folders):
+    tokenizer = AutoTokenizer.from_pretrained(folders["llama3"])
+    answer = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    (choice,) = answer.choices
+    text, scores = js.generate("llama3", PROMPT, max_steps=8, logprobs=3)
+    tokens = [score.token for score in scores]
+    assert choice.text == text and choice.logprobs.tokens == [tokenizer.decode([t]) for t in tokens]
+    expected = reference_logprobs(folders["llama3"], tokenizer(PROMPT)["input_ids"], tokens)
+    assert choice.logprobs.token_logprobs == pytest.approx([row[t] for row, t in zip(expected, tokens)], abs=2e-4)
+    for top, row, token in zip(choice.logprobs.top_logprobs, expected, tokens):
+        best = np.argsort(-row)[:3]
+        assert top == pytest.approx({tokenizer.decode([t]): row[t] for t in [*best, token]}, abs=2e-4)
+    assert choice.logprobs.text_offset == [sum(map(len, choice.logprobs.tokens[:i])) for i in range(8)]
+    chunks = [c.choices[0] for c in client.completions.create(model="llama3", prompt=PROMPT, max_tokens=8,
+                                                              temperature=0, logprobs=3, stream=True)]
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens] == choice.logprobs.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == choice.logprobs.text_offset
+    assert [p for lp in streamed for p in lp.token_logprobs] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
+    only_chosen = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
+    assert [list(top) for top in only_chosen.choices[0].logprobs.top_logprobs] == \
+        [[t] for t in only_chosen.choices[0].logprobs.tokens], "logprobs 0: the chosen token's alone"
+    plain = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_give_each_token_its_bytes_and_top_logprobs(client, folders):
+    tokenizer = AutoTokenizer.from_pretrained(folders["llama3"])
+    asked = {"model": "llama3", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    answer = client.chat.completions.create(top_logprobs=2, **asked)
+    content = answer.choices[0].logprobs.content
+    ids = chat_ids(folders["llama3"], MESSAGES)
+    model = AutoModelForCausalLM.from_pretrained(folders["llama3"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
+    expected = reference_logprobs(folders["llama3"], ids, out)
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in out]
+    assert [c.logprob for c in content] == pytest.approx([row[t] for row, t in zip(expected, out)], abs=2e-4)
+    for c, row in zip(content, expected):
+        assert c.bytes == list(c.token.encode())
+        assert [(t.token, t.bytes) for t in c.top_logprobs] == [(tokenizer.decode([t]), list(tokenizer.decode(
+            [t]).encode())) for t in np.argsort(-row)[:2]]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(np.sort(row)[::-1][:2].tolist(), abs=2e-4)
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(stream=True, top_logprobs=2, **asked)
+                if c.choices[0].logprobs is not None]
+    assert [c.token for lp in streamed for c in lp.content] == [c.token for c in content]
+    assert client.chat.completions.create(**asked).choices[0].logprobs.content[0].top_logprobs == [], \
+        "top_logprobs 0 by default"
+
+
+def test_penalties_over_openai_are_the_in_process_ones(client):
+    plain = [score.token for score in js.generate("llama3", PROMPT, max_steps=24, logprobs=0)[1]]
+    for options in ({"presence_penalty": 1.5}, {"frequency_penalty": 0.8}, {"repetition_penalty": 1.6}):
+        text, scores = js.generate("llama3", PROMPT, max_steps=24, logprobs=0, **options)
+        assert [score.token for score in scores] != plain, f"{options} changed the tokens"
+        openai_options = options if "repetition_penalty" not in options else {"extra_body": options}
+        answer = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=24, temperature=0,
+                                           **openai_options)
+        assert answer.choices[0].text == text
+    chat = client.chat.completions.create(model="llama3", messages=MESSAGES, max_tokens=21, temperature=0,
+                                          frequency_penalty=2.0, logprobs=True,
+                                          extra_body={"repetition_penalty": 1.6})  # over the prompt's tokens too
+    unpenalized = client.chat.completions.create(model="llama3", messages=MESSAGES, max_tokens=21, temperature=0,
+                                                 logprobs=True)
+    assert [c.token for c in chat.choices[0].logprobs.content] != \
+        [c.token for c in unpenalized.choices[0].logprobs.content]
+
+
 def test_a_stop_sequence_ends_the_text_before_it(client):
     whole = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     stop = whole[len(whole) // 2:len(whole) // 2 + 2]
@@ -267,8 +359,7 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
         client.completions.create(model="embed", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="model 'llama3' is a text generation, not an embedding model"):
         client.embeddings.create(model="llama3", input="x")
-    for name, value in (("presence_penalty", 0.5), ("frequency_penalty", -1), ("logprobs", 2), ("best_of", 2),
-                        ("logit_bias", {"5": 10}), ("suffix", "!")):
+    for name, value in (("best_of", 2), ("logit_bias", {"5": 10}), ("suffix", "!")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, **{name: value})
         assert refused.value.param == name and refused.value.code == "unsupported_parameter"
@@ -276,9 +367,22 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
     neutral = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, temperature=0, presence_penalty=0,
                                         frequency_penalty=0.0, logprobs=None, best_of=1)
     assert neutral.choices[0].finish_reason == "length", "the values that ask for nothing are accepted"
-    with pytest.raises(openai.BadRequestError, match="'logprobs' is not supported yet") as chat_logprobs:
-        client.chat.completions.create(model="llama3", messages=MESSAGES, logprobs=True)
-    assert chat_logprobs.value.param == "logprobs"
+    for asked, message in [({"logprobs": 21}, "'logprobs' must be an integer from 0 to 20, got 21"),
+                           ({"logprobs": -1}, "'logprobs' must be an integer from 0 to 20, got -1"),
+                           ({"logprobs": 1, "echo": True}, "'echo' with 'logprobs' asks for the prompt's "
+                                                           "log-probabilities, which jitserve does not compute"),
+                           ({"presence_penalty": 2.5}, "'presence_penalty': presence_penalty must be a number from "
+                                                       "-2 to 2 (0: none), got 2.5"),
+                           ({"extra_body": {"repetition_penalty": 0}}, "'repetition_penalty': repetition_penalty "
+                                                                       "must be a finite number > 0 (1: none), got 0")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, **asked)
+        assert message in refused.value.message
+    for asked, message in [({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be an integer from 0 to 20"),
+                           ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="llama3", messages=MESSAGES, max_tokens=2, **asked)
+        assert message in refused.value.message and refused.value.param == "top_logprobs"
     with pytest.raises(openai.BadRequestError, match=r"unknown parameter 'beam_width': /v1/completions takes "):
         client.completions.create(model="llama3", prompt=PROMPT, extra_body={"beam_width": 2})
     with pytest.raises(openai.BadRequestError, match="model 'plain' has no chat template") as no_template:

@@ -659,8 +659,9 @@ def test_a_logits_generation_is_greedy_by_default_and_samples_per_request_on_req
     prompt = np.array([3, 1, 4, 1, 5], np.int32)
     with js.serve(sampled(compiler), name="sampled") as server:
         compiles = server.stats().compiles
-        # prefill per (length, prompts); a greedy and a sampling update per prompts, and step
-        assert compiles == (0 if compiler == "eager" else 2 * 3 + 2 * 3 + 2)
+        # prefill per (length, prompts); a greedy, a sampling and a scoring update per prompts and step; the
+        # penalties' start
+        assert compiles == (0 if compiler == "eager" else 2 * 3 + 3 * 3 + 3 + 1)
         assert js.generate("sampled", prompt, max_steps=10).tolist() == expected(prompt, 10)
         assert js.generate("sampled", prompt, max_steps=10, temperature=5.0, top_k=1).tolist() == \
             expected(prompt, 10), "top_k=1 is greedy at any temperature"
@@ -714,7 +715,7 @@ def test_stop_token_ids_end_a_request_and_min_tokens_holds_them_and_eos_back():
     with pytest.raises(js.OptionError, match=r"min_tokens must be an integer in \[0, 2147483648\)"):
         js.Sampling(min_tokens=-1)
     with js.serve(generation(), name="no-logits"):
-        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids"):
+        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids, give log-probabilities or penalize"):
             js.generate("no-logits", prompt, max_steps=4, min_tokens=2)
 
 
@@ -768,17 +769,70 @@ def test_a_seeded_request_gives_the_same_tokens_in_launches_of_several_steps():
     assert tokens[1][0] != expected(prompts[0], 20), "it sampled"
 
 
+def scored_expected(prompt, steps, repetition=1.0, presence=0.0, frequency=0.0):
+    """The toy model's greedy outputs under the penalties' rules, in NumPy (HF's repetition penalty over the
+    prompt and the outputs, OpenAI's presence and frequency penalties over the outputs), each with the
+    log-probabilities of the model's own logits: (token, log-probabilities) per output."""
+    total, position, outputs, scored = int(np.sum(prompt)), len(prompt), [], []
+    while len(outputs) < steps:
+        logits = -np.abs(np.arange(VOCAB) - total % VOCAB).astype(np.float32) / np.float32(4.0)
+        logprobs = logits - np.log(np.sum(np.exp(logits.astype(np.float64)))).astype(np.float32)
+        seen = np.isin(np.arange(VOCAB), [*prompt, *outputs])
+        counts = np.bincount(np.array(outputs, np.int64), minlength=VOCAB).astype(np.float32)
+        penalized = np.where(seen, np.where(logits < 0, logits * np.float32(repetition),
+                                            logits / np.float32(repetition)), logits)
+        penalized = penalized - np.float32(presence) * (counts > 0) - np.float32(frequency) * counts
+        token = int(np.argmax(penalized))
+        scored.append((token, logprobs))
+        outputs.append(token)
+        total, position = total + token + position, position + 1
+    return scored
+
+
+@pytest.mark.parametrize("compiler", ["xla", "eager", "evaluator", "iree"])
+def test_logprobs_and_penalties_follow_their_rules_on_every_compiler(compiler):
+    prompt = np.array([3, 1, 4, 1, 5], np.int32)
+    penalties = {"repetition_penalty": 2.0, "presence_penalty": 0.5, "frequency_penalty": 0.25}
+    with js.serve(sampled(compiler), name=f"scored-{compiler}"):
+        tokens, scores = js.generate(f"scored-{compiler}", prompt, max_steps=24, logprobs=3)
+        assert tokens.tolist() == expected(prompt, 24), "log-probabilities change no token"
+        penalized, penalized_scores = js.generate(f"scored-{compiler}", prompt, max_steps=24, logprobs=2,
+                                                  **penalties)
+        streamed = list(js.generate_stream(f"scored-{compiler}", prompt, max_steps=3, logprobs=1))
+    for got, top, want in [(scores, 3, scored_expected(prompt, 24)),
+                           (penalized_scores, 2, scored_expected(prompt, 24, 2.0, 0.5, 0.25))]:
+        assert [score.token for score in got] == [token for token, _ in want]
+        for score, (token, logprobs) in zip(got, want):
+            assert score.logprob == pytest.approx(float(logprobs[token]), abs=1e-5)
+            assert [lp for _, lp in score.top] == pytest.approx(np.sort(logprobs)[::-1][:top].tolist(), abs=1e-5)
+            assert [lp for _, lp in score.top] == pytest.approx([float(logprobs[t]) for t, _ in score.top], abs=1e-5)
+    assert penalized.tolist() != expected(prompt, 24), "the penalties changed the tokens"
+    assert [len(scores) for _, scores in streamed] == [1, 1, 1], "each output with its own log-probabilities"
+    assert [int(item) for item, _ in streamed] == expected(prompt, 3)
+
+
 def test_sampling_options_are_checked():
     with js.serve(generation(), name="ids"):
-        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids: its decode returns "
-                                                 "outputs, not logits"):
+        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids, give log-probabilities "
+                                                 "or penalize tokens: its decode returns outputs, not logits"):
             js.generate("ids", [1, 2], max_steps=2, temperature=1.0)
         assert js.generate("ids", [1, 2], max_steps=2, temperature=0.0).tolist() == expected([1, 2], 2)
     for options, message in [({"temperature": -1.0}, "temperature must be a finite number >= 0"),
                              ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
                              ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
                              ({"top_k": -2}, r"top_k \(0: no limit\) must be an integer in \[0, 2147483648\)"),
-                             ({"seed": 2**32}, r"seed must be an integer in \[0, 4294967296\)")]:
+                             ({"seed": 2**32}, r"seed must be an integer in \[0, 4294967296\)"),
+                             ({"logprobs": -1}, r"logprobs \(the most likely tokens to give with each output, at "
+                                                r"most 20; None: no log-probabilities\) must be an integer in "
+                                                r"\[0, 21\), got -1"),
+                             ({"logprobs": 21}, r"logprobs .* must be an integer in \[0, 21\), got 21"),
+                             ({"repetition_penalty": 0.0}, r"repetition_penalty must be a finite number > 0 "
+                                                           r"\(1: none\), got 0.0"),
+                             ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
+                             ({"presence_penalty": 2.5}, r"presence_penalty must be a number from -2 to 2 "
+                                                         r"\(0: none\), got 2.5"),
+                             ({"frequency_penalty": -3}, r"frequency_penalty must be a number from -2 to 2 "
+                                                         r"\(0: none\), got -3")]:
         with pytest.raises(js.OptionError, match=message):
             js.Sampling(**options)
     with pytest.raises(js.OptionError, match="must return a vector of float logits per prompt"):

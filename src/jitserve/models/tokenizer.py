@@ -89,6 +89,10 @@ class Tokenizer:
         """The text of ``ids``, special tokens left out."""
         return str(self.rust.decode([int(i) for i in ids], skip_special_tokens=True))
 
+    def token_text(self, token: int) -> str:
+        """One token's text alone, a special token's too (a piece of a character shows as U+FFFD)."""
+        return str(self.rust.decode([int(token)], skip_special_tokens=False))
+
     def stream(self, prompt: Sequence[int] | np.ndarray) -> TextStream:
         """A new incremental decoder for the tokens generated after ``prompt``."""
         return TextStream(self, [int(i) for i in prompt[-CONTEXT_TOKENS:]])

@@ -120,6 +120,14 @@ def start_repository(directory: str, mode: str, poll_seconds: float = 15.0,
     return start
 
 
+def check_http_workers(http_workers: int | None) -> None:
+    """Refuse a count of HTTP front processes out of 1..MAX_HTTP_WORKERS (None: one process serves HTTP)."""
+    if http_workers is not None and (isinstance(http_workers, bool) or not isinstance(http_workers, int)
+                                     or not 1 <= http_workers <= MAX_HTTP_WORKERS):
+        raise OptionError(f"--http-workers must be a count of front processes from 1 to {MAX_HTTP_WORKERS}, "
+                          f"got {http_workers!r}")
+
+
 def check_ports_free(host: str, ports: list[int | None]) -> None:
     """Refuse to start, before compiling anything, when another process listens on one of the ports (a
     second gRPC server would otherwise share the port and silently take a part of the first one's calls)."""
@@ -211,10 +219,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     that OTLP/HTTP collector (``protocol/tracing.py``), flushed at exit; ``allow_client_shm``: clients may
     register system shared memory regions (``protocol/shared_memory.py``), all unregistered at exit;
     ``http_workers``: HTTP served by that many front processes over this one (``protocol/workers/``)."""
-    if http_workers is not None and (isinstance(http_workers, bool) or not isinstance(http_workers, int)
-                                     or not 1 <= http_workers <= MAX_HTTP_WORKERS):
-        raise OptionError(f"--http-workers must be a count of front processes from 1 to {MAX_HTTP_WORKERS}, "
-                          f"got {http_workers!r}")
+    check_http_workers(http_workers)
     optional_seconds("request_timeout", request_timeout)  # checked before anything starts: a NaN drain
     optional_seconds("drain_timeout", drain_timeout)  # timeout would otherwise fail only at exit
     check_ports_free(host, [port, grpc_port])

@@ -81,7 +81,8 @@ class Field:
 
 
 # the fields that make a request's Sampling
-SAMPLING = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids")
+SAMPLING = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids", "repetition_penalty",
+            "presence_penalty", "frequency_penalty")
 # field -> how a generation reads it; the order is the order of a text generation's optional inputs
 FIELDS: dict[str, Field] = {
     "max_tokens": Field(_positive, "INT32", sampled=True),  # a text generation's most tokens
@@ -94,6 +95,10 @@ FIELDS: dict[str, Field] = {
     "stop_token_ids": Field(_ids, "INT32", (-1,), sampled=True, tokens=True),  # ids that end it as eos does
     "min_tokens": Field(_whole, "INT32", sampled=True, tokens=True),  # outputs before eos may end it
     "min_length": Field(_whole, "INT32", alias="min_tokens"),  # TensorRT-LLM's (genai-perf's deterministic)
+    # vLLM's sampling parameters and TensorRT-LLM's inputs alike (HF's rule; OpenAI's over the outputs)
+    "repetition_penalty": Field(_number, "FP32", sampled=True, tokens=True),
+    "presence_penalty": Field(_number, "FP32", sampled=True, tokens=True),
+    "frequency_penalty": Field(_number, "FP32", sampled=True, tokens=True),
     "stream": Field(_flag, "BOOL"),  # false: the whole text in one response, even to a stream
     "exclude_input_in_output": Field(_flag, "BOOL"),  # false: the text starts with the prompt
 }

@@ -5,20 +5,24 @@
   ``created`` when this server started).
 - ``POST /v1/completions``: ``prompt`` (a text, a list of texts, token ids, or lists of them), ``max_tokens``
   (default 16), ``temperature`` and ``top_p`` (OpenAI's defaults, 1: a request samples unless it sends
-  ``temperature: 0``), ``top_k`` (vLLM's extension), ``seed``, ``stop``, ``n`` (n requests, the ``i``-th
-  seeded ``seed + i`` when a seed is given), ``echo``, ``stream`` (with ``stream_options.include_usage``).
+  ``temperature: 0``), ``top_k`` and ``repetition_penalty`` (vLLM's extensions), ``presence_penalty``,
+  ``frequency_penalty``, ``seed``, ``stop``, ``n`` (n requests, the ``i``-th seeded ``seed + i`` when a seed
+  is given), ``echo``, ``logprobs`` (0 to 20: each token's log-probability under the model, the most likely
+  tokens' and the chosen one's by text, and ``text_offset``; not with ``echo``, whose prompt's
+  log-probabilities jitserve does not compute), ``stream`` (with ``stream_options.include_usage``).
 - ``POST /v1/chat/completions``: ``messages`` rendered by the checkpoint's chat template and encoded without
   adding special tokens (the template writes its own, as ``transformers``' ``apply_chat_template`` encodes
   it); a checkpoint without a chat template is a 400 naming it. ``max_tokens`` (or
-  ``max_completion_tokens``) defaults to the room the model has left.
+  ``max_completion_tokens``) defaults to the room the model has left; ``logprobs: true`` with
+  ``top_logprobs`` (0 to 20) gives ``logprobs.content``, per token its text, log-probability and UTF-8 bytes.
 - ``POST /v1/embeddings``: ``input`` (a text or a list of texts), ``encoding_format`` ``float`` or
   ``base64``.
 
 A prompt and its ``max_tokens`` must fit the generation's ``max_length``, as OpenAI's API refuses a
 request past the context. ``usage`` counts the tokens the engine read and produced (an ``eos`` included);
 ``finish_reason`` is ``stop`` at an end token or a stop sequence, ``length`` at ``max_tokens``. A stream is
-server-sent ``data:`` chunks ending in ``data: [DONE]``; an error once it started is a chunk
-``{"error": ...}`` before it.
+server-sent ``data:`` chunks ending in ``data: [DONE]``, each with the log-probabilities of the tokens its
+text came of where asked; an error once it started is a chunk ``{"error": ...}`` before it.
 
 Each request goes to the engine the in-process and KServe callers use (one engine, three doors): a
 generation's ``submit`` and ``outputs_async`` inside a ``Delivery`` (stop sequences, the text), as
@@ -32,7 +36,7 @@ import asyncio
 import base64
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +44,8 @@ import orjson
 
 from ..errors import OptionError, ParameterError, UnknownServerError
 from ..models.pretrained import TextHook, text_hook
-from ..serving.generation import Delivery, GenerationFront
+from ..models.tokenizer import Tokenizer
+from ..serving.generation import Delivery, GenerationFront, TokenLogprobs
 from . import openai_request as fields
 from .access import REQUEST_ROWS
 from .http_request import json_object
@@ -71,29 +76,39 @@ def _where(error: BaseException) -> tuple[str | None, str | None]:
     return ("model", "model_not_found") if isinstance(error, UnknownServerError) else (None, None)
 
 
+def _finite(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf (a token the model rules out) as -9999.0, as vLLM gives it."""
+    return max(logprob, -9999.0)
+
+
 def _event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
 
 
 class _Choice:
-    """One choice in the making: the text pieces of its request (``pieces``), its tokens counted as they come,
-    and why it ended."""
+    """One choice in the making: the text pieces of its request (``pieces``; each paired with the
+    log-probabilities of its tokens where the request asked for the ``top`` most likely tokens' too), its tokens
+    counted as they come, why it ended, and where its next token's text starts (``offset``, for a
+    completion's ``text_offset``)."""
 
-    __slots__ = ("index", "prompt", "delivery", "eos", "tokens", "last", "pieces")
+    __slots__ = ("index", "prompt", "delivery", "eos", "tokens", "last", "pieces", "top", "offset")
 
     def __init__(self, index: int, prompt: str, server: GenerationFront, ids: np.ndarray, max_tokens: int,
                  chosen: dict[str, Any], stop: Any, timeout: float | None) -> None:
         self.index = index
         self.prompt = prompt  # what echo repeats
+        sampling = fields.choice_sampling(chosen, index)
+        self.top = sampling.logprobs
+        self.offset = 0
         try:
-            self.delivery = Delivery(server.generation, stop, ids)
+            self.delivery = Delivery(server.generation, stop, ids, self.top is not None)
         except OptionError as error:
             raise ParameterError(f"'stop': {error}", "stop") from None
         eos = server.generation.eos
         self.eos = frozenset(np.asarray(eos).reshape(-1).tolist()) if eos is not None else frozenset()
         self.tokens = 0
         self.last: Any = None
-        request = server.submit(ids, max_tokens, asyncio.get_running_loop(), fields.choice_sampling(chosen, index))
+        request = server.submit(ids, max_tokens, asyncio.get_running_loop(), sampling)
         self.pieces = self.delivery.each_async(self._counted(server.outputs_async(request, timeout)))
 
     async def _counted(self, outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
@@ -107,7 +122,8 @@ class _Choice:
 
     @property
     def finish_reason(self) -> str:
-        at_end = self.delivery.done or (self.last is not None and int(self.last) in self.eos)
+        last = self.last if self.top is None or self.last is None else self.last.token
+        at_end = self.delivery.done or (last is not None and int(last) in self.eos)
         return "stop" if at_end else "length"
 
 
@@ -132,9 +148,10 @@ class _Choices:
         except Exception as error:  # noqa: BLE001 - handed to the reader of the pieces, which answers with it
             self.queue.put_nowait((choice, error))
 
-    async def each(self) -> AsyncIterator[tuple[_Choice, str | None]]:
-        """Every choice's text pieces as they come, and ``(choice, None)`` once it ended; the first error
-        raises, and ends the other choices."""
+    async def each(self) -> AsyncIterator[tuple[_Choice, str | None, list[TokenLogprobs]]]:
+        """Every choice's text pieces as they come, each with the log-probabilities of its tokens (where the
+        choice asked for them), and ``(choice, None, [])`` once it ended; the first error raises, and ends the
+        other choices."""
         try:
             left = len(self.all)
             while left:
@@ -142,7 +159,10 @@ class _Choices:
                 if isinstance(piece, Exception):
                     raise piece
                 left -= piece is None
-                yield choice, piece
+                if piece is None or choice.top is None:
+                    yield choice, piece, []
+                else:
+                    yield choice, *piece
         finally:
             await self.close()
 
@@ -166,17 +186,36 @@ class _Completion:
     chunk_object = "text_completion"
     prefix = "cmpl-"
 
-    def __init__(self, echo: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, echo: bool = False) -> None:
+        self.tokenizer = tokenizer
         self.echo = echo
 
     def opening(self, choice: _Choice) -> dict[str, Any] | None:
         return self.choice(choice, choice.prompt, None) if self.echo else None
 
-    def choice(self, choice: _Choice, text: str | None, finish: str | None) -> dict[str, Any]:
-        return {"index": choice.index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    def choice(self, choice: _Choice, text: str | None, finish: str | None,
+               scores: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
+        return {"index": choice.index, "text": text or "", "logprobs": self.logprobs(choice, scores),
+                "finish_reason": finish}
 
-    def whole(self, choice: _Choice, text: str) -> dict[str, Any]:
-        return self.choice(choice, choice.prompt + text if self.echo else text, choice.finish_reason)
+    def whole(self, choice: _Choice, text: str, scores: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        return self.choice(choice, choice.prompt + text if self.echo else text, choice.finish_reason, scores)
+
+    def logprobs(self, choice: _Choice, scores: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
+        """The log-probabilities of ``scores`` (a choice's tokens, or a chunk's) as the legacy completions give
+        them: each token's text, its log-probability, the most likely tokens' (and always the chosen one's) by
+        text, and where its text starts; None where the request did not ask."""
+        if choice.top is None or not scores:
+            return None
+        tokens = [self.tokenizer.token_text(score.token) for score in scores]
+        offsets = []
+        for text in tokens:
+            offsets.append(choice.offset)
+            choice.offset += len(text)
+        top = [{**{self.tokenizer.token_text(token): _finite(logprob) for token, logprob in score.top},
+                **{text: _finite(score.logprob)}} for text, score in zip(tokens, scores)]
+        return {"tokens": tokens, "token_logprobs": [_finite(score.logprob) for score in scores],
+                "top_logprobs": top, "text_offset": offsets}
 
 
 class _Chat(_Completion):
@@ -187,20 +226,31 @@ class _Chat(_Completion):
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl-"
 
-    def __init__(self) -> None:
-        super().__init__(False)
-
     def opening(self, choice: _Choice) -> dict[str, Any] | None:
         return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def choice(self, choice: _Choice, text: str | None, finish: str | None) -> dict[str, Any]:
-        return {"index": choice.index, "delta": {} if text is None else {"content": text}, "logprobs": None,
-                "finish_reason": finish}
+    def choice(self, choice: _Choice, text: str | None, finish: str | None,
+               scores: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
+        return {"index": choice.index, "delta": {} if text is None else {"content": text},
+                "logprobs": self.logprobs(choice, scores), "finish_reason": finish}
 
-    def whole(self, choice: _Choice, text: str) -> dict[str, Any]:
-        return {"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": choice.finish_reason}
+    def whole(self, choice: _Choice, text: str, scores: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        return {"index": choice.index, "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(choice, scores), "finish_reason": choice.finish_reason}
+
+    def logprobs(self, choice: _Choice, scores: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
+        """The log-probabilities of ``scores`` as chat gives them: per token its text, log-probability and
+        UTF-8 bytes, and the ``top_logprobs`` most likely tokens' alike; None where the request did not ask."""
+        if choice.top is None or not scores:
+            return None
+        return {"content": [{**self._token(score.token, score.logprob),
+                             "top_logprobs": [self._token(token, logprob) for token, logprob in score.top]}
+                            for score in scores]}
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.tokenizer.token_text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
 
 class OpenAIDoor:
@@ -263,7 +313,8 @@ class OpenAIDoor:
                     fields.token_ids(one, hook.tokenizer.vocabulary),
                     one if isinstance(one, str) else hook.tokenizer.decode(one)) for one in given]
         return await self._generate(spec, request, prompts, "max_tokens", COMPLETION_TOKENS,
-                                    _Completion(fields.flag(request, "echo")))
+                                    _Completion(hook.tokenizer, fields.flag(request, "echo")),
+                                    fields.logprobs(request, "completions"))
 
     async def chat(self, model: str, request: dict[str, Any]) -> Response | AsyncIterator[bytes]:
         spec, hook = self._spec(model, "generation")
@@ -278,12 +329,14 @@ class OpenAIDoor:
         if len(given) == 2 and request["max_tokens"] != request["max_completion_tokens"]:
             raise ParameterError("'max_tokens' and 'max_completion_tokens' differ; send one of them",
                                  "max_completion_tokens")
-        return await self._generate(spec, request, [(ids, "")], given[0] if given else "max_tokens", None, _Chat())
+        return await self._generate(spec, request, [(ids, "")], given[0] if given else "max_tokens", None,
+                                    _Chat(tokenizer), fields.logprobs(request, "chat/completions"))
 
     async def _generate(self, spec: GenerationSpec, request: dict[str, Any], prompts: list[tuple[np.ndarray, str]],
-                        steps_field: str, default_steps: int | None, shape: _Completion
+                        steps_field: str, default_steps: int | None, shape: _Completion, top: int | None
                         ) -> Response | AsyncIterator[bytes]:
-        """Submit every choice of every prompt now (their errors raise here, before the answer starts); the
+        """Submit every choice of every prompt now (their errors raise here, before the answer starts), each
+        with log-probabilities where ``top`` (the most likely tokens to give with them) is not None; the
         answer once they end, or a stream of their pieces."""
         server = spec.server
         max_length = server.generation.max_length
@@ -293,7 +346,7 @@ class OpenAIDoor:
                                  f"generations; ask for at most {fields.MAX_CHOICES}", "n")
         stream = fields.flag(request, "stream")
         usage_chunk = fields.include_usage(request, stream)
-        chosen = fields.sampling(request)
+        chosen = {**fields.sampling(request), "logprobs": top}
         stop = fields.stop_sequences(request)
         asked = fields.integer(request, steps_field, default_steps)
         for ids, _ in prompts:
@@ -320,12 +373,15 @@ class OpenAIDoor:
         if stream:
             return self._stream(spec, choices, shape, answer, prompt_tokens, usage_chunk)
         pieces: list[list[str]] = [[] for _ in choices.all]
+        scores: list[list[TokenLogprobs]] = [[] for _ in choices.all]
         with self.service._tallied(spec):
-            async for choice, piece in choices.each():
+            async for choice, piece, scored in choices.each():
                 if piece:
                     pieces[choice.index].append(piece)
+                scores[choice.index] += scored
         self.service.count(spec.name, "http", 200, spec.version)
-        answer["choices"] = [shape.whole(choice, "".join(pieces[choice.index])) for choice in choices.all]
+        answer["choices"] = [shape.whole(choice, "".join(pieces[choice.index]), scores[choice.index])
+                             for choice in choices.all]
         answer["usage"] = choices.usage(prompt_tokens)
         return 200, JSON_HEADERS, orjson.dumps(answer)
 
@@ -340,9 +396,9 @@ class OpenAIDoor:
                     opening = shape.opening(choice)
                     if opening is not None:
                         yield _event({**chunk, "choices": [opening]})
-                async for choice, piece in choices.each():
+                async for choice, piece, scored in choices.each():
                     finish = None if piece is not None else choice.finish_reason
-                    yield _event({**chunk, "choices": [shape.choice(choice, piece, finish)]})
+                    yield _event({**chunk, "choices": [shape.choice(choice, piece, finish, scored)]})
             if usage_chunk:
                 yield _event({**chunk, "choices": [], "usage": choices.usage(prompt_tokens)})
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last chunk

@@ -1,7 +1,7 @@
 """An OpenAI API request's body, checked field by field before anything runs: the fields each endpoint takes
 (any other is refused by name, as OpenAI's own API refuses an unrecognized argument), those jitserve's engine
 does not implement yet (refused by name unless given the value that asks for nothing, such as
-``presence_penalty: 0``), and each value's type and range; prompts, chat messages and embedding inputs in
+``best_of: 1``), and each value's type and range; prompts, chat messages and embedding inputs in
 the forms OpenAI's API reference gives. Every refusal is a :class:`ParameterError` naming the field."""
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ from .service import shown
 MAX_CHOICES = 128  # choices of one request (n times its prompts): each is a generation request
 MAX_INPUTS = 2048  # texts of one embeddings request (OpenAI's limit)
 SEEDS = 2**32  # a seed is any integer, taken modulo this (the engine's seeds are 32-bit)
-SAMPLING = ("temperature", "top_p", "top_k", "seed")  # top_k: vLLM's extension, which the engine has
+# the fields that make a choice's Sampling; top_k and repetition_penalty: vLLM's extensions, which the engine has
+SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults: a request samples unless told not to
 
 # fields OpenAI defines that jitserve's engine does not implement yet -> the values that ask for nothing
 # (null always does); any other value is refused by name
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
     "best_of": (1,),
     "suffix": ("",),
@@ -36,8 +33,8 @@ NOT_YET: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
 }
-_GENERATING = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user", *SAMPLING,
-               "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+_GENERATING = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user", *SAMPLING, "logprobs",
+               "logit_bias"}
 FIELDS: dict[str, frozenset[str]] = {  # endpoint -> the fields it takes
     "completions": frozenset({*_GENERATING, "prompt", "echo", "best_of", "suffix"}),
     "chat/completions": frozenset({*_GENERATING, "messages", "max_completion_tokens", "top_logprobs", "tools",
@@ -123,6 +120,25 @@ def sampling(request: dict[str, Any]) -> dict[str, Any]:
         except OptionError as error:
             raise ParameterError(f"'{name}': {error}", name) from None
     return chosen
+
+
+def logprobs(request: dict[str, Any], endpoint: str) -> int | None:
+    """How many of the most likely tokens to give with each output's log-probability (None: no
+    log-probabilities): a completion's ``logprobs`` (0 to ``Sampling.MAX_LOGPROBS``), or a chat's
+    ``logprobs: true`` with its ``top_logprobs`` (0 by default)."""
+    most = Sampling.MAX_LOGPROBS
+    if endpoint == "completions":
+        asked = integer(request, "logprobs", None, 0, most)
+        if asked is not None and flag(request, "echo"):
+            raise ParameterError("'echo' with 'logprobs' asks for the prompt's log-probabilities, which jitserve "
+                                 "does not compute; send one of them", "echo", "unsupported_parameter")
+        return asked
+    top = integer(request, "top_logprobs", None, 0, most)
+    if not flag(request, "logprobs"):
+        if top is not None:
+            raise ParameterError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def choice_sampling(chosen: dict[str, Any], index: int) -> Sampling:

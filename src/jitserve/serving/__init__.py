@@ -2,7 +2,7 @@
 ``Generation``, continuous batching of decode loops."""
 
 from .corridor import Rows
-from .generation import Generation, GenerationServer, PagedCache, Prompt, Sampling
+from .generation import Generation, GenerationServer, PagedCache, Prompt, Sampling, TokenLogprobs
 from .partition import BatchReport
 from .queue import BatchPolicy
 from .registry import (
@@ -24,6 +24,6 @@ from .server import Server
 from .serving import Serving
 
 __all__ = ["BatchPolicy", "BatchReport", "Generation", "GenerationServer", "PagedCache", "Prompt", "Request",
-           "Rows", "Sampling", "Server", "Serving",
+           "Rows", "Sampling", "Server", "Serving", "TokenLogprobs",
            "batched_run", "batched_run_async", "batched_stream", "batched_stream_async", "generate", "generate_async",
            "generate_stream", "generate_stream_async", "lookup", "register_cluster", "serve", "servers"]

@@ -16,8 +16,6 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol, TypeGuard
 
-import numpy as np
-
 from ..errors import OptionError, ServerExistsError, UnknownServerError
 from .corridor import Rows
 from .front import Front
@@ -163,26 +161,30 @@ async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout:
 
 
 def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
-             stop: Any = None, **sampling: Any) -> np.ndarray:
+             stop: Any = None, **sampling: Any) -> Any:
     """Generate from ``prompt`` (1-D integer token ids, or what the generation's ``preprocess`` takes) on
     generation server ``name``: every output, stacked on a first axis; at most ``max_steps`` of them,
     ending right after one equal to the serving's ``eos``. ``timeout``: give up if no slot frees within
     that many seconds. ``stop``: a string or a list of them that ends a text generation's request where
-    its text reaches one (left out; see :class:`StopText`). ``sampling``: ``temperature``, ``top_k``,
-    ``top_p``, ``seed`` for a ``logits=True`` generation (:class:`Sampling`; greedy without). A generation
-    with a ``detokenizer`` (a checkpoint's, from :func:`jitserve.from_pretrained`) answers one string."""
+    its text reaches one (left out; see :class:`StopText`). ``sampling``: how a ``logits=True`` generation
+    picks the tokens (:class:`Sampling`: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``min_tokens``,
+    ``stop_token_ids``, the penalties; greedy without). A generation with a ``detokenizer`` (a checkpoint's,
+    from :func:`jitserve.from_pretrained`) answers one string. With ``logprobs=N``: ``(answer, logprobs)``,
+    the second a list of :class:`TokenLogprobs`, one per output."""
     return lookup(name).call(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
 
 
 def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
                     stop: Any = None, **sampling: Any) -> Iterator[Any]:
     """:func:`generate` one output at a time, each as its step finishes; closing the iterator cancels the
-    request and frees its slot at the next step."""
+    request and frees its slot at the next step. With ``logprobs=N``, each item comes paired with the
+    :class:`TokenLogprobs` of the outputs that gave it: ``(item, [TokenLogprobs, ...])`` (a piece of text
+    may come of several outputs, or of none)."""
     yield from lookup(name).stream(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
 
 
 async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
-                         stop: Any = None, **sampling: Any) -> np.ndarray:
+                         stop: Any = None, **sampling: Any) -> Any:
     """:func:`generate` for asyncio callers."""
     return await lookup(name).call_async(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
 

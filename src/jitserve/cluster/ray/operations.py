@@ -178,6 +178,10 @@ def stop_actor(actor: Any) -> None:
     except LOST:
         pass  # already gone: nothing left to drain
     ray.kill(actor, no_restart=True)
+    try:  # ray.kill returns before the actor is dead: wait for it, so that its name is free when this returns
+        ray.get(actor.info.remote(), timeout=60)
+    except LOST:
+        pass
 
 
 def kill_named(name: str) -> None:

@@ -21,7 +21,8 @@ meaning survives any lowering:
   the caller's buffer when one such write was all that used it
   (iree-org/iree#16168), so a serving's weights changed at every call;
 - a stable sort gets the position of each element as its last key, so that
-  every order it may produce is the stable one;
+  every order it may produce is the stable one; and every sort sorts a copy of
+  its operands (IREE sorted in the operand's own buffer under other readers);
 - a float to integer conversion saturates and sends NaN to 0 explicitly, as
   XLA does (IREE's conversion of out-of-range values is undefined);
 - ``atan2`` takes its zeros, infinities and signs from C99's table, as XLA's
@@ -297,6 +298,10 @@ def _sort(*operands: Any, dimension: int, is_stable: bool, num_keys: int) -> lis
     """Stable: each element's position becomes the last key, so every order the sort may give is the stable one.
     (Gathering the other operands by the sorted positions instead would spare IREE's CUDA target, which cannot
     sort three operands or more, but IREE 3.x miscompiles that gather on the CPU.)"""
+    # IREE sorts in its operand's buffer even where another operation reads the operand after (an argmax
+    # beside a sort of the same logits read the sorted values): the sort gets a copy of its own, behind a
+    # barrier that keeps IREE from sorting the original in place of the copy
+    operands = tuple(lax.optimization_barrier(_own_copy(operand)) for operand in operands)
     if not is_stable:
         return lax.sort_p.bind(*operands, dimension=dimension, is_stable=False, num_keys=num_keys)
     position = lax.broadcasted_iota(np.int32, operands[0].shape, dimension)

@@ -21,18 +21,21 @@ The package is in rooms, each importing only from those above it in this list:
   (``Generation(forward=..., cache=PagedCache(...))``), the pool's blocks and
   prefix cache, and the scheduler that hands them out (chunked prefill,
   preemption);
+- ``picking``: how the programs pick tokens on the device (greedy, sampled,
+  or scored: after penalties, with log-probabilities);
 - ``programs`` and ``paged_programs``: the compiled prefills, slot updates and
-  decode launches of each engine, and how they pick tokens;
-- ``delivery``: outputs handed over to the callers' streams, and what each
-  caller makes of them (:class:`Delivery`, :class:`StopText`, :func:`stacked`);
+  decode launches of each engine;
+- ``delivery``: outputs handed over to the callers' streams (with their
+  log-probabilities, :class:`TokenLogprobs`), and what each caller makes of
+  them (:class:`Delivery`, :class:`StopText`, :func:`stacked`);
 - ``server``: :class:`GenerationServer`'s loop (plan -> programs -> deliver)
   and lifecycle, and :class:`GenerationFront`, what callers of a generation
   server see, given what they ask, a :class:`Prompt`.
 """
 
-from .delivery import Delivery, StopText, stacked, stop_text
+from .delivery import Delivery, StopText, TokenLogprobs, stacked, stop_text
 from .server import GenerationFront, GenerationServer, Prompt
 from .spec import GREEDY, Generation, PagedCache, Sampling
 
 __all__ = ["GREEDY", "Delivery", "Generation", "GenerationFront", "GenerationServer", "PagedCache", "Prompt",
-           "Sampling", "StopText", "stacked", "stop_text"]
+           "Sampling", "StopText", "TokenLogprobs", "stacked", "stop_text"]

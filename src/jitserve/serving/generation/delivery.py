@@ -16,7 +16,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,12 +43,24 @@ class GenerationRequest(SlotRequest):
         self.waited_s = self.input_s = self.infer_s = self.output_s = 0.0
 
 
+class TokenLogprobs(NamedTuple):
+    """One output of a request that asked for ``logprobs`` (see :class:`~.spec.Sampling`): its ``token``, its
+    log-probability under the model (``logprob``), and the ``top`` most likely tokens and theirs, as many as
+    the request asked, highest first: ``((token, logprob), ...)``."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], outputs: np.ndarray,
-              eos: np.ndarray | None) -> tuple[int, list[GenerationRequest]]:
+              eos: np.ndarray | None, scores: Sequence[np.ndarray] = ()) -> tuple[int, list[GenerationRequest]]:
     """Each of ``requests`` gets its next outputs from row ``rows[i]`` of ``outputs`` (steps, rows, ...), in
-    step order, all in one :func:`~jitserve.serving.request.put_all`; a request that is done (its outputs
-    needed, or one of ``eos``) gets END and ends, and what was computed for it after is dropped, as for one
-    that ended or was cancelled before. Returns the outputs handed over and the requests that ended."""
+    step order, all in one :func:`~jitserve.serving.request.put_all`; a request that asked for ``logprobs``
+    gets each as a :class:`TokenLogprobs`, from ``scores`` (a scored program's log-probabilities, (steps,
+    rows, 1 + top), and top tokens). A request that is done (its outputs needed, or one of ``eos``) gets END
+    and ends, and what was computed for it after is dropped, as for one that ended or was cancelled before.
+    Returns the outputs handed over and the requests that ended."""
     steps, count = outputs.shape[:2]
     # which outputs are an eos, at once: comparing row by row costs more than the rest of the delivery
     at_eos = None if eos is None else (outputs[:, :, None] == eos).reshape(
@@ -56,6 +68,7 @@ def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], output
     finished = []
     deliveries: list[tuple[Stream, Any]] = []
     for request, row in zip(requests, rows):
+        top = request.sampling.logprobs
         for step in range(steps):
             if request.ended or request.cancelled:
                 break
@@ -63,7 +76,12 @@ def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], output
             output = outputs[step, row]
             if request.history is not None:  # a paged cache's request: its state may be computed again from it
                 request.history.append(int(output))
-            deliveries.append((request.stream, output))
+            if top is not None:
+                logprobs, tokens = scores[0][step, row], scores[1][step, row]
+                deliveries.append((request.stream, TokenLogprobs(int(output), float(logprobs[0]), tuple(
+                    zip(tokens[:top].tolist(), logprobs[1:1 + top].tolist())))))
+            else:
+                deliveries.append((request.stream, output))
             stops = request.sampling.stop_token_ids
             if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]) or \
                     (stops and int(output) in stops):
@@ -127,16 +145,28 @@ def stop_text(generation: Generation, stop: Any) -> StopText | None:
 
 class Delivery:
     """What one caller of a generation gets, in the caller: each output through ``postprocess``, and with
-    ``stop`` (text pieces only) the text cut at the first stop sequence (:class:`StopText`)."""
+    ``stop`` (text pieces only) the text cut at the first stop sequence (:class:`StopText`). ``scored``: the
+    request asked for ``logprobs``, its outputs are :class:`TokenLogprobs`, and the caller gets each item
+    paired with those of the outputs that gave it: ``(item, [TokenLogprobs, ...])`` (a piece of text may come
+    of several outputs, or of none, while a character or a possible stop sequence is held back)."""
 
-    def __init__(self, generation: Generation, stop: Any = None, prompt: Any = None) -> None:
+    def __init__(self, generation: Generation, stop: Any = None, prompt: Any = None, scored: bool = False) -> None:
         self.generation = generation
         self.stop = stop_text(generation, stop)
         # a detokenizer's decoder for this request, which reads the prompt's token ids for context
         self.text = None if generation.detokenizer is None else generation.detokenizer(np.asarray(prompt))
+        self.scores: list[TokenLogprobs] | None = [] if scored else None  # those of outputs not paired yet
+        self.empty: Any = ""  # a piece of no text, of the pieces' type
 
     def of(self, output: Any) -> list[Any]:
-        """What the caller gets for ``output``: its piece; with stop sequences, the text that can go out."""
+        """What the caller gets for ``output``: its piece; with stop sequences, the text that can go out;
+        ``scored``, paired with log-probabilities."""
+        if self.scores is None:
+            return self._pieces(output)
+        self.scores.append(output)
+        return self._paired(self._pieces(output.token))
+
+    def _pieces(self, output: Any) -> list[Any]:
         if self.text is None:
             return self._cut(self.generation.output_of(output))
         text = self.text.feed(output)
@@ -146,7 +176,16 @@ class Delivery:
         if self.stop is None:
             return [piece]
         text = self.stop.feed(piece)
+        self.empty = text[:0]
         return [text] if text else []
+
+    def _paired(self, items: list[Any]) -> list[Any]:
+        """``items`` of a scored request, the first with the log-probabilities not paired yet."""
+        if not items or self.scores is None:
+            return items
+        paired = [(items[0], self.scores), *((item, []) for item in items[1:])]
+        self.scores = []
+        return paired
 
     @property
     def done(self) -> bool:
@@ -159,7 +198,12 @@ class Delivery:
         tail = "" if self.text is None else self.text.finish()
         items = self._cut(tail) if tail else []
         held = None if self.stop is None or self.stop.ended else self.stop.held
-        return [*items, held] if held else items
+        return self._paired([*items, held] if held else items)
+
+    def leftover(self) -> list[Any]:
+        """At the end of a scored request, the log-probabilities of outputs whose text never came out (cut at
+        a stop sequence, or no text at all), with an empty piece."""
+        return self._paired([self.empty]) if self.scores else []
 
     def each(self, outputs: Generator[Any, None, None]) -> Generator[Any, None, None]:
         """What the caller gets from a request's ``outputs`` (a server's ``outputs``), one item at a time;
@@ -168,8 +212,10 @@ class Delivery:
             for output in outputs:
                 yield from self.of(output)
                 if self.done:
-                    return
-            yield from self.rest()
+                    break
+            else:
+                yield from self.rest()
+            yield from self.leftover()
         finally:
             outputs.close()
 
@@ -180,8 +226,11 @@ class Delivery:
                 for item in self.of(output):
                     yield item
                 if self.done:
-                    return
-            for item in self.rest():
+                    break
+            else:
+                for item in self.rest():
+                    yield item
+            for item in self.leftover():
                 yield item
         finally:
             await outputs.aclose()

@@ -1,8 +1,9 @@
 """The compiled programs of a generation with a paged KV cache.
 
 The carry on the device is the pool of every layer's keys and values (``{"k":
-..., "v": ...}``, each (layers, blocks x block size, kv heads, head dim)) and
-each slot's last output. The user's (or a checkpoint family's) one function
+..., "v": ...}``, each (layers, blocks x block size, kv heads, head dim)),
+each slot's last output and the penalties' counts (see :mod:`~.picking`).
+The user's (or a checkpoint family's) one function
 
     forward(params, cache, tokens, positions, tables, last) -> (cache, logits)
 
@@ -16,7 +17,9 @@ program, each compiled ahead for every size it runs at:
 
 - a prefill: a compiled number of prompts' chunks of a compiled length, the
   table as wide as ``max_length``; a chunk that ends its prompt picks the
-  request's first output (sampled or greedy, per row) into its slot;
+  request's first output into its slot, scored (sampled or greedy per row,
+  after its penalties, with its log-probabilities): a chunk's pick costs
+  little beside its forward;
 - a decode launch: every slot's last output, one position each, for
   ``steps_per_launch`` steps, the table as wide as the longest sequence needs
   (a compiled power of two of blocks): attention reads no more than that.
@@ -31,15 +34,17 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...template import Template
+from ...template import Template, is_template
 from ..serving import owned_host_array
 from ..warmup import Step
 from .paged_scheduler import Chunk, PagedStep
-from .programs import KIND, Programs, sample_tokens
-from .spec import Generation
+from .picking import score_tokens
+from .programs import KIND, Launch, Programs
+from .spec import SCORED_KIND, Generation
 
 
 class PagedPrograms(Programs):
@@ -56,8 +61,19 @@ class PagedPrograms(Programs):
         pool = Template((cache.layers, cache.blocks(generation.max_length) * cache.block_size, cache.kv_heads,
                          cache.head_dim), cache.dtype)
         self.output_template = Template((), np.int32)
-        self.carry_template = ({"k": pool, "v": pool}, Template((generation.slots,), np.int32))
-        self.decodes: dict[tuple[bool, int], Callable[..., Any]] = {}
+        self.carry_template = ({"k": pool, "v": pool}, Template((generation.slots,), np.int32),
+                               *self._seen(self._vocabulary(pool)))
+        self.sequence_width = generation.max_length  # a preempted sequence starts its counts from its outputs too
+        self.decodes: dict[tuple[int, int], Callable[..., Any]] = {}
+
+    def _vocabulary(self, pool: Template) -> int:
+        """The width of the logits ``forward`` gives (traced for one token, not run)."""
+        cache = {"k": pool, "v": pool}
+        one = Template((1, 1), np.int32)
+        shapes = jax.eval_shape(self.forward, *jax.tree_util.tree_map(
+            lambda t: t.abstract(), (self.generation.params_template, cache, one, one, one, Template((1,), np.int32)),
+            is_leaf=is_template))
+        return int(shapes[1].shape[-1])
 
     def _chunk_program(self, rows: int, length: int) -> Callable[..., Any]:
         key = (rows, length)
@@ -65,20 +81,20 @@ class PagedPrograms(Programs):
         if run is None:
             def chunk(packed: Any, carry: Any, tokens: Any, starts: Any, counts: Any, tables: Any, slots: Any,
                       *options: Any) -> Any:
-                cache, last = carry
+                cache, last, seen = carry
                 positions = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
                 cache, logits = self.forward(self.layout.unpack(packed), cache, tokens, positions, tables, counts - 1)
-                chosen = sample_tokens(logits, *options)
-                return (cache, last.at[slots].set(chosen, mode="drop")), chosen
+                chosen, logprobs, top, seen = score_tokens(logits, seen, slots, *options)
+                return (cache, last.at[slots].set(chosen, mode="drop"), seen), (chosen, logprobs, top)
 
             run = self.prefills[key] = self._compile(chunk, [
                 self.layout.templates, self.carry_template, Template((rows, length), np.int32),
                 *[Template((rows,), np.int32)] * 2, Template((rows, self.max_blocks), np.int32),
-                Template((rows,), np.int32), *self._option_templates(rows, True)], (), (), donate=(1,))
+                Template((rows,), np.int32), *self._option_templates(rows, SCORED_KIND)], (), (), donate=(1,))
         return run
 
-    def _decode_program(self, sampled: bool, width: int) -> Callable[..., Any]:
-        key = (sampled, width)
+    def _decode_program(self, kind: int, width: int) -> Callable[..., Any]:
+        key = (kind, width)
         run = self.decodes.get(key)
         if run is None:
             rows = self.generation.slots
@@ -87,17 +103,17 @@ class PagedPrograms(Programs):
                 params = self.layout.unpack(packed)
                 outputs = []
                 for step in range(self.generation.steps_per_launch):
-                    cache, last = carry
+                    cache, last, *seen = carry
                     cache, logits = self.forward(params, cache, last[:, None], (positions + step)[:, None], tables,
                                                  jnp.zeros(rows, jnp.int32))
-                    chosen = self._chosen(logits, [*options[:-1], options[-1] + step] if options else ())
-                    carry = (cache, chosen)
-                    outputs.append(chosen)
-                return carry, jnp.stack(outputs)
+                    chosen, scores, seen = self._picked(logits, seen, None, self._stepped(options, step), kind)
+                    carry = (cache, chosen, *seen)
+                    outputs.append((chosen, *scores))
+                return carry, self._stack(outputs)
 
             run = self.decodes[key] = self._compile(decode, [
                 self.layout.templates, self.carry_template, Template((rows,), np.int32),
-                Template((rows, width), np.int32), *self._option_templates(rows, sampled)], (), (), donate=(1,))
+                Template((rows, width), np.int32), *self._option_templates(rows, kind)], (), (), donate=(1,))
         return run
 
     def warm_up_steps(self) -> list[Step]:
@@ -105,41 +121,42 @@ class PagedPrograms(Programs):
         return [*[(f"the prefill of {rows} chunk{'s' * (rows > 1)} of {length} tokens",
                    functools.partial(self._chunk_program, rows, length))
                   for rows in g.prefill_batches for length in g.prefill_lengths],
-                *[(f"the decode launch of {g.slots} slots over {width} block{'s' * (width > 1)}{KIND[sampled]}",
-                   functools.partial(self._decode_program, sampled, width))
-                  for width in self.table_widths for sampled in self.kinds]]
+                *[(f"the decode launch of {g.slots} slots over {width} block{'s' * (width > 1)}{KIND[kind]}",
+                   functools.partial(self._decode_program, kind, width))
+                  for width in self.table_widths for kind in self.kinds], *self._seed_step()]
 
     def run_each_once(self, params: Any) -> None:
         g = self.generation
-        carry = self.zeros()
+        carry = self._run_seed_once(self.zeros())
         for rows in g.prefill_batches:
             for length in g.prefill_lengths:
                 idle = np.zeros(rows, np.int32)
                 carry, _ = self._chunk_program(rows, length)(
                     params, carry, np.zeros((rows, length), np.int32), idle, idle + 1,
-                    np.zeros((rows, self.max_blocks), np.int32), idle + g.slots, *self._idle(rows, True))
+                    np.zeros((rows, self.max_blocks), np.int32), idle + g.slots, *self._idle(rows, SCORED_KIND))
         for width in self.table_widths:
-            for sampled in self.kinds:
-                carry, outputs = self._decode_program(sampled, width)(
+            for kind in self.kinds:
+                carry, outputs = self._decode_program(kind, width)(
                     params, carry, np.zeros(g.slots, np.int32), np.zeros((g.slots, width), np.int32),
-                    *self._idle(g.slots, sampled))
-        owned_host_array(outputs)
+                    *self._idle(g.slots, kind))
+        owned_host_array(outputs[0])
 
-    def prefill_inputs(self, prefill: Chunk[Any]) -> list[np.ndarray]:
-        """The chunk's arrays (the scheduler made them), and its rows' options."""
-        return [prefill.tokens, prefill.starts, prefill.counts, prefill.tables, prefill.slots,
-                *self._arrays(prefill.samplings, prefill.steps)]
+    def prefill_inputs(self, prefill: Chunk[Any]) -> Launch:
+        """The chunk's arrays (the scheduler made them), its rows' options (a chunk's program is scored), and
+        the penalties' counts to start for the requests whose prompts it ends."""
+        return Launch(SCORED_KIND, [prefill.tokens, prefill.starts, prefill.counts, prefill.tables, prefill.slots,
+                                    *self._arrays(prefill.samplings, prefill.steps, SCORED_KIND)],
+                      self._seeds(prefill.requests))
 
-    def prefill_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
-        rows, length = inputs[0].shape
-        return self._chunk_program(rows, length)(params, carry, *inputs)
+    def prefill_of(self, params: Any, carry: Any, inputs: Launch) -> tuple[Any, Any]:
+        rows, length = inputs.arrays[0].shape
+        return self._chunk_program(rows, length)(params, self._seeded(carry, inputs), *inputs.arrays)
 
-    def step_inputs(self, step: PagedStep[Any]) -> list[np.ndarray]:
-        """Per slot its cache position and block table, and its options if any slot samples."""
-        sampled = step.samplings is not None and step.positions is not None
-        options = self._arrays(step.samplings, step.positions) if sampled else []  # type: ignore[arg-type]
-        return [step.cache_positions, step.tables, *options]
+    def step_inputs(self, step: PagedStep[Any]) -> Launch:
+        """Per slot its cache position and block table, and its options if any slot samples or scores."""
+        launch = super().step_inputs(step)
+        return Launch(launch.kind, [step.cache_positions, step.tables, *launch.arrays])
 
-    def step_of(self, params: Any, carry: Any, inputs: list[np.ndarray]) -> tuple[Any, Any]:
-        positions, tables, *options = inputs
-        return self._decode_program(bool(options), tables.shape[1])(params, carry, positions, tables, *options)
+    def step_of(self, params: Any, carry: Any, inputs: Launch) -> tuple[Any, Any]:
+        positions, tables, *options = inputs.arrays
+        return self._decode_program(inputs.kind, tables.shape[1])(params, carry, positions, tables, *options)

@@ -198,7 +198,7 @@ class PagedScheduler(Scheduler[R]):
         self.admissions += 1
         request.slot = self.free.pop(0)
         self.running[request.slot] = request
-        self.sampling += 0 if request.sampling.plain else 1
+        self.sampling += request.sampling.kind > 0
         return True
 
     def _prefill(self, request: R, budget: int, chunks: list[tuple[R, np.ndarray, int, int]],
@@ -273,7 +273,7 @@ class PagedScheduler(Scheduler[R]):
         for slot, request in zip(slots, requests):
             tables[slot, :len(request.blocks)] = request.blocks
             positions[slot] = request.prompt.size + request.dispatched - 1
-        samplings, steps = self._options(decoding) if any(not r.sampling.plain for r in requests) else (None, None)
+        samplings, steps = self._options(decoding) if any(r.sampling.kind for r in requests) else (None, None)
         self._dispatched(requests, self.steps_per_launch)
         return PagedStep(requests, slots, samplings, steps, positions, tables)
 

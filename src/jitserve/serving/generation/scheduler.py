@@ -111,7 +111,7 @@ class Scheduler(Generic[R]):
         self.free: list[int] = list(range(slots))  # ascending: a prompt takes the lowest
         self.waiting: collections.deque[R] = collections.deque()
         self.running: dict[int, R] = {}
-        self.sampling = 0  # running requests that sample (not greedy): a launch samples while any runs
+        self.sampling = 0  # running requests not greedy: a launch samples (or scores) while any runs
 
     @classmethod
     def of(cls, generation: Generation) -> Scheduler[Any]:
@@ -168,7 +168,7 @@ class Scheduler(Generic[R]):
         if self.running.get(request.slot) is request:
             del self.running[request.slot]
             bisect.insort(self.free, request.slot)
-            self.sampling -= 0 if request.sampling.plain else 1
+            self.sampling -= request.sampling.kind > 0
 
     def take_waiting(self) -> list[R]:
         """Every waiting request, off the queue."""
@@ -194,7 +194,7 @@ class Scheduler(Generic[R]):
         for request, slot in zip(admitted, self.free):
             request.slot = slot
             self.running[slot] = request
-            self.sampling += 0 if request.sampling.plain else 1
+            self.sampling += request.sampling.kind > 0
         del self.free[:count]
         busy = len(self.running)
         prefills = []

@@ -99,19 +99,22 @@ class GenerationFront(Front[Prompt]):
         return self.generation
 
     def call(self, ask: Prompt) -> Any:
-        """Every output, stacked on a first axis; a generation with a ``detokenizer`` answers one string."""
-        return self._answer(list(self.stream(ask)))
+        """Every output, stacked on a first axis; a generation with a ``detokenizer`` answers one string. A
+        request that asked for ``logprobs``: ``(answer, [TokenLogprobs, ...])``, one per output."""
+        return self._answer(list(self.stream(ask)), ask.sampling.logprobs is not None)
 
     async def call_async(self, ask: Prompt) -> Any:
         items = self.stream_async(ask)
         try:
-            return self._answer([item async for item in items])
+            return self._answer([item async for item in items], ask.sampling.logprobs is not None)
         finally:
             await items.aclose()  # a caller cancelled meanwhile frees the slot now, not when this is collected
 
     def stream(self, ask: Prompt) -> Generator[Any, None, None]:
         """Each output as its step finishes, as the caller gets it (``postprocess``, stop text); closing the
-        iterator cancels the request and frees its slot at the next step."""
+        iterator cancels the request and frees its slot at the next step. With ``logprobs``, each item comes
+        paired with the :class:`~.delivery.TokenLogprobs` of the outputs that gave it: ``(item, [...])`` (a
+        piece of text may come of several outputs, or of none)."""
         delivery, request = self._enter(ask, None)
         return delivery.each(self.outputs(request, ask.timeout))
 
@@ -125,11 +128,14 @@ class GenerationFront(Front[Prompt]):
             raise wrong_request(self.name, Prompt, ask)
         optional_seconds("timeout", ask.timeout)
         tokens = self.generation.prompt_of(ask.prompt)
-        delivery = Delivery(self.generation, ask.stop, tokens)
+        delivery = Delivery(self.generation, ask.stop, tokens, ask.sampling.logprobs is not None)
         return delivery, self.submit(tokens, ask.max_steps, loop, ask.sampling)
 
-    def _answer(self, items: list[Any]) -> Any:
-        """A whole request's answer: one string for a detokenizing generation, else its outputs stacked."""
+    def _answer(self, items: list[Any], scored: bool) -> Any:
+        """A whole request's answer: one string for a detokenizing generation, else its outputs stacked; for a
+        request that asked for log-probabilities, with them: ``(answer, [TokenLogprobs, ...])``."""
+        if scored:
+            return self._answer([item for item, _ in items], False), [one for _, some in items for one in some]
         return "".join(items) if self.generation.detokenizer is not None else stacked(items)
 
     def update_params(self, params: Any) -> None:
@@ -144,9 +150,10 @@ class GenerationFront(Front[Prompt]):
 
 class _Dispatched(NamedTuple):
     """Outputs queued on the device, for ``requests[i]`` in row ``rows[i]``: ``step``: a launch of decode
-    steps, its outputs (steps, slots, ...), queued at ``started``; else the first outputs of admitted
-    prompts, one row each. ``queued``: the phases of its launch so far (its inputs made, the programs
-    queued, the copy of its outputs to the host started), which its delivery completes."""
+    steps, its outputs (a tuple: the tokens (steps, slots, ...), then a scored program's log-probabilities
+    and top tokens), queued at ``started``; else the first outputs of admitted prompts, one row each.
+    ``queued``: the phases of its launch so far (its inputs made, the programs queued, the copy of its
+    outputs to the host started), which its delivery completes."""
 
     requests: list[GenerationRequest]
     rows: list[int]
@@ -411,9 +418,9 @@ class GenerationServer(GenerationFront):
         waiting = time.perf_counter()
         jax.block_until_ready(item.outputs)
         computed = time.perf_counter()
-        outputs = owned_host_array(item.outputs)
-        if not item.step:
-            outputs = outputs[None]  # prefills give one output per prompt: as one step
+        outputs, *scores = [owned_host_array(output) for output in item.outputs]
+        if not item.step:  # prefills give one output per prompt: as one step
+            outputs, scores = outputs[None], [score[None] for score in scores]
         now = time.perf_counter()
         elapsed = now - max(item.started, self._ready)  # from when the device could start it
         self._ready = now
@@ -426,7 +433,7 @@ class GenerationServer(GenerationFront):
             request.infer_s += phases.infer_s
             request.output_s += phases.output_s
         with self._lock:  # so that a caller handed its last output finds itself counted
-            delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos)
+            delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos, scores)
             stats = self._stats
             stats.outputs += delivered
             if item.step:

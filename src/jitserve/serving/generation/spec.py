@@ -34,6 +34,9 @@ def _whole(name: str, value: Any, limit: int) -> int:
     return int(value)
 
 
+GREEDY_KIND, SAMPLED_KIND, SCORED_KIND = range(3)  # which compiled program picks a request's tokens
+
+
 class Sampling:
     """How one request of a ``logits=True`` generation picks its tokens: greedy (``temperature`` 0, the
     default), or drawn at ``temperature`` from the ``top_k`` most likely tokens (0: all of them) that make up
@@ -41,13 +44,22 @@ class Sampling:
     a fresh one; a seed gives the same tokens whatever else runs). ``stop_token_ids``: up to
     ``MAX_STOP_IDS`` token ids that end the request as ``eos`` does (the id is its last output);
     ``min_tokens``: its first so many outputs are never ``eos`` nor one of those (held back on the device,
-    as vLLM does)."""
+    as vLLM does). ``logprobs``: give each output's log-probability and those of the ``logprobs`` most likely
+    tokens (0 to ``MAX_LOGPROBS``; None: none), under the model's own distribution (the log-softmax of its
+    logits before any penalty, temperature or cut, as vLLM's and OpenAI's). ``repetition_penalty`` (HF's,
+    > 0; 1: none) divides the positive logits and multiplies the negative ones of every token in the prompt or
+    the outputs so far; ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, -2 to 2; 0: none) take
+    ``presence`` from the logit of each token among the outputs so far and ``frequency`` times its count."""
 
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids", "logprobs",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty")
     MAX_STOP_IDS = 16
+    MAX_LOGPROBS = 20  # the most likely tokens a scored program gives per output (vLLM's default limit)
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 min_tokens: int = 0, stop_token_ids: Sequence[int] = ()) -> None:
+                 min_tokens: int = 0, stop_token_ids: Sequence[int] = (), logprobs: int | None = None,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0) -> None:
         if not finite_number(temperature) or temperature < 0:
             raise OptionError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if not finite_number(top_p) or not 0 < top_p <= 1:
@@ -62,11 +74,31 @@ class Sampling:
             raise OptionError(f"stop_token_ids must be a list of at most {self.MAX_STOP_IDS} token ids (integers "
                               f">= 0), got {stop_token_ids!r:.80}")
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
+        self.logprobs = None if logprobs is None else _whole(
+            f"logprobs (the most likely tokens to give with each output, at most {self.MAX_LOGPROBS}; None: no "
+            f"log-probabilities)", logprobs, self.MAX_LOGPROBS + 1)
+        if not finite_number(repetition_penalty) or repetition_penalty <= 0:
+            raise OptionError(f"repetition_penalty must be a finite number > 0 (1: none), got {repetition_penalty!r}")
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if not finite_number(value) or not -2 <= value <= 2:
+                raise OptionError(f"{name} must be a number from -2 to 2 (0: none), got {value!r}")
+        self.repetition_penalty = float(repetition_penalty)
+        self.presence_penalty = float(presence_penalty)
+        self.frequency_penalty = float(frequency_penalty)
 
     @property
-    def plain(self) -> bool:
-        """Greedy with nothing held back: a greedy program picks its tokens (else a sampling one)."""
-        return self.temperature == 0 and self.min_tokens == 0
+    def penalized(self) -> bool:
+        """Some penalty changes its logits: the device counts the tokens of its prompt and outputs."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def kind(self) -> int:
+        """The program that picks its tokens: ``GREEDY_KIND`` (the most likely, nothing held back),
+        ``SAMPLED_KIND`` (:func:`~.programs.sample_tokens`), or ``SCORED_KIND`` (sampled after its penalties,
+        with log-probabilities: :func:`~.programs.score_tokens`)."""
+        if self.logprobs is not None or self.penalized:
+            return SCORED_KIND
+        return SAMPLED_KIND if self.temperature or self.min_tokens else GREEDY_KIND
 
 
 GREEDY = Sampling(seed=0)
@@ -264,10 +296,10 @@ class Generation:
         """A request's prompt (see :meth:`check_prompt`) once its ``max_steps`` and ``sampling`` are checked
         for generation server ``name``."""
         count_option("max_steps", max_steps)
-        if sampling is not None and not self.logits and (not sampling.plain or sampling.stop_token_ids):
-            raise OptionError(f"generation server {name!r} cannot sample, hold back or stop at token ids: its "
-                              f"decode returns outputs, not logits (serve it with js.Generation(..., logits=True) "
-                              f"to choose per request)")
+        if sampling is not None and not self.logits and (sampling.kind or sampling.stop_token_ids):
+            raise OptionError(f"generation server {name!r} cannot sample, hold back or stop at token ids, give "
+                              f"log-probabilities or penalize tokens: its decode returns outputs, not logits (serve "
+                              f"it with js.Generation(..., logits=True) to choose per request)")
         array = self.check_prompt(prompt)
         if self.cache is not None:  # what it holds at its longest must fit the pool, else it could never finish
             positions = array.size + max(1, min(int(max_steps), self.max_length - array.size)) - 1
