@@ -238,6 +238,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
     try:
         start(servers)
         service = InferenceService(servers, request_timeout, access_log, tracing, allow_client_shm)
+        service.opening = http_workers is not None  # until every front listens (gRPC, started first, too)
         if attach is not None:
             attached = attach(service)
         if grpc_port is not None:

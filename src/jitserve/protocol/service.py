@@ -168,6 +168,7 @@ class InferenceService:
         self.metrics = Metrics()
         self.tallies: dict[tuple[str, str], Tally] = {}
         self.draining = False  # set on SIGTERM: not ready, while what was accepted finishes
+        self.opening = False  # set while HTTP front processes start: not ready until every one listens
         self.mistakes = ClientMistakes(log)  # clients' mistakes, logged without flooding the log
         self._counters: dict[tuple[str, str, str, str], Any] = {}  # requests_total children by labels
         for key, server in servers.items():
@@ -309,7 +310,7 @@ class InferenceService:
         return {"name": "jitserve", "version": __version__, "extensions": sorted(EXTENSIONS + shared_memory)}
 
     def ready(self) -> bool:
-        return not self.draining and all(not spec.server.stopping for spec in self.models.values())
+        return not self.draining and not self.opening and all(not spec.server.stopping for spec in self.models.values())
 
     async def infer(self, model: str, tensors: Mapping[str, np.ndarray], requested: Mapping[str, int] | None,
                     priority: int | None = None, version: str | None = None,

@@ -304,6 +304,7 @@ async def serve_fronts(count: int, settings: dict[str, Any], service: InferenceS
     fronts = Fronts(count, settings, service, app)
     try:
         await fronts.start()
+        service.opening = False  # ready: a client sent on now may reach any front (the kernel spreads them)
         log.info("HTTP: %d front processes share the port (pids %s)", count, ", ".join(map(str, fronts.pids())))
         await stop.wait()
         log.info("%s: the HTTP front processes stop accepting and finish their requests",
