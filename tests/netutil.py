@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -82,6 +83,13 @@ class Running:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         status, _, data = self.request("POST", f"/v2/models/{model}/infer", body, timeout=timeout)
         return status, json.loads(data)
+
+    def queued_rows(self, model: str, version: str = "1") -> float:
+        """The rows of ``model`` waiting in the server's queue now, as its metrics say."""
+        metrics = self.request("GET", "/metrics")[2].decode()
+        found = re.search(rf'jitserve_queue_depth\{{model="{model}",version="{version}"\}} (\S+)', metrics)
+        assert found is not None, f"no queue depth of {model} {version} in the metrics"
+        return float(found.group(1))
 
     def assert_healthy(self) -> None:
         status, _, _ = self.request("GET", "/v2/health/live")

@@ -32,6 +32,7 @@ import jitserve as js  # noqa: E402
 from jitserve.cluster import ray as cluster  # noqa: E402
 from jitserve.protocol.service import InferenceService  # noqa: E402
 from netutil import free_port, wait_ready  # noqa: E402
+from waiting import HANG_S  # noqa: E402
 
 pytestmark = pytest.mark.ray
 HERE = Path(__file__).resolve().parent
@@ -59,16 +60,23 @@ def _rows(n, seed=0):
     return np.random.default_rng(seed).uniform(size=(n, 4)).astype(np.float32)
 
 
-def _load(name, callers, seconds, during=None, rows=(1, 5)):
-    """Threads sending random requests for ``seconds`` (``during()`` called once after a third of it);
-    returns (answered, wrong, errors)."""
+def _waiting(condition, seconds=HANG_S):
+    """Wait until ``condition()`` holds or ``seconds`` pass (then the test's own assertions say what failed)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _load(name, callers, answers, during=None, rows=(1, 5), until=None):
+    """Threads sending random requests until ``answers`` were answered and ``until()`` holds, if given
+    (``during()`` called once after a third of the answers), bounded by HANG_S: (answered, wrong, errors)."""
     answered, wrong, errors = [0], [0], []
     lock = threading.Lock()
-    deadline = time.monotonic() + seconds
+    stop = threading.Event()
 
     def caller(seed):
         rng = np.random.default_rng(seed)
-        while time.monotonic() < deadline:
+        while not stop.is_set():
             x = rng.uniform(size=(int(rng.integers(*rows)), 4)).astype(np.float32)
             try:
                 out = js.batched_run(name, js.Batch.concatenate([x]), timeout=30)
@@ -84,10 +92,12 @@ def _load(name, callers, seconds, during=None, rows=(1, 5)):
     for thread in threads:
         thread.start()
     if during is not None:
-        time.sleep(seconds / 3)
+        _waiting(lambda: answered[0] >= answers / 3)
         during()
+    _waiting(lambda: answered[0] >= answers and (until is None or until()))
+    stop.set()
     for thread in threads:
-        thread.join(seconds + 60)
+        thread.join(HANG_S)
         assert not thread.is_alive(), "a caller hung"
     return answered[0], wrong[0], errors
 
@@ -136,7 +146,7 @@ def test_sigkill_of_a_replica_mid_load_loses_nothing(ray_cluster):
     handle = js.serve(ray_models.affine_serving, name="killed", cluster="ray", replicas=2)
     try:
         victim = ray.get(ray.get_actor(handle.replicas[0], namespace="jitserve").info.remote())["pid"]
-        answered, wrong, errors = _load("killed", 16, 4.5, during=lambda: os.kill(victim, signal.SIGKILL))
+        answered, wrong, errors = _load("killed", 16, 200, during=lambda: os.kill(victim, signal.SIGKILL))
     finally:
         handle.stop()
     assert errors == [] and wrong == 0 and answered > 100
@@ -148,11 +158,11 @@ def test_graceful_stop_mid_load_loses_nothing_and_runs_nothing_twice(ray_cluster
     second = js.serve(serving, name="recorded", cluster="ray", replicas=1)
     sent, wrong, errors = [], [0], []
     lock = threading.Lock()
-    deadline = time.monotonic() + 3
+    stop = threading.Event()
 
     def caller(k):
         n = 0
-        while time.monotonic() < deadline:
+        while not stop.is_set():
             ids = np.arange(k * 100_000 + n + 1, k * 100_000 + n + 4, dtype=np.int32)[:, None]
             n += 3
             try:
@@ -167,10 +177,13 @@ def test_graceful_stop_mid_load_loses_nothing_and_runs_nothing_twice(ray_cluster
     threads = [threading.Thread(target=caller, args=(k,)) for k in range(16)]
     for thread in threads:
         thread.start()
-    time.sleep(1)
+    _waiting(lambda: len(list(tmp_path.glob("*.ids"))) == 2)  # both replicas ran rows
     first.stop()
+    stopped_at = len(sent)
+    _waiting(lambda: len(sent) >= stopped_at + 300)  # and the second one goes on alone
+    stop.set()
     for thread in threads:
-        thread.join(60)
+        thread.join(HANG_S)
     second.stop()
     ran = Counter(int(line) for file in tmp_path.glob("*.ids") for line in file.read_text().split())
     assert errors == [] and wrong[0] == 0
@@ -186,7 +199,7 @@ def test_a_full_queue_on_one_replica_is_served_by_the_other(ray_cluster):
     spare = js.serve(ray_models.slow_serving(max_queue=None, batch_size=2), name="queues", cluster="ray", replicas=1,
                      resources={"node_b": 1})
     try:
-        answered, wrong, errors = _load("queues", 8, 2, rows=(2, 3))
+        answered, wrong, errors = _load("queues", 8, 8, rows=(2, 3), until=lambda: full.stats().total.rejected > 0)
         rejected = full.stats().total.rejected
     finally:
         full.stop()
@@ -198,7 +211,7 @@ def test_a_full_queue_on_one_replica_is_served_by_the_other(ray_cluster):
 def test_every_replica_full_is_queue_full(ray_cluster):
     handle = js.serve(ray_models.slow_serving(max_queue=1), name="allfull", cluster="ray", replicas=1)
     try:
-        answered, wrong, errors = _load("allfull", 6, 1, rows=(1, 2))
+        answered, wrong, errors = _load("allfull", 6, 2, rows=(1, 2), until=lambda: handle.stats().total.rejected > 0)
     finally:
         handle.stop()
     assert wrong == 0 and answered >= 2
@@ -363,7 +376,7 @@ def test_sigkill_of_a_raylet_mid_load_loses_nothing(ray_cluster):
                       resources={"node_b": 1}, max_restarts=0)
     try:
         answered, wrong, errors = _load(
-            "raylet", 16, 9, during=lambda: ray_cluster.remove_node(ray_cluster.worker, allow_graceful=False))
+            "raylet", 16, 300, during=lambda: ray_cluster.remove_node(ray_cluster.worker, allow_graceful=False))
         survived = survivor.stats().total.rows
     finally:
         survivor.stop()
@@ -420,9 +433,7 @@ def test_a_generation_on_two_replicas_streams_samples_and_frees_slots(ray_cluste
         stream = js.generate_stream(("ray", "gen"), prompts[1], max_steps=60)
         assert int(next(stream)) == greedy[1][0]
         stream.close()
-        deadline = time.monotonic() + 20
-        while any(s.slots_busy for s in handle.stats().replicas.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _waiting(lambda: not any(s.slots_busy for s in handle.stats().replicas.values()))
         assert not any(s.slots_busy for s in handle.stats().replicas.values()), "the slot was freed"
         with pytest.raises(js.PromptTooLongError, match="the prompt has 9 tokens, more than the longest prefill "
                                                         "length \\(8; max_length is 64\\)"):
@@ -447,7 +458,7 @@ def _states(name):
     return {row["replica"]: row for row in cluster.describe() if row["serving"] == name}
 
 
-def _until(condition, seconds=60):
+def _until(condition, seconds=HANG_S):
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "not reached in time"
@@ -533,7 +544,7 @@ def test_a_front_serves_what_is_deployed_after_it_and_forgets_what_stops(ray_clu
 
         assert status() == 404
         handle = js.serve(ray_models.instant_serving, name="latecomer", cluster="ray", replicas=1)
-        _until(lambda: status() == 200, 30)
+        _until(lambda: status() == 200)
         x = _rows(2, seed=3)
         body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 4],
                                        "data": x.ravel().tolist()}]}).encode()
@@ -543,7 +554,7 @@ def test_a_front_serves_what_is_deployed_after_it_and_forgets_what_stops(ray_clu
         np.testing.assert_allclose(np.array(answer["outputs"][0]["data"]).reshape(2, 4), x * 2 + 1, rtol=1e-6)
         handle.stop()
         handle = None
-        _until(lambda: status() == 404, 30)
+        _until(lambda: status() == 404)
     finally:
         if handle is not None:
             handle.stop()
@@ -571,10 +582,11 @@ def test_autoscaling_goes_from_1_to_3_replicas_under_load_and_back_to_1_when_idl
     try:
         assert handle.replicas == ["elastic/0"]
         loaded = time.monotonic()
-        answered, wrong, errors = _load("elastic", callers=8, seconds=12, rows=(1, 2))
+        answered, wrong, errors = _load("elastic", callers=8, answers=1, rows=(1, 2),
+                                        until=lambda: len(handle.replicas) == 3)
         unloaded = time.monotonic()
         assert not errors and not wrong and answered > 0
-        _until(lambda: len(handle.replicas) == 1, 60)
+        _until(lambda: len(handle.replicas) == 1)
         events = handle.autoscaler.events
         ups = [event for event in events if event[2] > event[1]]
         downs = [event for event in events if event[2] < event[1]]
@@ -615,6 +627,6 @@ def test_a_streaming_serving_on_two_replicas_streams_each_caller_its_steps(ray_c
         early = js.batched_stream(("ray", "stepper"), js.Batch.concatenate([_rows(1)]), timeout=30)
         assert next(early).shape == (1, 4)
         early.close()  # cancels the replica's run at its next step
-        _until(lambda: handle.stats().total.cancelled >= 1, 30)
+        _until(lambda: handle.stats().total.cancelled >= 1)
     finally:
         handle.stop()

@@ -1,9 +1,9 @@
 """Models the hardening tests serve: ``jitserve serve tests/protocol/hostile_models.py:models``."""
 
-import time
 
 import jax.numpy as jnp
 import numpy as np
+from gates import gated
 
 import jitserve as js
 from jitserve.errors import ProtocolError
@@ -28,7 +28,7 @@ def raises(x):
 
 
 def slow(x):
-    time.sleep(0.5)
+    gated("slow")
     return x + 1
 
 

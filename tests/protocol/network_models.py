@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gates import gated
 
 import jitserve as js
 
@@ -63,11 +64,12 @@ CALLS = iter(range(10**9))  # the order in which "ordered" runs its batches
 
 
 def ordered(x):
-    time.sleep(0.12)
+    gated("ordered")
     return np.concatenate([x, np.full_like(x, next(CALLS))], axis=1)
 
 
 def chunked(x):
+    gated("chunked")
     time.sleep(0.1)
     return x * 2
 
@@ -78,7 +80,7 @@ def steps(x):
 
 
 def slow(x):
-    time.sleep(0.6)
+    gated("slow")
     return x + 1
 
 

@@ -23,6 +23,7 @@ pytest.importorskip("uvicorn")
 
 from jitserve.protocol.grpc import MESSAGES
 from netutil import Running, start_server, stop
+from waiting import until
 
 MODELS = str(Path(__file__).with_name("limit_models.py")) + ":models"
 MAX_HEADER = 2000
@@ -109,20 +110,21 @@ def test_connections_beyond_the_cap_are_refused_503_and_the_server_keeps_serving
     finally:
         for connection in held:
             connection.close()
-    time.sleep(0.2)
+    until(lambda: server.request("GET", "/v2/health/live")[0] == 200, "the server to let the closed ones go")
     assert_serves(server)
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_response_freed(server):
     body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [4, 1],
                                    "data": [1.0, 2.0, 3.0, 4.0]}]}).encode()
-    readers = []
+    readers, cut = [], "stopped reading its response for 1 s (--write-timeout): connection aborted"
+    before = server.output().count(cut)
     for _ in range(6):  # six 16 MiB responses that nobody reads
         connection = socket.create_connection(("127.0.0.1", server.port))
         connection.sendall(b"POST /v2/models/spread/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
                            % (len(body), body))
         readers.append(connection)
-    time.sleep(4)  # the responses wait, unread, past the 1 s write timeout
+    until(lambda: server.output().count(cut) == before + 6, "the server to cut off the 6 readers")
     for connection in readers:  # each connection was aborted: reading ends with a reset or EOF, not 16 MiB
         connection.settimeout(10)
         received = 0

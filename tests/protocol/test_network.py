@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gevent
 import grpc
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ pytest.importorskip("uvicorn")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 import network_models  # noqa: E402
+from gates import holding, started  # noqa: E402
 from network_models import example  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
@@ -42,8 +44,16 @@ def start(*extra: str) -> Running:
 
 
 @pytest.fixture(scope="module")
-def server():
-    running = start("--request-timeout", "0.3")
+def gate(tmp_path_factory) -> Path:
+    """The folder of the gates on the module's servers' batches (``gates.py``)."""
+    return tmp_path_factory.mktemp("gate")
+
+
+@pytest.fixture(scope="module")
+def server(gate):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JITSERVE_TEST_GATE", str(gate))
+        running = start("--request-timeout", "0.3")
     yield running
     output = stop(running)
     assert "SIGTERM: shutting down" in output
@@ -654,7 +664,7 @@ def test_tritonclient_grpc_streaming_works_unchanged(server):
 
 
 @pytest.mark.parametrize("client_module", [httpclient, grpcclient], ids=["http", "grpc"])
-def test_tritonclient_priority_runs_urgent_requests_first(server, client_module):
+def test_tritonclient_priority_runs_urgent_requests_first(server, gate, client_module):
     port = server.port if client_module is httpclient else server.grpc_port
     client = client_module.InferenceServerClient(f"127.0.0.1:{port}", **(
         {"concurrency": 4} if client_module is httpclient else {}))
@@ -678,32 +688,47 @@ def test_tritonclient_priority_runs_urgent_requests_first(server, client_module)
 
     import queue
 
-    busy = send(0.0, 1)
-    time.sleep(0.02)  # the one partition is busy for 0.12 s
-    low = send(1.0, 2)
-    time.sleep(0.02)
-    urgent = send(2.0, 1)
+    def sent(condition):
+        """``condition`` checked while tritonclient.http's greenlets, which send its requests, run."""
+        return (lambda: gevent.sleep(0.001) or condition()) if client_module is httpclient else condition
+
+    with holding(gate, "ordered"):
+        before = started(gate, "ordered")
+        busy = send(0.0, 1)
+        until(sent(lambda: started(gate, "ordered") > before), "the first request to run")  # the one partition
+        low = send(1.0, 2)
+        until(sent(lambda: server.queued_rows("ordered") == 1), "the level-2 request to be queued")
+        urgent = send(2.0, 1)
+        until(sent(lambda: server.queued_rows("ordered") == 2), "the level-1 request to be queued")
     orders = [order_of(handle) for handle in (busy, low, urgent)]
     assert orders[0] < orders[2] < orders[1], "the level-1 request, queued last, ran before the level-2 one"
 
 
-def test_queue_full_is_503_and_timeout_is_504(server):
-    results = {}
-
-    def call(key, delay):
-        time.sleep(delay)
+def test_queue_full_is_503_and_timeout_is_504(server, gate):
+    def call(results, key):
         results[key] = server.infer_json("slow", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1],
                                                               "data": [1.0]}]})
 
-    threads = [threading.Thread(target=call, args=(k, d)) for k, d in [("running", 0), ("queued", 0.15),
-                                                                       ("rejected", 0.3)]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert results["running"] == (200, results["running"][1]) and results["running"][1]["outputs"][0]["data"] == [2.0]
-    assert results["rejected"][0] == 503 and "queue is full" in results["rejected"][1]["error"]
-    assert results["queued"][0] == 504 and "timed out after 0.3s before its rows started" in results["queued"][1]["error"]
+    for _ in range(20):  # a try where the two late requests reached the server over 0.3 s apart is tried again
+        results: dict[str, tuple[int, dict]] = {}
+        running = threading.Thread(target=call, args=(results, "running"))
+        late = [threading.Thread(target=call, args=(results, key)) for key in ("late 1", "late 2")]
+        with holding(gate, "slow"):
+            before = started(gate, "slow")
+            running.start()
+            until(lambda: started(gate, "slow") > before, "the first request to run")
+            for caller in late:  # one is queued (max_queue 1) and times out, the other finds the queue full
+                caller.start()
+            for caller in late:
+                caller.join(30)
+        running.join(30)
+        assert results["running"][0] == 200 and results["running"][1]["outputs"][0]["data"] == [2.0]
+        answers = sorted((results[key] for key in ("late 1", "late 2")), key=lambda answer: answer[0])
+        if [status for status, _ in answers] != [504, 504]:
+            break
+    assert [status for status, _ in answers] == [503, 504], answers
+    assert "queue is full" in answers[0][1]["error"]
+    assert "timed out after 0.3s before its rows started" in answers[1][1]["error"]
     server.assert_healthy()
 
 
@@ -849,19 +874,13 @@ def test_fuzz_grpc_messages_never_internal_never_hang(server, tensors, model, ga
         channel.close()
 
 
-def queued_rows(running: Running, model: str) -> float:
-    """The rows of ``model`` waiting in ``running``'s queue now, as its metrics say."""
-    metrics = running.request("GET", "/metrics")[2].decode()
-    return float(re.search(rf'jitserve_queue_depth\{{model="{model}",version="1"\}} (\S+)', metrics).group(1))
-
-
 def test_sigterm_drains_in_flight_requests():
     running = start()
     results = []
     rows = [float(v) for v in range(20)]  # 10 batches of 0.1 s
     caller = threading.Thread(target=lambda: results.append(running.infer_json("chunked", column(rows), timeout=60)))
     caller.start()
-    until(lambda: queued_rows(running, "chunked") > 0, "the request to be queued")  # in flight, however slow
+    until(lambda: running.queued_rows("chunked") > 0, "the request to be queued")  # in flight, however slow
     output = stop(running)
     caller.join(60)
     assert results and results[0][0] == 200 and results[0][1]["outputs"][0]["data"] == [2 * v for v in rows]
@@ -881,7 +900,7 @@ def test_drain_timeout_bounds_the_drain_and_answers_what_did_not_start():
 
     caller = threading.Thread(target=call)  # 10 batches of 0.1 s
     caller.start()
-    until(lambda: queued_rows(running, "chunked") > 0, "the request to be queued")
+    until(lambda: running.queued_rows("chunked") > 0, "the request to be queued")
     output = stop(running)
     caller.join(30)
     stats = re.search(r"model 'chunked' drained and stopped: (ServerStats\(.*\))", output).group(1)
@@ -910,8 +929,10 @@ def test_a_second_server_on_a_taken_port_refuses_to_start_and_the_first_keeps_it
                                    atol=1e-6)
 
 
-def test_sigterm_stops_both_fronts_at_once_and_answers_everything_accepted():
-    running = start()
+def test_sigterm_stops_both_fronts_at_once_and_answers_everything_accepted(gate):
+    with pytest.MonkeyPatch.context() as patch:  # its batches held while the signal comes
+        patch.setenv("JITSERVE_TEST_GATE", str(gate))
+        running = start()
     results: dict[str, object] = {}
     rows = [float(v) for v in range(8)]  # 4 batches of 0.1 s
 
@@ -924,19 +945,26 @@ def test_sigterm_stops_both_fronts_at_once_and_answers_everything_accepted():
         tensor.set_data_from_numpy(np.array(rows, np.float32)[:, None])
         results["grpc"] = client.infer("chunked", [tensor]).as_numpy("output").ravel().tolist()
 
+    def draining() -> bool:
+        try:
+            return not client.is_server_ready()
+        except InferenceServerException:
+            return True
+
     callers = [threading.Thread(target=http_call), threading.Thread(target=grpc_call)]
-    for caller in callers:
-        caller.start()
-    time.sleep(0.1)
-    running.process.send_signal(signal.SIGTERM)
-    time.sleep(0.1)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
-    tensor = grpcclient.InferInput("input", [1, 1], "FP32")
-    tensor.set_data_from_numpy(np.array([[1.0]], np.float32))
-    with pytest.raises(InferenceServerException) as refused:
-        client.infer("chunked", [tensor])
-    assert "UNAVAILABLE" in str(refused.value.status()), "gRPC stops accepting when HTTP does"
-    running.process.send_signal(signal.SIGTERM)  # a second one changes nothing
+    with holding(gate, "chunked"):
+        for caller in callers:
+            caller.start()
+        until(lambda: running.queued_rows("chunked") == 2 * len(rows) - 2, "both requests to be queued")
+        running.process.send_signal(signal.SIGTERM)
+        until(draining, "the server to report not ready")
+        tensor = grpcclient.InferInput("input", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[1.0]], np.float32))
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("chunked", [tensor])
+        assert "UNAVAILABLE" in str(refused.value.status()), "gRPC stops accepting when HTTP does"
+        running.process.send_signal(signal.SIGTERM)  # a second one changes nothing
     for caller in callers:
         caller.join(30)
     output = stop(running)
@@ -993,7 +1021,7 @@ def test_sigterm_under_mixed_http_and_grpc_load_answers_every_accepted_request()
                for kind in (http_caller, grpc_caller)]
     for caller in callers:
         caller.start()
-    time.sleep(1.0)
+    until(lambda: outcomes.count("ok") >= 12, "answers to the callers before the signal")
     stopping.set()
     output = stop(running)  # exits 0 (checked) once every accepted request was answered
     for caller in callers:

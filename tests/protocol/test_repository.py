@@ -19,6 +19,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from netutil import start_server, stop  # noqa: E402
+from waiting import until  # noqa: E402
 
 WEIGHTED = """
 from pathlib import Path
@@ -154,7 +155,7 @@ def test_load_reload_and_unload_under_eight_callers(repository, protocol):
 
 
 def test_unload_drains_what_the_model_holds(repository):
-    write_model(repository, "doubler", DOUBLER.format(timeout=1.0))  # a request waits 1 s for its batch
+    write_model(repository, "doubler", DOUBLER.format(timeout=60.0))  # a request waits 60 s for its batch
     running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit",
                            "--load-model", "doubler", "--no-grpc")
     client = Client("http", running)
@@ -164,7 +165,7 @@ def test_unload_drains_what_the_model_holds(repository):
         waiting = threading.Thread(target=lambda: answered.append(
             client.infer("doubler", x, httpclient.InferenceServerClient(client.url))))
         waiting.start()
-        time.sleep(0.3)  # queued, its batch not yet run
+        until(lambda: running.queued_rows("doubler") == 1, "the request to be queued")  # its batch not yet run
         client.client.unload_model("doubler")
         waiting.join(30)
         assert answered and answered[0].tolist() == [[2.0] * 4], "the queued request ran before the unload"
@@ -360,6 +361,7 @@ from pathlib import Path
 
 import jitserve as js
 
+(Path(__file__).parent / "loading").touch()  # the test knows the load has started
 while not (Path(__file__).parent / "open").exists():  # a load that lasts until the test opens the gate
     time.sleep(0.02)
 serving = js.Serving(lambda x: x * 2, batch_size=2, batch_timeout=0.001, input_template=js.template((4,), "float32"))
@@ -406,9 +408,9 @@ def test_many_slow_loads_hold_no_shared_pool_and_sigterm_during_a_load_exits(rep
         (repository / "gated" / "open").unlink()
         write_model(repository, "gated", GATED)
         hanging = threading.Thread(target=load, args=("gated",), daemon=True)
+        (repository / "gated" / "loading").unlink()
         hanging.start()
-        time.sleep(0.5)  # SIGTERM with a load that never ends, on whatever it has reached by then
-        assert hanging.is_alive()
+        until(lambda: (repository / "gated" / "loading").exists(), "the load that never ends to start")
     finally:
         output = stop(running)  # SIGTERM with the gated loads still running; stop() asserts exit code 0
     assert "Traceback" not in output

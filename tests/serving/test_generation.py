@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -294,13 +293,18 @@ def test_several_steps_per_launch_give_each_request_the_outputs_of_one_step_at_a
     assert stats.outputs == sum(len(result) for result in results.values()) + 4
 
 
-def fail_two_streams(name, failing, error, match):
+HOLD_AT = 300  # a step of the two failing streams (of 400) that waits until they are told to fail
+
+
+def fail_two_streams(name, failing, released, error, match):
     """Two streams of generation server ``name`` past their first outputs; then ``failing`` is set until
-    each has ended with ``error``."""
+    each has ended with ``error``. ``released`` is set with it, for good: the server's steps from HOLD_AT on
+    wait for it, so that neither stream ends on its own first, however slowly this thread runs."""
     streams = [js.generate_stream(name, [1, 2], max_steps=400) for _ in range(2)]
     for stream in streams:
         next(stream)
     failing.set()
+    released.set()
     for stream in streams:
         with pytest.raises(error, match=match):
             for _ in stream:
@@ -309,9 +313,11 @@ def fail_two_streams(name, failing, error, match):
 
 
 def test_a_failing_step_fails_the_requests_it_ran_and_the_server_goes_on():
-    failing = threading.Event()
+    failing, released = threading.Event(), threading.Event()
 
     def fragile_decode(params, state, last):
+        if np.max(state["position"]) >= HOLD_AT:
+            released.wait(HANG_S)
         if failing.is_set():
             raise ValueError("decode failed on purpose")
         return {"position": state["position"] + 1, "total": state["total"] + 1}, np.asarray(last) + 1
@@ -319,7 +325,7 @@ def test_a_failing_step_fails_the_requests_it_ran_and_the_server_goes_on():
     fragile = js.Generation(prefill, fragile_decode, params=PARAMS, slots=2, max_length=512, prefill_lengths=[8],
                             compiler="eager")
     with js.serve(fragile, name="gen-fragile") as server:
-        fail_two_streams("gen-fragile", failing, ValueError, "decode failed on purpose")
+        fail_two_streams("gen-fragile", failing, released, ValueError, "decode failed on purpose")
         assert js.generate("gen-fragile", [5], max_steps=3).tolist() == [5, 6, 7]
         stats = server.stats()
     assert stats.errors == 1 and stats.slots_busy == 0
@@ -328,18 +334,20 @@ def test_a_failing_step_fails_the_requests_it_ran_and_the_server_goes_on():
 def test_a_step_that_fails_on_the_device_fails_its_requests_and_the_server_goes_on(monkeypatch):
     """A computation that fails after its launch (a GPU's asynchronous error) surfaces when the loop reads
     its outputs, a step later. XLA runs a CPU's computations at launch, so here the read is made to fail."""
-    failing = threading.Event()
+    failing, released, reads = threading.Event(), threading.Event(), [0]
     read = generation_server.owned_host_array
 
     def fragile_read(outputs):
-        time.sleep(0.002)  # the steps outrun no stream before the failure
+        reads[0] += 1  # one a step (or a prefill)
+        if reads[0] >= HOLD_AT:
+            released.wait(HANG_S)
         if failing.is_set():
             raise RuntimeError("device failed on purpose")
         return read(outputs)
 
     monkeypatch.setattr(generation_server, "owned_host_array", fragile_read)
     with js.serve(generation(slots=2, max_length=512), name="gen-device-fail") as server:
-        fail_two_streams("gen-device-fail", failing, RuntimeError, "device failed on purpose")
+        fail_two_streams("gen-device-fail", failing, released, RuntimeError, "device failed on purpose")
         assert js.generate("gen-device-fail", [5], max_steps=3).tolist() == expected([5], 3), "the server goes on"
         stats = server.stats()
     assert stats.errors >= 1 and stats.slots_busy == 0
