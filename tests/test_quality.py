@@ -37,7 +37,7 @@ FOLDER_CAPS = {
     ".": 1_650,  # 1,550: cli's --model-load-timeout (issue 47); 1,600: mesh.py (tensor parallel, issue 44); 1,650:
     # --http-workers checked before serve changes the process, one array's rows as a batch (issue 48, batch.py)
     "cluster": 50,
-    "cluster/ray": 850,
+    "cluster/ray": 875,
     "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
     "compilers/evaluator": 1_000,
     "compilers/iree": 800,

@@ -90,7 +90,7 @@ class RayServing:
             if info["fingerprint"] != self._fingerprint:
                 log.warning("stopping replica %s: its owner is gone and it serves another version of '%s'",
                             actor_name, self.name)
-                stop_actor(actor)
+                stop_actor(actor_name, actor)
                 continue
             ray.get(actor.adopt.remote(self._owner))
             self._actors[actor_name] = actor
@@ -152,7 +152,7 @@ class RayServing:
         return counts
 
     def _stop_replica(self, actor_name: str) -> None:
-        stop_actor(self._actors.pop(actor_name))
+        stop_actor(actor_name, self._actors.pop(actor_name))
 
     def stats(self) -> DeploymentStats:
         """Stats per replica (``replicas``) and summed over them (``total``)."""

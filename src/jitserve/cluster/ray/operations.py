@@ -12,8 +12,10 @@ if its fingerprint matches).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
+import time
 import types
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,6 +31,9 @@ from ...serving.generation import Generation
 from ...serving.serving import Serving
 from ...serving.stats import FrontStats
 from .replicas import LOST, NAMESPACE, OwnerActor
+
+log = logging.getLogger("jitserve.cluster")
+ACTOR_END_S = 60.0  # how long a killed actor may keep its name before stopping it goes on with a warning
 
 
 def connect(address: str | None) -> None:
@@ -171,24 +176,35 @@ def replica_infos(name: str | None = None) -> list[tuple[str, Any, dict[str, Any
     return answers
 
 
-def stop_actor(actor: Any) -> None:
+def stop_actor(name: str, actor: Any) -> None:
     """Stop a replica gracefully (what has not started goes elsewhere), then end its actor."""
     try:
         ray.get(actor.stop.remote())
     except LOST:
         pass  # already gone: nothing left to drain
-    ray.kill(actor, no_restart=True)
-    try:  # ray.kill returns before the actor is dead: wait for it, so that its name is free when this returns
-        ray.get(actor.info.remote(), timeout=60)
-    except LOST:
-        pass
+    end_actor(name, actor)
 
 
 def kill_named(name: str) -> None:
+    """End the actor of that name (a weights holder), if there is one."""
     try:
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        end_actor(name, ray.get_actor(name, namespace=NAMESPACE))
     except ValueError:  # already gone
         pass
+
+
+def end_actor(name: str, actor: Any) -> None:
+    """End an actor for good and return once Ray has let its name go, so that a new actor may take it: ``ray.kill``
+    returns before the actor is dead, and a call made meanwhile may still be answered."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + ACTOR_END_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
+    log.warning("Ray actor %s was killed but still holds its name after %g s", name, ACTOR_END_S)
 
 
 def describe() -> list[dict[str, Any]]:
@@ -213,7 +229,7 @@ def stop_servings(names: Sequence[str] = (), stale: bool = False) -> list[str]:
     stopped, holders, kept_holders = [], set(), set()
     for actor_name, actor, info in replica_infos():
         if actor_name.rpartition("/")[0] in names or (stale and is_stale(info)):
-            stop_actor(actor)
+            stop_actor(actor_name, actor)
             stopped.append(actor_name)
             if info is not None and info.get("holder"):
                 holders.add(info["holder"])
