@@ -317,6 +317,19 @@ def test_penalties_over_openai_are_the_in_process_ones(client):
         [c.token for c in unpenalized.choices[0].logprobs.content]
 
 
+def test_min_tokens_over_openai_holds_the_end_back_as_in_process(client):
+    """vLLM's ``min_tokens`` extension: so many outputs before the end token may be picked, in the engine."""
+    seed = next(seed for seed in range(64)  # a sampled answer that ends early, at the end token
+                if len(js.generate("llama3", PROMPT, max_steps=20, temperature=1.0, seed=seed, logprobs=0)[1]) < 20)
+    asked = {"model": "llama3", "prompt": PROMPT, "max_tokens": 20, "seed": seed}
+    early = client.completions.create(**asked)
+    assert early.usage.completion_tokens < 20 and early.choices[0].finish_reason == "stop"
+    held = client.completions.create(**asked, extra_body={"min_tokens": 20})
+    text, _ = js.generate("llama3", PROMPT, max_steps=20, temperature=1.0, seed=seed, min_tokens=20, logprobs=0)
+    assert held.choices[0].text == text and held.usage.completion_tokens == 20
+    assert held.choices[0].finish_reason == "length"
+
+
 def test_a_stop_sequence_ends_the_text_before_it(client):
     whole = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     stop = whole[len(whole) // 2:len(whole) // 2 + 2]
@@ -374,7 +387,9 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
                            ({"presence_penalty": 2.5}, "'presence_penalty': presence_penalty must be a number from "
                                                        "-2 to 2 (0: none), got 2.5"),
                            ({"extra_body": {"repetition_penalty": 0}}, "'repetition_penalty': repetition_penalty "
-                                                                       "must be a finite number > 0 (1: none), got 0")]:
+                                                                       "must be a finite number > 0 (1: none), got 0"),
+                           ({"extra_body": {"min_tokens": -1}}, "'min_tokens': min_tokens must be an integer in [0, "
+                                                                "2147483648), got -1")]:
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, **asked)
         assert message in refused.value.message

@@ -5,7 +5,8 @@
   ``created`` when this server started).
 - ``POST /v1/completions``: ``prompt`` (a text, a list of texts, token ids, or lists of them), ``max_tokens``
   (default 16), ``temperature`` and ``top_p`` (OpenAI's defaults, 1: a request samples unless it sends
-  ``temperature: 0``), ``top_k`` and ``repetition_penalty`` (vLLM's extensions), ``presence_penalty``,
+  ``temperature: 0``), ``top_k``, ``repetition_penalty`` and ``min_tokens`` (vLLM's extensions: outputs
+  before which the end token is never picked), ``presence_penalty``,
   ``frequency_penalty``, ``seed``, ``stop``, ``n`` (n requests, the ``i``-th seeded ``seed + i`` when a seed
   is given), ``echo``, ``logprobs`` (0 to 20: each token's log-probability under the model, the most likely
   tokens' and the chosen one's by text, and ``text_offset``; not with ``echo``, whose prompt's

@@ -19,8 +19,10 @@ from .service import shown
 MAX_CHOICES = 128  # choices of one request (n times its prompts): each is a generation request
 MAX_INPUTS = 2048  # texts of one embeddings request (OpenAI's limit)
 SEEDS = 2**32  # a seed is any integer, taken modulo this (the engine's seeds are 32-bit)
-# the fields that make a choice's Sampling; top_k and repetition_penalty: vLLM's extensions, which the engine has
-SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# the fields that make a choice's Sampling; top_k, repetition_penalty and min_tokens: vLLM's extensions, which the
+# engine has
+SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "min_tokens")
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults: a request samples unless told not to
 
 # fields OpenAI defines that jitserve's engine does not implement yet -> the values that ask for nothing
