@@ -112,7 +112,7 @@ def test_model_error_takes_only_statuses_the_protocols_can_say():
 # gRPC streams -------------------------------------------------------------------------------------------
 
 def test_a_stream_that_is_never_read_holds_bounded_memory_and_is_cut_off_after_the_write_timeout(server):
-    baseline = resident(server)
+    baseline, cut_before = resident(server), server.output().count("stopped reading its replies")
 
     async def flood() -> tuple[int, int, str]:
         async with channel_to(server) as channel:
@@ -120,7 +120,7 @@ def test_a_stream_that_is_never_read_holds_bounded_memory_and_is_cut_off_after_t
             for index in range(100):  # 100 x 8 rows (3 KB): 800 MiB of replies, were they all made at once
                 await call.write(infer_request("wide", np.arange(8), f"r{index}"))
             peak = 0
-            while "stopped reading its replies" not in server.output():  # the 2 s write timeout, however late
+            while server.output().count("stopped reading its replies") == cut_before:  # the 2 s write timeout
                 peak = max(peak, resident(server) - baseline)
                 await asyncio.sleep(0.05)
             received = 0
@@ -264,7 +264,6 @@ def test_at_1024_descriptors_idle_grpc_connections_and_a_refused_burst_leave_htt
         assert running.request("GET", "/v2/health/ready")[0] == 200
         for _ in range(614):  # HTTP connections up to the cap
             held.append(socket.create_connection(("127.0.0.1", running.port)))
-        time.sleep(0.5)
         burst = [socket.create_connection(("127.0.0.1", running.port)) for _ in range(600)]
         answers = []
         for connection in burst:  # each is answered 503 with Retry-After, none reset
@@ -291,7 +290,6 @@ def test_stalled_tls_handshakes_are_counted_and_cut_at_the_read_timeout(certific
     try:
         baseline = descriptors(running)
         stalled = [socket.create_connection(("127.0.0.1", running.port)) for _ in range(10)]
-        time.sleep(0.3)
         extra = socket.create_connection(("127.0.0.1", running.port))  # past the cap: closed before a handshake
         extra.settimeout(10)
         assert http_answer(extra) == b""

@@ -389,7 +389,8 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
                            ({"extra_body": {"repetition_penalty": 0}}, "'repetition_penalty': repetition_penalty "
                                                                        "must be a finite number > 0 (1: none), got 0"),
                            ({"extra_body": {"min_tokens": -1}}, "'min_tokens': min_tokens must be an integer in [0, "
-                                                                "2147483648), got -1")]:
+                                                                "2147483648), got -1"),
+                           ({"extra_body": {"min_tokens": 3}}, "'min_tokens' (3) must be at most 'max_tokens' (2)")]:
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, **asked)
         assert message in refused.value.message

@@ -119,18 +119,19 @@ def test_load_reload_and_unload_under_eight_callers(repository, protocol):
         for thread in threads:
             thread.start()
         try:
-            time.sleep(0.5)
+            until(lambda: ("weighted", 2.0) in answers, "the callers to be answered by the first weights")
             save_params(repository / "weighted" / "weights.safetensors", weights(3))  # model.py unchanged
             client.client.load_model("weighted")
             assert client.infer("weighted", x).tolist() == [[6.0] * 4] * 2, "new weights once load returns"
             assert client.compiles(running, "weighted") == compiles, "a weights-only reload compiles nothing"
+            until(lambda: ("weighted", 6.0) in answers, "the callers to be answered by the new weights")
             write_model(repository, "weighted", WEIGHTED.format(extra=" + 100.0"))  # a new function: rebuilt
             client.client.load_model("weighted")
             assert client.infer("weighted", x).tolist() == [[106.0] * 4] * 2, "the new model once load returns"
             with pytest.raises(InferenceServerException, match="model 'broken' failed to load: this model needs "
                                                                "a GPU$"):
                 client.client.load_model("broken")
-            time.sleep(0.5)
+            until(lambda: ("weighted", 106.0) in answers, "the callers to be answered by the new model")
         finally:
             stop_load.set()
             for thread in threads:

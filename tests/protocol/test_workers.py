@@ -156,6 +156,7 @@ def test_64_callers_across_4_fronts_each_get_each_answer_once(workers):
     running, _, _ = workers
     pids = fronts(running)
     assert len(pids) == 4
+    assert listening(running) == pids, "the server said ready (start_server waits for it) once every front listened"
     rounds, answers, errors = 20, {}, []
     ports, connected = {}, threading.Barrier(65)
 

@@ -189,7 +189,8 @@ def http_config(service: InferenceService, host: str, port: int, limits: Limits 
 
 
 async def _serve_fronts(count: int, service: InferenceService, host: str, port: int, limits: Limits, access: Access,
-                        tls: Tls | None, grace: float, access_log: bool, stop_accepting: Callable[[], None]) -> None:
+                        tls: Tls | None, grace: float, access_log: bool, opened: Callable[[], None],
+                        stop_accepting: Callable[[], None]) -> None:
     """HTTP from ``count`` front processes over this one (``protocol/workers/``). They decode ``/infer``
     themselves unless what it may need lives in this process alone (client shared memory regions, traces):
     then every request is relayed here."""
@@ -200,7 +201,7 @@ async def _serve_fronts(count: int, service: InferenceService, host: str, port: 
         log.info("HTTP: the front processes relay /infer to this one, which holds the shared memory regions "
                  "clients register and makes the traces")
     settings = front_settings(host, port, count, limits, access, tls, grace, access_log, local_infer)
-    await serve_fronts(count, settings, service, HttpFront(service, limits, access), stop_accepting, grace)
+    await serve_fronts(count, settings, service, HttpFront(service, limits, access), opened, stop_accepting, grace)
 
 
 def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", port: int = 8000,
@@ -248,6 +249,11 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
                      grpc_server.port)
         config = http_config(service, host, port, limits, access, tls, grace)
 
+        def opened() -> None:
+            service.opening = False
+            if grpc_server is not None:
+                grpc_server.opened()
+
         def stop_accepting() -> None:
             service.draining = True
             if grpc_server is not None:
@@ -266,7 +272,7 @@ def run(start: Callable[[dict[str, Server]], None], host: str = "127.0.0.1", por
                 runner.run(HttpServer(config, stop_accepting).serve())
             else:
                 runner.run(_serve_fronts(http_workers, service, host, port, limits, access, tls, grace, access_log,
-                                         stop_accepting))
+                                         opened, stop_accepting))
     except KeyboardInterrupt as reason:
         log.info("%s: shutting down", str(reason) or "SIGINT")
     finally:

@@ -431,8 +431,7 @@ class GrpcServer:
         self._server = self._build()
         self._server.add_generic_rpc_handlers((_handlers(self._front),))
         self._health = health_aio.HealthServicer()
-        for name in ("", SERVICE):  # "" is the whole server, as grpc_health_probe asks by default
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._serving(self._front.service.ready())
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection([SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], self._server,
                                             pool=POOL)
@@ -443,6 +442,15 @@ class GrpcServer:
             port = self._server.add_secure_port(self._address, credentials)
         await self._server.start()
         return port
+
+    async def _serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):  # "" is the whole server, as grpc_health_probe asks by default
+            await self._health.set(name, status)
+
+    def opened(self) -> None:
+        """The server became ready after it started (its HTTP front processes all listen): health says SERVING."""
+        asyncio.run_coroutine_threadsafe(self._serving(True), self._loop).result()
 
     def begin_stop(self, grace: float) -> None:
         """Stop accepting calls now (new ones are refused UNAVAILABLE; health says NOT_SERVING); calls in

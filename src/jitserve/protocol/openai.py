@@ -350,6 +350,9 @@ class OpenAIDoor:
         chosen = {**fields.sampling(request), "logprobs": top}
         stop = fields.stop_sequences(request)
         asked = fields.integer(request, steps_field, default_steps)
+        if asked is not None and chosen.get("min_tokens", 0) > asked:
+            raise ParameterError(f"'min_tokens' ({chosen['min_tokens']}) must be at most '{steps_field}' ({asked})",
+                                 "min_tokens")
         for ids, _ in prompts:
             room = max_length - ids.size
             if room < 1 or (asked is not None and asked > room):

@@ -134,7 +134,7 @@ class ModelRepository:
             model = self._model(name)
             state = model.state if ready or model.state != "READY" else "UNAVAILABLE"
             entries.append({"name": name, "version": VERSION, "state": state,
-                            "reason": model.reason if ready else "draining"})
+                            "reason": model.reason if ready else self.service.unready_reason})
         return entries
 
     def load(self, name: str, parameters: Mapping[str, Any] | None) -> None:

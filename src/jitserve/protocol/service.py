@@ -267,9 +267,10 @@ class InferenceService:
         return [entry for entry in self.control.index(ready_only) if not ready_only or entry["state"] == "READY"]
 
     def served_index(self) -> list[dict[str, str]]:
-        """The models serving now, READY, or UNAVAILABLE once the server drains."""
+        """The models serving now, READY, or UNAVAILABLE while the server starts its fronts or drains."""
         state = "READY" if self.ready() else "UNAVAILABLE"
-        return [{"name": name, "version": version, "state": state, "reason": "" if state == "READY" else "draining"}
+        reason = "" if state == "READY" else self.unready_reason
+        return [{"name": name, "version": version, "state": state, "reason": reason}
                 for name, specs in self.versions.items() for version in specs]
 
     def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
@@ -308,6 +309,11 @@ class InferenceService:
     def server_metadata(self) -> dict[str, Any]:
         shared_memory = ["system_shared_memory"] if self.shared_memory.allowed else []
         return {"name": "jitserve", "version": __version__, "extensions": sorted(EXTENSIONS + shared_memory)}
+
+    @property
+    def unready_reason(self) -> str:
+        """Why the server says it is not ready: it is starting its fronts, or it drains."""
+        return "starting" if self.opening else "draining"
 
     def ready(self) -> bool:
         return not self.draining and not self.opening and all(not spec.server.stopping for spec in self.models.values())

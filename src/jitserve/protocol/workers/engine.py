@@ -284,10 +284,12 @@ def _how_it_ended(code: int) -> str:
 
 
 async def serve_fronts(count: int, settings: dict[str, Any], service: InferenceService,
-                       app: Callable[..., Awaitable[None]], stop_accepting: Callable[[], None], grace: float) -> None:
-    """Run ``count`` front processes until SIGINT or SIGTERM, then drain them (``stop_accepting`` first: not
-    ready, gRPC refusing). The signal is raised again once they have exited, for the caller's own shutdown,
-    as uvicorn's server does; a second one meanwhile is logged and ignored."""
+                       app: Callable[..., Awaitable[None]], opened: Callable[[], None],
+                       stop_accepting: Callable[[], None], grace: float) -> None:
+    """Run ``count`` front processes (``opened()`` once all listen: ready) until SIGINT or SIGTERM, then drain
+    them (``stop_accepting`` first: not ready, gRPC refusing). The signal is raised again once they have
+    exited, for the caller's own shutdown, as uvicorn's server does; a second one meanwhile is logged and
+    ignored."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     captured: list[int] = []
@@ -304,7 +306,7 @@ async def serve_fronts(count: int, settings: dict[str, Any], service: InferenceS
     fronts = Fronts(count, settings, service, app)
     try:
         await fronts.start()
-        service.opening = False  # ready: a client sent on now may reach any front (the kernel spreads them)
+        opened()  # ready: a client sent on now may reach any front (the kernel spreads them)
         log.info("HTTP: %d front processes share the port (pids %s)", count, ", ".join(map(str, fronts.pids())))
         await stop.wait()
         log.info("%s: the HTTP front processes stop accepting and finish their requests",
