@@ -97,9 +97,11 @@ class Running:
         assert self.process.poll() is None
 
 
-def start_server(target: str, *extra: str, tls_ca: str | None = None, open_files: int | None = None) -> Running:
+def start_server(target: str, *extra: str, tls_ca: str | None = None, open_files: int | None = None,
+                 env: dict[str, str] | None = None) -> Running:
     """``jitserve serve target`` on two free ports with ``extra`` flags, once it reports ready (over HTTPS,
-    trusting ``tls_ca``, when given; allowed ``open_files`` descriptors, soft and hard, when given)."""
+    trusting ``tls_ca``, when given; allowed ``open_files`` descriptors, soft and hard, when given; with
+    ``env`` added to this process's environment, when given)."""
     port, grpc_port = free_port(), free_port()
 
     def limit_files() -> None:
@@ -112,7 +114,7 @@ def start_server(target: str, *extra: str, tls_ca: str | None = None, open_files
     process = subprocess.Popen(
         [sys.executable, "-m", "jitserve", "serve", target, "--port", str(port), "--grpc-port", str(grpc_port),
          *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=None if open_files is None else limit_files)
+        preexec_fn=None if open_files is None else limit_files, env=None if env is None else {**os.environ, **env})
     running = Running(process, port, grpc_port, tls_ca)
     deadline = time.monotonic() + 300  # a bound for a server that never starts; a busy CI machine compiles slowly
     while time.monotonic() < deadline:

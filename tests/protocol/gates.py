@@ -2,7 +2,7 @@
 without timing: a gated model's batch writes a line to ``GATE/MODEL.started`` as it starts, then waits while
 ``GATE/MODEL.hold`` exists. ``GATE`` is the folder in ``$JITSERVE_TEST_GATE`` of the server's environment;
 without it a gated model runs at once. The models' files import ``gated``; the tests, ``holding`` and
-``started``."""
+``started``, and ``gate_env`` to start the server with."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-GATE = os.environ.get("JITSERVE_TEST_GATE")
+VARIABLE = "JITSERVE_TEST_GATE"
+GATE = os.environ.get(VARIABLE)
 
 
 def gated(model: str) -> None:
@@ -22,6 +23,11 @@ def gated(model: str) -> None:
             started_file.write("batch\n")
         while Path(GATE, f"{model}.hold").exists():
             time.sleep(0.002)
+
+
+def gate_env(gate: Path) -> dict[str, str]:
+    """The environment that gates a server's models in the folder ``gate`` (``start_server(..., env=)``)."""
+    return {VARIABLE: str(gate)}
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from gates import holding, started
+from gates import gate_env, holding, started
 
 import jitserve as js
 from jitserve.protocol.grpc import MESSAGES
@@ -192,9 +192,7 @@ def not_ready(running: Running) -> bool:
 
 
 def test_sigterm_ends_an_open_stream_once_it_has_answered_what_it_accepted(tmp_path):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JITSERVE_TEST_GATE", str(tmp_path))
-        running = start_server(MODELS, "--drain-timeout", "600")
+    running = start_server(MODELS, "--drain-timeout", "600", env=gate_env(tmp_path))
 
     async def at_shutdown() -> tuple[list, str]:
         async with channel_to(running) as channel:

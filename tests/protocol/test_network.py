@@ -27,7 +27,7 @@ pytest.importorskip("uvicorn")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 import network_models  # noqa: E402
-from gates import holding, started  # noqa: E402
+from gates import gate_env, holding, started  # noqa: E402
 from network_models import example  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
@@ -39,8 +39,9 @@ MAX_BODY = 200_000
 MODELS = str(ROOT / "tests/protocol/network_models.py") + ":models"
 
 
-def start(*extra: str) -> Running:
-    return start_server(MODELS, "--max-body-bytes", str(MAX_BODY), *extra)
+def start(*extra: str, gate: Path | None = None) -> Running:
+    """A server of the network models (gated in the folder ``gate``, when given)."""
+    return start_server(MODELS, "--max-body-bytes", str(MAX_BODY), *extra, env=None if gate is None else gate_env(gate))
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +52,7 @@ def gate(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(gate):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JITSERVE_TEST_GATE", str(gate))
-        running = start("--request-timeout", "0.3")
+    running = start("--request-timeout", "0.3", gate=gate)
     yield running
     output = stop(running)
     assert "SIGTERM: shutting down" in output
@@ -70,9 +69,7 @@ def server(gate):
 @pytest.fixture(scope="module")
 def patient(gate):
     """A server of the same models without a request timeout: what a test holds waits as long as it holds it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JITSERVE_TEST_GATE", str(gate))
-        running = start()
+    running = start(gate=gate)
     yield running
     stop(running)
 
@@ -971,9 +968,7 @@ def test_a_second_server_on_a_taken_port_refuses_to_start_and_the_first_keeps_it
 
 
 def test_sigterm_stops_both_fronts_at_once_and_answers_everything_accepted(gate):
-    with pytest.MonkeyPatch.context() as patch:  # its batches held while the signal comes
-        patch.setenv("JITSERVE_TEST_GATE", str(gate))
-        running = start()
+    running = start(gate=gate)  # its batches held while the signal comes
     results: dict[str, object] = {}
     rows = [float(v) for v in range(8)]  # 4 batches of 0.1 s
 

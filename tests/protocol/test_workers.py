@@ -34,10 +34,7 @@ def gated_server(tmp_path, *extra):
     """A server of the test models whose gated batches wait while ``hold`` exists and are written to
     ``batches``: (running, hold, batches)."""
     hold, batches = tmp_path / "hold", tmp_path / "batches"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JITSERVE_TEST_HOLD", str(hold))
-        patch.setenv("JITSERVE_TEST_BATCHES", str(batches))
-        running = start_server(MODELS, *extra)
+    running = start_server(MODELS, *extra, env={"JITSERVE_TEST_HOLD": str(hold), "JITSERVE_TEST_BATCHES": str(batches)})
     try:
         yield running, hold, batches
     finally:
