@@ -63,8 +63,9 @@ FOLDER_CAPS = {
     # 1,775: the corridor an object each server owns, its entry points given on the server; 1,850: Triton's
     # statistics (issue 46: each batch's phases, each completed request's wait and share of them); 1,875:
     # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46); 1,900: the
-    # per-request path lean (issue 48: one queue's plan without urgencies, completions counted per batch)
-    "serving": 1_900,
+    # per-request path lean (issue 48: one queue's plan without urgencies, completions counted per batch);
+    # 1,925: the adaptive window's memory of the rows in flight at once (issue 48: batches under gRPC load)
+    "serving": 1_925,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
     # request's share); 1,450: a generation's typed entry points on the one contract (issue 43: Prompt, call
     # and stream, the caller's side of js.generate moved here from the registry); 1,650: log-probabilities

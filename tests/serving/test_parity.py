@@ -222,12 +222,12 @@ def test_adaptive_window_runs_at_once_when_arrivals_are_sparse_and_waits_when_de
     sparse = _queues(adaptive=True)
     _arrive(sparse, 0.0)
     assert sparse.ready(0.0, draining=False)[0] is None, "no arrival rate known yet: wait as a fixed window does"
-    sparse.take(("signature",), 0.002)
+    sparse.finished(sparse.take(("signature",), 0.002)[1].size)
     for step in range(1, 4):  # one caller: a row every 10 ms, each run at once
         _arrive(sparse, step * 0.01)
         signature, _ = sparse.ready(step * 0.01, draining=False)
         assert signature == ("signature",), "a batch that will not fill in 2 ms runs now"
-        sparse.take(signature, step * 0.01)
+        sparse.finished(sparse.take(signature, step * 0.01)[1].size)
     dense = _queues(adaptive=True)
     for step in range(3):  # rows 10 us apart: 8 will be there well within the window
         _arrive(dense, step * 1e-5)
@@ -239,6 +239,46 @@ def test_adaptive_window_runs_at_once_when_arrivals_are_sparse_and_waits_when_de
         assert fixed.ready(step * 0.01, draining=False)[0] is None, "adaptive=False waits for the window"
         assert fixed.ready(step * 0.01 + 0.002, draining=False)[0] == ("signature",)
         fixed.take(("signature",), step * 0.01 + 0.002)
+
+
+def _rounds_of_lone_rows(queues: Queues, callers: int, rounds: int = 2) -> list[list[int]]:
+    """A caller's rows 10 ms apart (the rate the queues know), then ``rounds`` rounds in which ``callers``
+    rows reach the queue one at a time, 0.1 ms apart, as a gRPC client's streams do when the server's front
+    hands them over one by one; each round ends once all of its batches were answered. The sizes of the
+    batches of each round (a worker takes a batch as soon as one is ready; its batches run until the end of
+    the round)."""
+    for now in (0.0, 0.01):
+        _arrive(queues, now)
+        queues.finished(queues.take(("signature",), now + 0.002)[1].size)
+    sizes: list[list[int]] = []
+    now = 0.02
+    for _ in range(rounds):
+        sizes.append([])
+        for _ in range(callers):
+            now += 1e-4
+            _arrive(queues, now)
+            while (signature := queues.ready(now, draining=False)[0]) is not None:
+                sizes[-1].append(queues.take(signature, now)[1].size)
+        while queues:  # the last rows: they run when due
+            now += 1e-4
+            if (signature := queues.ready(now, draining=False)[0]) is not None:
+                sizes[-1].append(queues.take(signature, now)[1].size)
+        queues.finished(queues.running)
+    return sizes
+
+
+def test_adaptive_window_forms_batches_of_the_rows_many_callers_keep_in_flight():
+    policy = BatchPolicy(batch_size=16, batch_sizes=(1, 2, 4, 8, 16), batch_timeout=0.002)
+    many = _rounds_of_lone_rows(Queues(policy), callers=16)
+    assert many[0] == [1] * 16 and min(many[1]) >= 4 and sum(many[1]) == 16, \
+        f"once 16 rows were in flight at once, the next round's batches wait for a quarter of a batch (4 rows) " \
+        f"each; got batches {many}"
+    few = _rounds_of_lone_rows(Queues(policy), callers=3)
+    assert few == [[1] * 3, [1] * 3], f"3 callers keep too few rows in flight to wait for; got batches {few}"
+    later = Queues(policy)
+    _rounds_of_lone_rows(later, callers=16, rounds=1)
+    _arrive(later, 0.06)  # 40 ms after the 16 were in flight, their peak has halved five times
+    assert later.ready(0.06, draining=False)[0] == ("signature",), "a lone caller's row runs at once again"
 
 
 # streaming ---------------------------------------------------------------------------------------

@@ -182,6 +182,7 @@ class BatchRunner:
             stats.execution_s += elapsed
             stats.errors += error is not None
             self._in_flight -= 1
+            self._queues.finished(batch.size)
         self._wake(finished)
         if self._listeners:
             for listener in self._listeners:

@@ -6,8 +6,9 @@ signature (key, structure, per-row shapes and
 dtypes), at their priority level. :class:`Queues` decides which queue is
 ready (full, its oldest row has waited ``batch_timeout``, the server is
 draining, or, with the adaptive window, the arrival rate says it will not fill
-in time), takes rows from it (the most urgent first, ``BatchPolicy.rows_to_take``,
-splitting a piece that does not fit), pads them to a compiled size
+in time and no rows the recent load had in flight are still to come), takes
+rows from it (the most urgent first, ``BatchPolicy.rows_to_take``, splitting a
+piece that does not fit), pads them to a compiled size
 (``BatchPolicy.padded_size``), and takes requests back off the queues
 (timeouts, cancelled callers, a stop without drain). It holds no lock of its
 own: the server calls it under its condition.
@@ -32,6 +33,9 @@ from ..errors import QueueFullError, RequestTooLargeError
 from .request import Request
 
 Signature = tuple[Any, ...]
+# the adaptive window's memory of how many rows were in flight at once: it halves every this many batch_timeouts
+PEAK_HALF_LIFE_WINDOWS = 4
+FORMING_FRACTION = 4  # a quarter of batch_size: rows worth a batch of their own under load
 
 
 class Piece:
@@ -128,8 +132,8 @@ class _SignatureQueue:
 class Queues:
     """The queues of pieces per batch signature, and the rows queued in each, per level and in all."""
 
-    __slots__ = ("policy", "level_limits", "_queues", "depth", "level_depth", "_last_arrival", "_seconds_per_row",
-                 "wake_at", "waiting")
+    __slots__ = ("policy", "level_limits", "_queues", "depth", "level_depth", "running", "_last_arrival",
+                 "_seconds_per_row", "_peak", "_peak_at", "wake_at", "waiting")
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
@@ -137,8 +141,11 @@ class Queues:
         self._queues: dict[Signature, _SignatureQueue] = {}
         self.depth = 0
         self.level_depth: dict[int, int] = {}
+        self.running = 0  # rows taken by workers whose batches have not finished (see ``finished``)
         self._last_arrival: float | None = None
         self._seconds_per_row: float | None = None  # the arrival gap per row, smoothed (the adaptive window)
+        self._peak = 0.0  # the most rows queued and running at once lately, decaying (the adaptive window)
+        self._peak_at = 0.0
         self.wake_at = math.inf  # when a waiting worker looks at the queues next on its own (see ``ready``)
         self.waiting = 0  # workers waiting on the server's condition: with none, no arrival needs to wake one
 
@@ -185,6 +192,10 @@ class Queues:
         return self.waiting > 0 and self._run_at(queue) < self.wake_at
 
     def _arrived(self, rows: int, now: float) -> None:
+        """The arrival rate and the peak of rows in flight (queued and running), for the adaptive window."""
+        horizon = PEAK_HALF_LIFE_WINDOWS * self.policy.batch_timeout
+        decayed = self._peak * 0.5 ** ((now - self._peak_at) / horizon) if horizon > 0 else 0.0
+        self._peak, self._peak_at = max(self.depth + self.running, decayed), now
         if self._last_arrival is not None:
             gap = (now - self._last_arrival) / rows
             previous = self._seconds_per_row
@@ -193,8 +204,13 @@ class Queues:
 
     def _run_at(self, queue: _SignatureQueue) -> float:
         """When a queue is to run: now when it holds a full batch; else when its oldest row has waited
-        ``batch_timeout``, or (adaptive, the arrival rate known) sooner, from the moment when the rows still
-        missing would, at that rate, arrive only after then (it will not fill in time)."""
+        ``batch_timeout``, or (adaptive, the arrival rate known) sooner: from the moment when the rows still
+        missing would, at that rate, arrive only after then (it will not fill in time); but while the queue
+        holds less than a quarter of ``batch_size`` and the peak of rows in flight (queued and running) at
+        once lately was at least that, not before the rows still to come (that peak, less those in flight
+        now) have had time to arrive at that rate. A lone caller has none to come, so its row runs at
+        once; callers that keep many requests in flight (a gRPC client's streams, a load generator) get
+        batches worth running even when each of their requests reaches the queue alone."""
         policy = self.policy
         missing = policy.batch_size - queue.rows
         if missing <= 0:
@@ -203,7 +219,13 @@ class Queues:
         per_row = self._seconds_per_row
         if not policy.adaptive or per_row is None:  # unknown rate: wait as a fixed window does
             return due
-        return due - missing * per_row
+        will_not_fill = due - missing * per_row
+        formed = math.ceil(policy.batch_size / FORMING_FRACTION)  # rows worth a batch of their own
+        coming = min(int(self._peak + 0.5) - self.depth - self.running, formed - queue.rows)
+        if coming <= 0 or self._peak < formed:
+            return will_not_fill
+        assert self._last_arrival is not None, "a rate is known once two rows arrived"
+        return max(will_not_fill, min(due, self._last_arrival + coming * per_row))
 
     def ready(self, now: float, draining: bool) -> tuple[Signature | None, float | None]:
         """The queue to run now (full, due, draining, or not going to fill in time; the most urgent head
@@ -262,7 +284,13 @@ class Queues:
             if not level_queue:
                 queue.drop_empty()
         self._forget(signature, taken)
-        return taken, policy.join(taken)
+        batch = policy.join(taken)
+        self.running += batch.size
+        return taken, batch
+
+    def finished(self, rows: int) -> None:
+        """A batch of ``rows`` rows that ``take`` gave has finished running (its callers are answered)."""
+        self.running -= rows
 
     def withdraw(self, request: Request) -> None:
         """Take every queued piece of ``request`` off the queues."""
