@@ -133,7 +133,7 @@ class Queues:
     """The queues of pieces per batch signature, and the rows queued in each, per level and in all."""
 
     __slots__ = ("policy", "level_limits", "_queues", "depth", "level_depth", "running", "_last_arrival",
-                 "_seconds_per_row", "_peak", "_peak_at", "wake_at", "waiting")
+                 "_seconds_per_row", "_peak", "_peak_at", "_peak_half_life", "_formed", "wake_at", "waiting")
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
@@ -146,6 +146,8 @@ class Queues:
         self._seconds_per_row: float | None = None  # the arrival gap per row, smoothed (the adaptive window)
         self._peak = 0.0  # the most rows queued and running at once lately, decaying (the adaptive window)
         self._peak_at = 0.0
+        self._peak_half_life = PEAK_HALF_LIFE_WINDOWS * policy.batch_timeout
+        self._formed = math.ceil(policy.batch_size / FORMING_FRACTION)  # rows worth a batch of their own
         self.wake_at = math.inf  # when a waiting worker looks at the queues next on its own (see ``ready``)
         self.waiting = 0  # workers waiting on the server's condition: with none, no arrival needs to wake one
 
@@ -193,8 +195,8 @@ class Queues:
 
     def _arrived(self, rows: int, now: float) -> None:
         """The arrival rate and the peak of rows in flight (queued and running), for the adaptive window."""
-        horizon = PEAK_HALF_LIFE_WINDOWS * self.policy.batch_timeout
-        decayed = self._peak * 0.5 ** ((now - self._peak_at) / horizon) if horizon > 0 else 0.0
+        half_life = self._peak_half_life
+        decayed = self._peak * 0.5 ** ((now - self._peak_at) / half_life) if half_life > 0 else 0.0
         self._peak, self._peak_at = max(self.depth + self.running, decayed), now
         if self._last_arrival is not None:
             gap = (now - self._last_arrival) / rows
@@ -220,7 +222,7 @@ class Queues:
         if not policy.adaptive or per_row is None:  # unknown rate: wait as a fixed window does
             return due
         will_not_fill = due - missing * per_row
-        formed = math.ceil(policy.batch_size / FORMING_FRACTION)  # rows worth a batch of their own
+        formed = self._formed
         coming = min(int(self._peak + 0.5) - self.depth - self.running, formed - queue.rows)
         if coming <= 0 or self._peak < formed:
             return will_not_fill
