@@ -41,6 +41,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def front_processes(server_pid: int) -> list[int]:
+    """The pids of a ``jitserve serve --http-workers N`` (or ``front``) process's HTTP front processes: its
+    children running the front module."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            command = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == server_pid and b"jitserve.protocol.workers.front" in command:
+            found.append(int(entry))
+    return sorted(found)
+
+
 def wait_ready(port: int, process: subprocess.Popen, seconds: float) -> None:
     """Poll ``/v2/health/ready`` until it answers 200; fail with the process's output if it exits first."""
     deadline = time.monotonic() + seconds

@@ -31,7 +31,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import jitserve as js  # noqa: E402
 from jitserve.cluster import ray as cluster  # noqa: E402
 from jitserve.protocol.service import InferenceService  # noqa: E402
-from netutil import free_port, wait_ready  # noqa: E402
+from netutil import free_port, front_processes, wait_ready  # noqa: E402
 from waiting import HANG_S  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -225,6 +225,8 @@ def _cli(*args):
 
 
 def test_serve_with_ray_and_a_front_in_another_process_answer_tritonclient(ray_cluster):
+    """The front runs two HTTP front processes (``--http-workers 2``): their rows reach the Ray replicas
+    through the front's engine as a one-process front's do."""
     import tritonclient.http as httpclient
 
     serve_port, front_port = free_port(), free_port()
@@ -235,8 +237,10 @@ def test_serve_with_ray_and_a_front_in_another_process_answer_tritonclient(ray_c
         wait_ready(serve_port, served, 120)
         replica = cluster._actor_names("netaffine")
         assert replica == ["netaffine/0"]
-        front = _cli("front", "--ray", ray_cluster.address, "--port", str(front_port), "--no-grpc")
+        front = _cli("front", "--ray", ray_cluster.address, "--port", str(front_port), "--no-grpc",
+                     "--http-workers", "2")
         wait_ready(front_port, front, 120)
+        assert len(front_processes(front.pid)) == 2
         x = _rows(3, seed=5)
         for port in (serve_port, front_port):
             client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")

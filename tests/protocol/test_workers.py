@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from netutil import ROOT, start_server, stop
+from netutil import ROOT, front_processes, start_server, stop
 
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -47,23 +47,6 @@ def gated_server(tmp_path, *extra):
 def workers(tmp_path_factory):
     with gated_server(tmp_path_factory.mktemp("workers"), "--http-workers", "4") as gated:
         yield gated
-
-
-def fronts(running) -> list[int]:
-    """The pids of the server's front processes (its children running the front module)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            command = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == running.process.pid and b"jitserve.protocol.workers.front" in command:
-            found.append(int(entry))
-    return sorted(found)
 
 
 def sockets(running, pids) -> list[tuple[str, str, int]]:
@@ -94,7 +77,7 @@ def owners(running, pids) -> dict[int, int]:
 
 def listening(running) -> list[int]:
     """The front processes listening on the port now."""
-    return sorted(pid for state, _, pid in sockets(running, fronts(running)) if state == "0A")
+    return sorted(pid for state, _, pid in sockets(running, front_processes(running.process.pid)) if state == "0A")
 
 
 def wait_for(condition, what):
@@ -151,7 +134,7 @@ def batches(path, model) -> list[list[float]]:
 
 def test_64_callers_across_4_fronts_each_get_each_answer_once(workers):
     running, _, _ = workers
-    pids = fronts(running)
+    pids = front_processes(running.process.pid)
     assert len(pids) == 4
     assert listening(running) == pids, "the server said ready (start_server waits for it) once every front listened"
     rounds, answers, errors = 20, {}, []
@@ -203,7 +186,7 @@ def test_batches_hold_rows_from_several_fronts(workers):
         caller.start()
     # the first batch waits on the hold; every other row waits in the engine's queue, whichever front it came by
     wait_for(lambda: metric(running, "jitserve_queue_depth", "gated") >= 56, "56 rows queued in the engine")
-    held = owners(running, fronts(running))
+    held = owners(running, front_processes(running.process.pid))
     front_of = {caller.value: held[caller.port] for caller in callers}
     hold.unlink()
     for caller in callers:
@@ -245,7 +228,7 @@ def held_callers(running, hold) -> list[Caller]:
 def test_a_killed_front_loses_only_its_own_requests_and_is_started_again(workers):
     running, hold, log = workers
     before = len(batches(log, "gated1"))
-    pids = fronts(running)
+    pids = front_processes(running.process.pid)
     callers = held_callers(running, hold)
     held = owners(running, pids)
     by_front = {pid: [caller for caller in callers if held[caller.port] == pid] for pid in pids}
@@ -281,7 +264,7 @@ def test_a_killed_front_loses_only_its_own_requests_and_is_started_again(workers
 
 def test_sigterm_drains_every_front_and_the_engine(tmp_path):
     with gated_server(tmp_path, "--http-workers", "2") as (running, hold, log):
-        pids = fronts(running)
+        pids = front_processes(running.process.pid)
         callers = held_callers(running, hold)
         running.process.send_signal(signal.SIGTERM)
 
@@ -325,7 +308,7 @@ def test_past_the_drain_timeout_a_front_answers_503_and_its_requests_leave_the_e
 
 def test_fronts_whose_engine_dies_answer_what_they_hold_503_and_exit(tmp_path):
     with gated_server(tmp_path, "--http-workers", "2") as (running, hold, _):
-        pids = fronts(running)
+        pids = front_processes(running.process.pid)
         hold.touch()
         callers = [Caller(running, "gated1", float(index)) for index in (1, 2)]
         for caller in callers:
