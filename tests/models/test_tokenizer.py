@@ -4,10 +4,15 @@ streaming text that never splits a character or repeats a piece, and the chat te
 
 from __future__ import annotations
 
+import random
+
+from checkpoints import VARIANTS
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
 from jitserve.models import Tokenizer
 from jitserve.models.checkpoint import Checkpoint
+from jitserve.models.tokenizer import CONTEXT_TOKENS
 
 TEXTS = ["a", "Once upon a time", "naïve café ✓ 東京 Ελληνικά", "", "  spaces  and\nnew lines\t"]
 
@@ -57,3 +62,69 @@ def test_the_chat_template_renders_as_transformers(made):
     ours = Tokenizer(Checkpoint(folder)).render_chat(messages)
     assert ours == AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, add_generation_prompt=True,
                                                                               tokenize=False)
+
+
+def generative_tokenizers(made):
+    """The distinct tokenizers of the made checkpoints that generate text (each variant's tokenizer.json once)."""
+    distinct = {}
+    for variant in VARIANTS:
+        folder = made(variant)
+        distinct.setdefault((folder / "tokenizer.json").read_bytes(), (variant, folder))
+    return list(distinct.values())
+
+
+def generated_text(tokenizer, context, ids):
+    """What a stream should give for ``ids`` after ``context`` (the prompt's last CONTEXT_TOKENS ids): the
+    text that decoding them after the context adds to the context's own text, from the first character where
+    the two differ (a prompt ending in an unfinished character has that character finished by ``ids``)."""
+    before, after = tokenizer.decode(context), tokenizer.decode([*context, *ids])
+    alike = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+    return after[alike:]
+
+
+def id_drawer(rng, tokenizer):
+    """``draw(count)``: token ids from the whole vocabulary, a third of them bytes of unfinished characters
+    (U+FFFD alone), a sixth special tokens or ids past the vocabulary, which decode to nothing."""
+    vocabulary = tokenizer.vocabulary
+    partial = [i for i in range(vocabulary) if "\ufffd" in tokenizer.decode([i])]
+    empty = [i for i in range(vocabulary) if tokenizer.decode([i]) == ""] + [vocabulary, vocabulary + 7]
+    kinds = [lambda: rng.randrange(vocabulary)] * 3 + [lambda: rng.choice(partial)] * 2 + [lambda: rng.choice(empty)]
+    return lambda count: [rng.choice(kinds)() for _ in range(count)]
+
+
+def stream_pieces(tokenizer, prompt, ids):
+    stream = tokenizer.stream(prompt)
+    pieces = [stream.feed(i) for i in ids]
+    pieces.append(stream.finish())
+    assert stream.finish() == "", "a second finish() gives nothing more"
+    return pieces
+
+
+def decode_stream_pieces(tokenizer, context, ids):
+    """What ``tokenizers``' own DecodeStream gives for ``ids``, stepped through ``context`` first."""
+    stream = DecodeStream(skip_special_tokens=True)
+    for i in context:
+        stream.step(tokenizer.rust, i)
+    return [stream.step(tokenizer.rust, i) or "" for i in ids]
+
+
+def test_any_token_ids_stream_as_they_decode_whole_and_once(made):
+    """A model may generate any ids: the pieces of each of 600 random sequences per tokenizer (1 to 40 ids,
+    after no prompt, a text's prompt or random ids) join to the text decoding gives (``generated_text``), so
+    no character is split, changed after it went out, sent twice or lost, after special tokens and at
+    finish() too. After a text's prompt, the prompt's last CONTEXT_TOKENS ids read as the whole prompt, and the
+    pieces are DecodeStream's."""
+    rng = random.Random(20240611)
+    for variant, folder in generative_tokenizers(made):
+        tokenizer = Tokenizer(Checkpoint(folder))
+        prompts, draw = [[], *(tokenizer.encode(text) for text in TEXTS)], id_drawer(rng, tokenizer)
+        for case in range(600):
+            text = case % (len(prompts) + 1)  # 0: a prompt of random ids
+            prompt = prompts[text - 1] if text else draw(rng.randrange(13))
+            ids = draw(rng.randint(1, 40))
+            pieces = stream_pieces(tokenizer, prompt, ids)
+            expected = generated_text(tokenizer, prompt[-CONTEXT_TOKENS:], ids)
+            assert "".join(pieces) == expected, (variant, prompt, ids, pieces, expected)
+            if text:
+                assert expected == generated_text(tokenizer, prompt, ids), (variant, prompt, ids)
+                assert pieces[:-1] == decode_stream_pieces(tokenizer, prompt[-CONTEXT_TOKENS:], ids), (variant, ids)

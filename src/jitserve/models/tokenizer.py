@@ -125,31 +125,42 @@ class TextStream:
     """Decodes a generation's tokens to text as they come (the offsets of TGI's and vLLM's detokenizer):
     text goes out only once it no longer ends in an unfinished character (U+FFFD), so a character split
     across byte tokens arrives whole, and pieces that merge on decoding are sent once. The prompt's last
-    tokens lead, so a first token's leading space is kept as it reads after the prompt."""
+    tokens lead, so a first token's leading space is kept as it reads after the prompt; where the prompt
+    ends in an unfinished character, the piece that finishes it goes out whole."""
 
-    __slots__ = ("tokenizer", "ids", "prefix", "read")
+    __slots__ = ("tokenizer", "ids", "read", "sent")
 
     def __init__(self, tokenizer: Tokenizer, context: list[int]) -> None:
         self.tokenizer = tokenizer
-        self.ids = context
-        self.prefix = 0  # ids[prefix:read] were decoded and sent; they lead the next decoding
+        self.ids = context  # the ids sent last (their text leads the next decoding), then those held
         self.read = len(context)
+        self.sent = tokenizer.decode(context)  # the text of ids[:read]
 
     def feed(self, token: Any) -> str:
         """The new text once ``token`` came ("" while a character is unfinished)."""
         self.ids.append(int(token))
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix:self.read])
-        text = decode(self.ids[self.prefix:])
-        if len(text) > len(before) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(before):]
-        return ""
+        text = self.tokenizer.decode(self.ids)
+        return "" if text.endswith("\ufffd") else self._send(text)
 
     def finish(self) -> str:
-        """What is still held when the tokens end (an unfinished character, as decoding shows it)."""
-        decode = self.tokenizer.decode
-        return decode(self.ids[self.prefix:])[len(decode(self.ids[self.prefix:self.read])):]
+        """What is still held when the tokens end (an unfinished character, as decoding shows it), once."""
+        return self._send(self.tokenizer.decode(self.ids))
+
+    def _send(self, text: str) -> str:
+        """``text``'s part past what went out (from the first character that changed, where the prompt's
+        unfinished one did); the held ids then lead the next decoding."""
+        kept = len(self.sent) if text.startswith(self.sent) else _common_start(self.sent, text)
+        if kept == len(text):
+            return ""
+        del self.ids[:self.read]
+        self.read = len(self.ids)
+        self.sent = self.tokenizer.decode(self.ids)
+        return text[kept:]
+
+
+def _common_start(one: str, other: str) -> int:
+    """How many characters ``one`` and ``other`` begin with alike."""
+    return next((i for i, (a, b) in enumerate(zip(one, other)) if a != b), min(len(one), len(other)))
 
 
 def _as_text(text: Any, index: int) -> str:
