@@ -5,6 +5,7 @@ by ``transformers`` beside them. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -47,6 +48,29 @@ def byte_level_tokenizer(vocabulary: int, bos: str, eos: str, add_bos: bool) -> 
     if add_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    return tokenizer
+
+
+def byte_fallback_tokenizer(vocabulary: int) -> Tokenizer:
+    """A SentencePiece-style BPE as Llama 2's and Mistral's first: spaces as "▁", ``<0xNN>`` tokens for
+    the bytes of characters the merges learnt on ``CORPUS`` lack, <s> text."""
+    specials = ["<unk>", "<s>", "</s>"]
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    learnt = Tokenizer(models.BPE(unk_token="<unk>"))
+    learnt.normalizer = normalizer
+    learnt.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocabulary - 256, special_tokens=specials))
+    model = json.loads(learnt.to_str())["model"]
+    pieces = [*specials, *(f"<0x{byte:02X}>" for byte in range(256)),
+              *(piece for piece in sorted(model["vocab"], key=model["vocab"].get) if piece not in specials)]
+    tokenizer = Tokenizer(models.BPE({piece: i for i, piece in enumerate(pieces)},
+                                     [tuple(merge) for merge in model["merges"]], unk_token="<unk>",
+                                     byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizer
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(specials)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                             special_tokens=[("<s>", 1)])
     return tokenizer
 
 
@@ -132,6 +156,16 @@ def llama(folder: Path, architecture: str = "llama", heads: int = 8, kv_heads: i
     return save(folder, model, tokenizer, "<|begin_of_text|>", "<|end_of_text|>", **save_options)
 
 
+def tokenizer_only(folder: Path) -> Path:
+    """A folder with a Llama 2-style byte-fallback tokenizer and a config.json that names no weights: what
+    the tokenizer tests read (a checkpoint's tokenizer is read from its folder)."""
+    fast = PreTrainedTokenizerFast(tokenizer_object=byte_fallback_tokenizer(512), bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 512}))
+    return folder
+
+
 def bert(folder: Path, task: str = "classification", seed: int = 0) -> Path:
     tokenizer = wordpiece_tokenizer(VOCABULARY)
     config = BertConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
@@ -159,3 +193,4 @@ VARIANTS = {  # the config variants the tests compare, by name
     "llama-sharded": lambda folder: llama(folder, seed=5, max_shard_size="40KB"),
     "llama-bfloat16": lambda folder: llama(folder, seed=6, dtype=torch.bfloat16),
 }
+TOKENIZERS = {"llama2-byte-fallback": tokenizer_only}  # folders with a tokenizer alone, by name

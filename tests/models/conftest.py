@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import jax
 import pytest
-from checkpoints import VARIANTS
+from checkpoints import TOKENIZERS, VARIANTS
 
 
 @pytest.fixture(scope="session")
 def made(tmp_path_factory):
-    """``made(name)``: the folder of checkpoint ``name`` (a key of checkpoints.VARIANTS), made on first use."""
+    """``made(name)``: the folder of checkpoint ``name`` (a key of checkpoints.VARIANTS, or of
+    checkpoints.TOKENIZERS for a tokenizer alone), made on first use."""
     root = tmp_path_factory.mktemp("checkpoints")
     folders = {}
 
     def make(name):
         if name not in folders:
-            folders[name] = VARIANTS[name](root / name)
+            folders[name] = {**VARIANTS, **TOKENIZERS}[name](root / name)
         return folders[name]
     return make
 

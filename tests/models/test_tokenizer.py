@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from checkpoints import VARIANTS
+from checkpoints import TOKENIZERS, VARIANTS
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
@@ -67,7 +67,7 @@ def test_the_chat_template_renders_as_transformers(made):
 def generative_tokenizers(made):
     """The distinct tokenizers of the made checkpoints that generate text (each variant's tokenizer.json once)."""
     distinct = {}
-    for variant in VARIANTS:
+    for variant in [*VARIANTS, *TOKENIZERS]:
         folder = made(variant)
         distinct.setdefault((folder / "tokenizer.json").read_bytes(), (variant, folder))
     return list(distinct.values())
@@ -112,8 +112,9 @@ def test_any_token_ids_stream_as_they_decode_whole_and_once(made):
     """A model may generate any ids: the pieces of each of 600 random sequences per tokenizer (1 to 40 ids,
     after no prompt, a text's prompt or random ids) join to the text decoding gives (``generated_text``), so
     no character is split, changed after it went out, sent twice or lost, after special tokens and at
-    finish() too. After a text's prompt, the prompt's last CONTEXT_TOKENS ids read as the whole prompt, and the
-    pieces are DecodeStream's."""
+    finish() too. After a text's prompt, the prompt's last CONTEXT_TOKENS ids read as the whole prompt, and a
+    byte-level tokenizer's pieces are DecodeStream's (on a byte-fallback one DecodeStream sends a run's
+    text before the run ends, raises InvalidPrefix once a later byte turns it into U+FFFD)."""
     rng = random.Random(20240611)
     for variant, folder in generative_tokenizers(made):
         tokenizer = Tokenizer(Checkpoint(folder))
@@ -127,4 +128,17 @@ def test_any_token_ids_stream_as_they_decode_whole_and_once(made):
             assert "".join(pieces) == expected, (variant, prompt, ids, pieces, expected)
             if text:
                 assert expected == generated_text(tokenizer, prompt, ids), (variant, prompt, ids)
+            if text and tokenizer.byte_runs is None:
                 assert pieces[:-1] == decode_stream_pieces(tokenizer, prompt[-CONTEXT_TOKENS:], ids), (variant, ids)
+
+
+def test_a_byte_fallback_run_goes_out_when_it_ends(made):
+    """Llama 2-style bytes decode as one run: "é" (C3 A9) reads as three U+FFFD once E2 follows it and "▁b"
+    ends the run, so nothing goes out before the run ends."""
+    tokenizer = Tokenizer(Checkpoint(made("llama2-byte-fallback")))
+    ids = [tokenizer.rust.token_to_id(piece) for piece in ("<0xC3>", "<0xA9>", "<0xE2>", "\u2581b")]
+    stream = tokenizer.stream([])
+    assert [stream.feed(i) for i in ids] + [stream.finish()] == ["", "", "", "\ufffd" * 3 + " b", ""]
+    assert tokenizer.decode(ids) == "\ufffd" * 3 + " b"
+    stream = tokenizer.stream([])
+    assert [stream.feed(i) for i in ids[:2]] + [stream.finish()] == ["", "", "é"]

@@ -9,6 +9,7 @@ does."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,10 @@ class Tokenizer:
         else:
             template = settings.get("chat_template")
             self.chat_template = template if isinstance(template, str) else None
+        # byte-fallback tokens (Llama 2's "<0xE2>") True, other tokens False, special ones absent: a run of
+        # bytes decodes as one, to U+FFFD for each byte once one of them is wrong
+        byte = self.rust.token_to_id("<0x41>")
+        self.byte_runs = None if byte is None or self.token_text(byte) != "A" else self._byte_runs()
         self.bos_text = self._text(settings.get("bos_token"))
         self.eos_text = self._text(settings.get("eos_token"))
 
@@ -61,6 +66,12 @@ class Tokenizer:
     def _special(self, token: Any) -> int | None:
         text = self._text(token)
         return None if text is None else self.rust.token_to_id(text)
+
+    def _byte_runs(self) -> dict[int, bool]:
+        special = {i for i, token in self.rust.get_added_tokens_decoder().items() if token.special}
+        pieces = self.rust.get_vocab(with_added_tokens=True)
+        return {i: re.fullmatch("<0x[0-9A-Fa-f]{2}>", piece) is not None for piece, i in pieces.items()
+                if i not in special}
 
     @property
     def vocabulary(self) -> int:
@@ -123,24 +134,29 @@ class Tokenizer:
 
 class TextStream:
     """Decodes a generation's tokens to text as they come (the offsets of TGI's and vLLM's detokenizer):
-    text goes out only once it no longer ends in an unfinished character (U+FFFD), so a character split
-    across byte tokens arrives whole, and pieces that merge on decoding are sent once. The prompt's last
-    tokens lead, so a first token's leading space is kept as it reads after the prompt; where the prompt
-    ends in an unfinished character, the piece that finishes it goes out whole."""
+    text goes out only once it no longer ends in an unfinished character (U+FFFD), nor in a run of
+    byte-fallback tokens that a next byte could still turn into U+FFFD, so a character split across byte
+    tokens arrives whole, and pieces that merge on decoding are sent once. The prompt's last tokens lead, so a
+    first token's leading space is kept as it reads after the prompt; where the prompt ends in an unfinished
+    character, the piece that finishes it goes out whole."""
 
-    __slots__ = ("tokenizer", "ids", "read", "sent")
+    __slots__ = ("tokenizer", "ids", "read", "sent", "in_bytes")
 
     def __init__(self, tokenizer: Tokenizer, context: list[int]) -> None:
         self.tokenizer = tokenizer
         self.ids = context  # the ids sent last (their text leads the next decoding), then those held
         self.read = len(context)
         self.sent = tokenizer.decode(context)  # the text of ids[:read]
+        self.in_bytes = False  # the ids held end in byte-fallback tokens (special tokens aside)
 
     def feed(self, token: Any) -> str:
         """The new text once ``token`` came ("" while a character is unfinished)."""
-        self.ids.append(int(token))
+        token = int(token)
+        self.ids.append(token)
+        if self.tokenizer.byte_runs is not None:
+            self.in_bytes = self.tokenizer.byte_runs.get(token, self.in_bytes)
         text = self.tokenizer.decode(self.ids)
-        return "" if text.endswith("\ufffd") else self._send(text)
+        return "" if self.in_bytes or text.endswith("\ufffd") else self._send(text)
 
     def finish(self) -> str:
         """What is still held when the tokens end (an unfinished character, as decoding shows it), once."""
