@@ -197,6 +197,21 @@ def test_a_client_that_leaves_frees_its_slot_and_metrics_show_the_generation(ser
     assert json.loads(data)["model_transaction_policy"] == {"decoupled": True}
 
 
+def test_a_client_that_leaves_before_a_whole_generate_answer_frees_its_slot(server):
+    """Not streamed: the answer comes at the last step, but a client that gave up (an SDK's timeout) before it
+    cancels the generation instead of holding its slot to the last token for nobody."""
+    steps = gauge(server, "jitserve_generation_step_seconds_count", "slow")
+    connection = socket.create_connection(("127.0.0.1", server.port))
+    payload = json.dumps({"prompt": PROMPT, "max_steps": 500}).encode()
+    connection.sendall(b"POST /v2/models/slow/generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                       % (len(payload), payload))
+    until(lambda: gauge(server, "jitserve_generation_slots_busy", "slow") == 1, "the generation to take a slot")
+    connection.close()
+    until(lambda: gauge(server, "jitserve_generation_slots_busy", "slow") == 0, "the slot to be free at the next step")
+    assert gauge(server, "jitserve_generation_step_seconds_count", "slow") - steps < 250, \
+        "cancelled when the client left, not run to its 500th output"
+
+
 def gauge(server, metric: str, model: str) -> float:
     text = server.request("GET", "/metrics")[2].decode()
     for line in text.splitlines():

@@ -13,6 +13,7 @@ import http.client
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from jitserve.protocol import app
 from jitserve.protocol.access import Access
 from jitserve.protocol.service import InferenceService
 from netutil import ROOT, free_port, start_server, stop
+from waiting import until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the checkpoints the model tests make
 import checkpoints
@@ -433,6 +435,27 @@ def test_the_api_key_is_required_on_every_route_but_health(served):
     connection.request("GET", "/v2/models/llama3")
     assert connection.getresponse().status == 401, "the KServe routes take the same key"
     connection.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_cancels_its_choices_streamed_or_not(served, stream):
+    """A client that gives up (the SDK's timeout, a closed socket) before the answer ends: its choices are
+    cancelled, their slots freed, instead of generating every token for nobody."""
+    server = served.servers["chatml"]
+    before = server.stats()
+    payload = json.dumps({"model": "chatml", "prompt": "x", "n": 64, "max_tokens": 100, "min_tokens": 100,
+                          "stream": stream}).encode()
+    connection = socket.create_connection(("127.0.0.1", served.port))
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (KEY.encode(), len(payload), payload))
+    until(lambda: server.stats().requests == before.requests + 64, "the 64 choices to be submitted")
+    connection.close()
+    until(lambda: server.stats().slots_busy == server.stats().queue_depth == 0, "the choices to end")
+    after = server.stats()
+    assert after.completed - before.completed < 64 and after.cancelled > before.cancelled, \
+        "cancelled when the client left, not run to their 100th token"
+    answer = served.client().completions.create(model="chatml", prompt="x", max_tokens=2)
+    assert answer.usage.completion_tokens == 2, "the server serves on"
 
 
 def test_one_engine_answers_the_openai_kserve_and_in_process_callers(served, client):

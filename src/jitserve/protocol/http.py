@@ -24,7 +24,8 @@ text generations and embedding models (``protocol/openai.py``): ``GET /v1/models
 ``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings``, whose errors, 401 included,
 are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
-model's own function fails); nothing a client sends stops the server.
+model's own function fails); nothing a client sends stops the server. A client that disconnects before
+its answer (a stream's, a generate or ``/v1`` request's) cancels it (``protocol/disconnect.py``).
 
 Why this stack: uvicorn with uvloop (``app.event_loop_factory``) and
 httptools is the fastest mainstream Python HTTP server, and a bare ASGI
@@ -48,6 +49,7 @@ import orjson
 from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access, begin_request
 from .codec import BFLOAT16, datatype_of, json_values, raw_contents
+from .disconnect import CLIENT_GONE, disconnected, unless_gone
 from .generate import generate_request, generated
 from .http_request import Requested, parse_request
 from .limits import Limits
@@ -382,9 +384,12 @@ class HttpFront:
         try:
             body, _ = await self._read_body(headers, receive)
             request_id, tensors, parameters = generate_request(body, self.service.model(model, version), False)
-            served, outputs = await self.service.infer(model, tensors, None, None, version, parameters)
+            answered = await unless_gone(receive, self.service.infer(model, tensors, None, None, version, parameters))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error, version)
+        if answered is None:
+            return CLIENT_GONE
+        served, outputs = answered
         self.service.count(model, "http", 200, served)
         return 200, JSON_HEADERS, generated(model, served, request_id, outputs)
 
@@ -406,7 +411,9 @@ class HttpFront:
             body, _ = await self._read_body(headers, receive)
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self.openai.refused("", error)
-        answer = await self.openai.post(endpoint, body)
+        answer = await unless_gone(receive, self.openai.post(endpoint, body))
+        if answer is None:
+            return CLIENT_GONE
         return answer if isinstance(answer, tuple) else _Events(answer)
 
     async def _events(self, model: str, served: str, request_id: Any,
@@ -438,12 +445,7 @@ async def _send_events(events: AsyncIterator[bytes], receive: Callable[..., Any]
     """Send each event as it comes; a client that disconnects ends the stream (its queued rows are freed)."""
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
+    watcher = asyncio.ensure_future(disconnected(receive))
     try:
         while True:
             following = asyncio.ensure_future(anext(events))
