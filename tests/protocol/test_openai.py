@@ -411,6 +411,20 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
                                                      r"max_length\); the prompt has 12, which leaves room for 52: ask "
                                                      r"for at most 52 with 'max_tokens'"):
         client.completions.create(model="llama3", prompt=PROMPT, max_tokens=60)
+    for create, asked, param in [  # OpenAI's code for a request past the context, naming what to shorten
+            (client.completions.create, {"prompt": PROMPT, "max_tokens": 60}, "max_tokens"),
+            (client.completions.create, {"prompt": PROMPT * 20}, "prompt"),
+            (client.chat.completions.create, {"messages": MESSAGES, "max_completion_tokens": 60},
+             "max_completion_tokens"),
+            (client.chat.completions.create, {"messages": [{"role": "user", "content": PROMPT * 20}]}, "messages")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            create(model="llama3", **asked)
+        assert (refused.value.code, refused.value.param) == ("context_length_exceeded", param)
+        assert ("shorten it" in refused.value.message) == (param in ("prompt", "messages"))
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="llama3", prompt=[PROMPT] * 129, max_tokens=1)
+    assert refused.value.param == "prompt" and \
+        "129 prompts make 129 generations; send at most 128 per request" in refused.value.message
     with pytest.raises(openai.BadRequestError, match="'n' must be an integer from 1 to 128, got 0"):
         client.completions.create(model="llama3", prompt=PROMPT, n=0)
     with pytest.raises(openai.BadRequestError, match=r"'temperature': temperature must be a finite number >= 0"):

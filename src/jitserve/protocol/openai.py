@@ -20,7 +20,8 @@
   ``base64``.
 
 A prompt and its ``max_tokens`` must fit the generation's ``max_length``, as OpenAI's API refuses a
-request past the context. ``usage`` counts the tokens the engine read and produced (an ``eos`` included);
+request past the context (code ``context_length_exceeded``, ``param`` the field to shorten). ``usage``
+counts the tokens the engine read and produced (an ``eos`` included);
 ``finish_reason`` is ``stop`` at an end token or a stop sequence, ``length`` at ``max_tokens``. A stream is
 server-sent ``data:`` chunks ending in ``data: [DONE]``, each with the log-probabilities of the tokens its
 text came of where asked; an error once it started is a chunk ``{"error": ...}`` before it.
@@ -186,6 +187,7 @@ class _Completion:
     object = "text_completion"
     chunk_object = "text_completion"
     prefix = "cmpl-"
+    prompt_field = "prompt"  # the field a request past the model's context must shorten
 
     def __init__(self, tokenizer: Tokenizer, echo: bool = False) -> None:
         self.tokenizer = tokenizer
@@ -226,6 +228,7 @@ class _Chat(_Completion):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl-"
+    prompt_field = "messages"
 
     def opening(self, choice: _Choice) -> dict[str, Any] | None:
         return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -344,7 +347,9 @@ class OpenAIDoor:
         count = fields.integer(request, "n", 1, 1, fields.MAX_CHOICES) or 1
         if count * len(prompts) > fields.MAX_CHOICES:
             raise ParameterError(f"{len(prompts)} prompts of {count} choices each make {count * len(prompts)} "
-                                 f"generations; ask for at most {fields.MAX_CHOICES}", "n")
+                                 f"generations; ask for at most {fields.MAX_CHOICES}", "n") if count > 1 else \
+                ParameterError(f"{len(prompts)} prompts make {len(prompts)} generations; send at most "
+                               f"{fields.MAX_CHOICES} per request", "prompt")
         stream = fields.flag(request, "stream")
         usage_chunk = fields.include_usage(request, stream)
         chosen = {**fields.sampling(request), "logprobs": top}
@@ -359,7 +364,8 @@ class OpenAIDoor:
                 raise ParameterError(f"model '{spec.name}' generates at most {max_length} tokens per sequence (its "
                                      f"max_length); the prompt has {ids.size}"
                                      + (f", which leaves room for {room}: ask for at most {room} with "
-                                        f"'{steps_field}'" if room >= 1 else ": shorten it"), steps_field)
+                                        f"'{steps_field}'" if room >= 1 else ": shorten it"),
+                                     steps_field if room >= 1 else shape.prompt_field, "context_length_exceeded")
         if self.service.access_log:
             REQUEST_ROWS.set(count * len(prompts))
         choices = _Choices()
