@@ -431,6 +431,10 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
         client.completions.create(model="llama3", prompt=PROMPT, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="'input' as token ids is not supported"):
         client.embeddings.create(model="embed", input=[[1, 2, 3]])
+    for wrong in ([], {}, "", False):
+        status, body = served.post("/v1/embeddings", {"model": "embed", "input": "x", "encoding_format": wrong})
+        assert status == 400 and json.loads(body)["error"]["message"] == \
+            f"'encoding_format' must be one of float, base64, got {json.dumps(wrong, separators=(',', ':'))}"
     status, body = served.post("/v1/completions", {"model": "llama3", "prompt": PROMPT, "stream_options": {}})
     assert status == 400 and json.loads(body)["error"]["param"] == "stream_options"
     status, body = served.post("/v1/chat/completions", b"{not json")

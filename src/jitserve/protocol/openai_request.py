@@ -228,7 +228,10 @@ def texts(value: Any) -> list[str]:
 
 
 def encoding_format(request: dict[str, Any]) -> str:
-    chosen = request.get("encoding_format") or "float"
+    """``encoding_format``: float (when null or absent) or base64."""
+    chosen = request.get("encoding_format")
+    if chosen is None:
+        return "float"
     if chosen not in ENCODINGS:
         raise ParameterError(f"'encoding_format' must be one of {', '.join(ENCODINGS)}, got {_shown(chosen)}",
                              "encoding_format")
