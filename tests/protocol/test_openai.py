@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the c
 import checkpoints
 
 KEY = "sk-test"
+ORIGIN = "https://chat.example"  # a browser page's, admitted by the server's CORS
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓ there"}]
 # Llama 3's shape: the template writes the BOS itself (the tokenizer would add one more if asked to)
@@ -99,7 +100,7 @@ def served(folders):
               "mlp": js.Serving(lambda x: x * 2, input_template=js.template((4,), "float32"))}
     servers = {name: js.serve(model, name=name) for name, model in models.items()}
     port = free_port()
-    front = uvicorn.Server(app.http_config(InferenceService(servers), "127.0.0.1", port, access=Access(KEY)))
+    front = uvicorn.Server(app.http_config(InferenceService(servers), "127.0.0.1", port, access=Access(KEY, (ORIGIN,))))
     thread = threading.Thread(target=front.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -474,6 +475,23 @@ def test_a_client_that_leaves_cancels_its_choices_streamed_or_not(served, stream
         "cancelled when the client left, not run to their 100th token"
     answer = served.client().completions.create(model="chatml", prompt="x", max_tokens=2)
     assert answer.usage.completion_tokens == 2, "the server serves on"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v2/models/llama3/generate_stream"])
+def test_a_stream_carries_the_cors_headers_and_request_id_as_a_whole_answer_does(served, path):
+    """A browser page streaming a chat from an admitted origin reads the stream only with its CORS headers."""
+    payload = {"model": "llama3", "messages": MESSAGES, "max_tokens": 2, "stream": True} if "v1" in path else \
+        {"text_input": PROMPT, "max_tokens": 2}
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    try:
+        connection.request("POST", path, json.dumps(payload).encode(),
+                           {"Authorization": f"Bearer {KEY}", "Origin": ORIGIN, "X-Request-ID": "req-7"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.read().endswith(b"\n\n")
+    finally:
+        connection.close()
+    assert response.getheader("content-type") == "text/event-stream"
+    assert (response.getheader("access-control-allow-origin"), response.getheader("x-request-id")) == (ORIGIN, "req-7")
 
 
 def test_one_engine_answers_the_openai_kserve_and_in_process_callers(served, client):

@@ -155,11 +155,12 @@ class HttpFront:
             except Exception:
                 log.exception("unexpected error serving %s %s", method, loggable(scope.get("path", "")))
                 response = _error(500, "internal error; the server log has the details")
+        answer_headers = [(b"x-request-id", rid.encode()), *self.access.cors_headers(headers)]
         if isinstance(response, _Events):
-            await _send_events(response.events, receive, send)
+            await _send_events(response.events, answer_headers, receive, send)
             return
         status, response_headers, body = response
-        response_headers = [*response_headers, (b"x-request-id", rid.encode()), *self.access.cors_headers(headers)]
+        response_headers = [*response_headers, *answer_headers]
         if len(body) >= COMPRESS_BYTES and b"gzip" in headers.get(b"accept-encoding", b""):
             body = await self._off_loop(len(body), lambda: gzip.compress(body, compresslevel=1))
             response_headers += [(b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")]
@@ -441,10 +442,12 @@ class HttpFront:
         self.service.count(model, "http", 200, served)
 
 
-async def _send_events(events: AsyncIterator[bytes], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    """Send each event as it comes; a client that disconnects ends the stream (its queued rows are freed)."""
+async def _send_events(events: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]], receive: Callable[..., Any],
+                       send: Callable[..., Any]) -> None:
+    """Send each event as it comes, after ``headers`` (the request id, CORS); a client that disconnects ends
+    the stream (its queued rows are freed)."""
     await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *headers]})
     watcher = asyncio.ensure_future(disconnected(receive))
     try:
         while True:
