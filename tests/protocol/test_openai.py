@@ -404,6 +404,16 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
         assert message in refused.value.message and refused.value.param == "top_logprobs"
     with pytest.raises(openai.BadRequestError, match=r"unknown parameter 'beam_width': /v1/completions takes "):
         client.completions.create(model="llama3", prompt=PROMPT, extra_body={"beam_width": 2})
+    for message, code in [({"role": "user"}, "missing_parameter"), ({"role": "system", "content": None},
+                                                                      "missing_parameter"),
+                          ({"role": "user", "content": 5}, "invalid_value")]:
+        with pytest.raises(openai.BadRequestError) as refused:  # not rendered by the template as "None"
+            client.chat.completions.create(model="llama3", messages=[message], max_tokens=2)
+        assert (refused.value.param, refused.value.code) == ("messages[0].content", code)
+        assert "messages[0].content must be a string or a list of text parts (null only in an assistant's " \
+            f"message), got {json.dumps(message.get('content'))}" in refused.value.message
+    after_a_tool_call = [MESSAGES[1], {"role": "assistant", "content": None}, {"role": "user", "content": "ok"}]
+    assert client.chat.completions.create(model="llama3", messages=after_a_tool_call, max_tokens=2).choices
     with pytest.raises(openai.BadRequestError, match="model 'plain' has no chat template") as no_template:
         client.chat.completions.create(model="plain", messages=MESSAGES)
     assert no_template.value.code == "missing_chat_template"

@@ -183,9 +183,10 @@ def token_ids(ids: list[int], vocabulary: int) -> np.ndarray:
 
 
 def messages(value: Any) -> list[dict[str, Any]]:
-    """Chat ``messages``, each an object with a string ``role`` and a ``content``: a string, null, or a list
-    of text parts (joined by new lines, as vLLM joins them); what else each message holds goes to the
-    chat template as it came."""
+    """Chat ``messages``, each an object with a string ``role`` and a ``content``: a string or a list of text
+    parts (joined by new lines, as vLLM joins them); null or absent only in an assistant's message (one that
+    made tool calls), as OpenAI's API takes them; what else each message holds goes to the chat template as
+    it came."""
     if not isinstance(value, list) or not value:
         raise ParameterError('\'messages\' must be a non-empty list of {"role": ..., "content": ...} objects',
                              "messages", "missing_parameter" if value is None else "invalid_value")
@@ -197,9 +198,10 @@ def messages(value: Any) -> list[dict[str, Any]]:
         content = message.get("content")
         if isinstance(content, list):
             content = "\n".join(_text_part(part, f"{where}.content[{at}]") for at, part in enumerate(content))
-        elif content is not None and not isinstance(content, str):
-            raise ParameterError(f"{where}.content must be a string, null or a list of text parts, got "
-                                 f"{_shown(content)}", f"{where}.content")
+        elif not isinstance(content, str) and (content is not None or message["role"] != "assistant"):
+            raise ParameterError(f"{where}.content must be a string or a list of text parts (null only in an "
+                                 f"assistant's message), got {_shown(content)}", f"{where}.content",
+                                 "missing_parameter" if content is None else "invalid_value")
         checked.append({**message, "content": content})
     return checked
 
