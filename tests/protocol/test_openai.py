@@ -44,8 +44,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 # Llama 3's shape: the template writes the BOS itself (the tokenizer would add one more if asked to)
 LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                    "{% if add_generation_prompt %}assistant:{% endif %}")
-CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # Qwen2's way
 
 
 def with_chat_template(folder: Path, template: str | None) -> Path:
@@ -180,6 +180,16 @@ def test_chat_renders_the_chat_template_as_transformers_and_generates_its_greedy
     parts = [{**MESSAGES[0], "content": [{"type": "text", "text": "Be brief."}]}, MESSAGES[1]]
     assert client.chat.completions.create(model=model, messages=parts, max_tokens=10,
                                           temperature=0).choices[0].message.content == text, "content as text parts"
+
+
+@pytest.mark.parametrize("model", ["llama3", "chatml"])
+def test_an_assistants_message_without_content_is_rendered_empty_as_vllm_renders_it(client, folders, model):
+    """An assistant's message that made tool calls has content null: its template gets "" (as vLLM gives it),
+    neither the text "None" nor a TypeError (ChatML's template adds the content to strings)."""
+    after_a_tool_call = [MESSAGES[1], {"role": "assistant", "content": None}, {"role": "user", "content": "ok"}]
+    answer = client.chat.completions.create(model=model, messages=after_a_tool_call, max_tokens=2, temperature=0)
+    rendered = chat_ids(folders[model], [MESSAGES[1], {"role": "assistant", "content": ""}, after_a_tool_call[2]])
+    assert answer.usage.prompt_tokens == len(rendered)
 
 
 def test_streams_are_chunks_that_join_to_the_whole_answer_then_done(served, client):
@@ -412,8 +422,6 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
         assert (refused.value.param, refused.value.code) == ("messages[0].content", code)
         assert "messages[0].content must be a string or a list of text parts (null only in an assistant's " \
             f"message), got {json.dumps(message.get('content'))}" in refused.value.message
-    after_a_tool_call = [MESSAGES[1], {"role": "assistant", "content": None}, {"role": "user", "content": "ok"}]
-    assert client.chat.completions.create(model="llama3", messages=after_a_tool_call, max_tokens=2).choices
     with pytest.raises(openai.BadRequestError, match="model 'plain' has no chat template") as no_template:
         client.chat.completions.create(model="plain", messages=MESSAGES)
     assert no_template.value.code == "missing_chat_template"

@@ -185,8 +185,8 @@ def token_ids(ids: list[int], vocabulary: int) -> np.ndarray:
 def messages(value: Any) -> list[dict[str, Any]]:
     """Chat ``messages``, each an object with a string ``role`` and a ``content``: a string or a list of text
     parts (joined by new lines, as vLLM joins them); null or absent only in an assistant's message (one that
-    made tool calls), as OpenAI's API takes them; what else each message holds goes to the chat template as
-    it came."""
+    made tool calls), as OpenAI's API takes them, and then "" to the chat template, as vLLM gives it; what
+    else each message holds goes to the template as it came."""
     if not isinstance(value, list) or not value:
         raise ParameterError('\'messages\' must be a non-empty list of {"role": ..., "content": ...} objects',
                              "messages", "missing_parameter" if value is None else "invalid_value")
@@ -202,7 +202,7 @@ def messages(value: Any) -> list[dict[str, Any]]:
             raise ParameterError(f"{where}.content must be a string or a list of text parts (null only in an "
                                  f"assistant's message), got {_shown(content)}", f"{where}.content",
                                  "missing_parameter" if content is None else "invalid_value")
-        checked.append({**message, "content": content})
+        checked.append({**message, "content": "" if content is None else content})
     return checked
 
 
