@@ -53,8 +53,9 @@ FOLDER_CAPS = {
     # 3,850: the per-request path lean (issue 48): metric families fed without a lock (protocol/metrics.py);
     # 3,900: gRPC's raw contents read where they lie in the request (protocol/grpc_request.py's parse_infer),
     # beside issue 43's typed entry points (each kind's spec asks its front); 3,975: a client that leaves
-    # before a whole answer cancels its generation (protocol/disconnect.py)
-    "protocol": 3_975,
+    # before a whole answer cancels its generation (protocol/disconnect.py); 3,980: the generate extension's
+    # 'stream' checked as a flag
+    "protocol": 3_980,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode

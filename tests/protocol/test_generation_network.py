@@ -212,6 +212,17 @@ def test_a_client_that_leaves_before_a_whole_generate_answer_frees_its_slot(serv
         "cancelled when the client left, not run to its 500th output"
 
 
+@pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
+def test_the_generate_extension_refuses_a_stream_flag_that_is_no_flag_as_such(server, endpoint):
+    for flag, message in [("yes", "'stream' must be true or false, got \"yes\""),
+                          (endpoint == "generate", f"'stream': {json.dumps(endpoint == 'generate')} does not match "
+                                                   f"the endpoint; POST to generate{'_stream' * (endpoint == 'generate')}"
+                                                   f" instead")]:
+        status, _, data = server.request("POST", f"/v2/models/gen/{endpoint}",
+                                         json.dumps({"prompt": PROMPT, "max_steps": 2, "stream": flag}).encode())
+        assert status == 400 and json.loads(data)["error"] == message
+
+
 def gauge(server, metric: str, model: str) -> float:
     text = server.request("GET", "/metrics")[2].decode()
     for line in text.splitlines():

@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 
 from ..errors import ProtocolError
-from .codec import decode_values, json_values
+from .codec import decode_values, json_values, shown
 from .http_request import json_object, parameters_of
 
 
@@ -18,7 +18,7 @@ def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[st
     """A generate request's id, tensors and parameters: the generation's inputs by name, optional ones
     included (a string is a BYTES tensor of one element, a list a tensor of the input's datatype), every
     other field, and those under ``parameters``, a parameter. ``stream``, where sent, is a parameter that
-    must match the endpoint."""
+    must match the endpoint (true or false)."""
     inputs = {tensor.name: tensor.datatype for tensor in getattr(spec, "inputs", ())}
     if not spec.server.servable.generates:
         raise ProtocolError(f"model '{spec.name}' is not a generation: the generate endpoints serve generations; "
@@ -38,10 +38,12 @@ def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[st
         shape = [len(values)] if isinstance(values, list) else [1]
         tensors[name] = decode_values(name, inputs[name], shape, values)
     if "stream" in parameters:
+        flag = shown(orjson.dumps(parameters["stream"]).decode())
+        if not isinstance(parameters["stream"], bool):
+            raise ProtocolError(f"'stream' must be true or false, got {flag}")
         if parameters["stream"] is not stream:
-            raise ProtocolError(f"'stream': {orjson.dumps(parameters['stream']).decode()} does not match the "
-                                f"endpoint; POST to generate{'' if parameters['stream'] is False else '_stream'} "
-                                f"instead")
+            raise ProtocolError(f"'stream': {flag} does not match the endpoint; POST to generate"
+                                f"{'' if parameters['stream'] is False else '_stream'} instead")
         parameters = {k: v for k, v in parameters.items() if k != "stream"}
     return request_id, tensors, parameters
 
