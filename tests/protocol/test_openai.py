@@ -343,6 +343,25 @@ def test_min_tokens_over_openai_holds_the_end_back_as_in_process(client):
     assert held.choices[0].finish_reason == "length"
 
 
+def test_vllms_top_k_of_minus_one_is_no_limit_and_stop_token_ids_end_the_text(client):
+    """vLLM's extensions: ``top_k`` -1 samples from every token (the engine's 0), and ``stop_token_ids`` end
+    a choice at the first of them, kept in its text, as in process."""
+    asked = {"model": "llama3", "prompt": PROMPT, "max_tokens": 12, "seed": 11}
+    sampled = client.completions.create(**asked).choices[0].text
+    assert client.completions.create(**asked, extra_body={"top_k": -1}).choices[0].text == sampled
+    assert client.completions.create(**asked, extra_body={"top_k": 0}).choices[0].text == sampled
+    tokens = [score.token for score in js.generate("llama3", PROMPT, max_steps=12, logprobs=0)[1]]
+    at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # its first time
+    text, scores = js.generate("llama3", PROMPT, max_steps=12, stop_token_ids=[tokens[at]], logprobs=0)
+    assert [score.token for score in scores] == tokens[:at + 1]
+    answer = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=12, temperature=0,
+                                       extra_body={"stop_token_ids": [tokens[at]]})
+    assert answer.choices[0].text == text and answer.choices[0].finish_reason == "stop"
+    assert answer.usage.completion_tokens == at + 1
+    with pytest.raises(openai.BadRequestError, match="'stop_token_ids': stop_token_ids must be a list of at most"):
+        client.completions.create(model="llama3", prompt=PROMPT, extra_body={"stop_token_ids": [-3]})
+
+
 def test_a_stop_sequence_ends_the_text_before_it(client):
     whole = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     stop = whole[len(whole) // 2:len(whole) // 2 + 2]

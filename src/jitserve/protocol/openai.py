@@ -5,8 +5,9 @@
   ``created`` when this server started).
 - ``POST /v1/completions``: ``prompt`` (a text, a list of texts, token ids, or lists of them), ``max_tokens``
   (default 16), ``temperature`` and ``top_p`` (OpenAI's defaults, 1: a request samples unless it sends
-  ``temperature: 0``), ``top_k``, ``repetition_penalty`` and ``min_tokens`` (vLLM's extensions: outputs
-  before which the end token is never picked), ``presence_penalty``,
+  ``temperature: 0``), ``top_k`` (-1 or 0: no limit), ``repetition_penalty``, ``min_tokens`` (outputs
+  before which the end token is never picked) and ``stop_token_ids`` (ids that end the text as the end
+  token does, kept in it; vLLM's extensions), ``presence_penalty``,
   ``frequency_penalty``, ``seed``, ``stop``, ``n`` (n requests, the ``i``-th seeded ``seed + i`` when a seed
   is given), ``echo``, ``logprobs`` (0 to 20: each token's log-probability under the model, the most likely
   tokens' and the chosen one's by text, and ``text_offset``; not with ``echo``, whose prompt's
@@ -22,7 +23,7 @@
 A prompt and its ``max_tokens`` must fit the generation's ``max_length``, as OpenAI's API refuses a
 request past the context (code ``context_length_exceeded``, ``param`` the field to shorten). ``usage``
 counts the tokens the engine read and produced (an ``eos`` included);
-``finish_reason`` is ``stop`` at an end token or a stop sequence, ``length`` at ``max_tokens``. A stream is
+``finish_reason`` is ``stop`` at an end token, a stop id or a stop sequence, ``length`` at ``max_tokens``. A stream is
 server-sent ``data:`` chunks ending in ``data: [DONE]``, each with the log-probabilities of the tokens its
 text came of where asked; an error once it started is a chunk ``{"error": ...}`` before it.
 
@@ -93,7 +94,7 @@ class _Choice:
     counted as they come, why it ended, and where its next token's text starts (``offset``, for a
     completion's ``text_offset``)."""
 
-    __slots__ = ("index", "prompt", "delivery", "eos", "tokens", "last", "pieces", "top", "offset")
+    __slots__ = ("index", "prompt", "delivery", "ends", "tokens", "last", "pieces", "top", "offset")
 
     def __init__(self, index: int, prompt: str, server: GenerationFront, ids: np.ndarray, max_tokens: int,
                  chosen: dict[str, Any], stop: Any, timeout: float | None) -> None:
@@ -106,8 +107,9 @@ class _Choice:
             self.delivery = Delivery(server.generation, stop, ids, self.top is not None)
         except OptionError as error:
             raise ParameterError(f"'stop': {error}", "stop") from None
-        eos = server.generation.eos
-        self.eos = frozenset(np.asarray(eos).reshape(-1).tolist()) if eos is not None else frozenset()
+        eos = server.generation.eos  # the ids that end it: the model's end tokens and the request's stop ids
+        self.ends = frozenset(sampling.stop_token_ids).union(np.asarray(eos).reshape(-1).tolist() if eos is not None
+                                                               else ())
         self.tokens = 0
         self.last: Any = None
         request = server.submit(ids, max_tokens, asyncio.get_running_loop(), sampling)
@@ -125,7 +127,7 @@ class _Choice:
     @property
     def finish_reason(self) -> str:
         last = self.last if self.top is None or self.last is None else self.last.token
-        at_end = self.delivery.done or (last is not None and int(last) in self.eos)
+        at_end = self.delivery.done or (last is not None and int(last) in self.ends)
         return "stop" if at_end else "length"
 
 

@@ -19,10 +19,11 @@ from .service import shown
 MAX_CHOICES = 128  # choices of one request (n times its prompts): each is a generation request
 MAX_INPUTS = 2048  # texts of one embeddings request (OpenAI's limit)
 SEEDS = 2**32  # a seed is any integer, taken modulo this (the engine's seeds are 32-bit)
-# the fields that make a choice's Sampling; top_k, repetition_penalty and min_tokens: vLLM's extensions, which the
-# engine has
+# the fields that make a choice's Sampling; top_k, repetition_penalty, min_tokens and stop_token_ids: vLLM's
+# extensions, which the engine has
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-            "min_tokens")
+            "min_tokens", "stop_token_ids")
+ALL_TOKENS = -1  # vLLM's top_k for "no limit", beside 0 (the engine's)
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults: a request samples unless told not to
 
 # fields OpenAI defines that jitserve's engine does not implement yet -> the values that ask for nothing
@@ -110,8 +111,10 @@ def include_usage(request: dict[str, Any], stream: bool) -> bool:
 
 def sampling(request: dict[str, Any]) -> dict[str, Any]:
     """The request's sampling fields over OpenAI's defaults (temperature 1, top_p 1), each checked as the
-    engine's :class:`Sampling` checks it; ``seed`` any integer."""
+    engine's :class:`Sampling` checks it; ``seed`` any integer, ``top_k`` -1 (vLLM's) the engine's 0."""
     chosen = {**OPENAI_SAMPLING, **{name: request[name] for name in SAMPLING if request.get(name) is not None}}
+    if type(chosen.get("top_k")) is int and chosen["top_k"] == ALL_TOKENS:
+        chosen["top_k"] = 0
     for name, value in chosen.items():
         if name == "seed":
             if isinstance(value, bool) or not isinstance(value, int):
