@@ -38,12 +38,12 @@ def generate_request(body: bytes, spec: Any, stream: bool) -> tuple[Any, dict[st
         shape = [len(values)] if isinstance(values, list) else [1]
         tensors[name] = decode_values(name, inputs[name], shape, values)
     if "stream" in parameters:
-        flag = shown(orjson.dumps(parameters["stream"]).decode())
-        if not isinstance(parameters["stream"], bool):
-            raise ProtocolError(f"'stream' must be true or false, got {flag}")
-        if parameters["stream"] is not stream:
-            raise ProtocolError(f"'stream': {flag} does not match the endpoint; POST to generate"
-                                f"{'' if parameters['stream'] is False else '_stream'} instead")
+        asked = parameters["stream"]
+        if not isinstance(asked, bool):
+            raise ProtocolError(f"'stream' must be true or false, got {shown(orjson.dumps(asked).decode())}")
+        if asked is not stream:
+            raise ProtocolError(f"'stream': {orjson.dumps(asked).decode()} does not match the endpoint; POST to "
+                                f"generate{'' if asked is False else '_stream'} instead")
         parameters = {k: v for k, v in parameters.items() if k != "stream"}
     return request_id, tensors, parameters
 
