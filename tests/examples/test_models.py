@@ -6,7 +6,6 @@ gives the same token ids, the same greedy text and the same probabilities and ve
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
 import os
 import subprocess
@@ -21,6 +20,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceCl
 
 import jitserve as js
 from jitserve.params import flatten
+from waiting import generated_at_once
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -108,13 +108,12 @@ def greedy_texts(folder):
     return texts
 
 
-def generated(generation, name, together=True):
+def generated(generation, name):
     """Each prompt's text from ``generation``: one at a time, and every prompt twice at once."""
-    with js.serve(generation, name=name) as server:
+    with js.serve(generation, name=name):
         alone = [js.generate(name, prompt, max_steps=NEW_TOKENS) for prompt in prompts()]
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            both = list(pool.map(lambda p: js.generate(name, p, max_steps=NEW_TOKENS), prompts() * 2))
-        assert server.stats().max_slots_busy > 1
+    both, stats = generated_at_once(generation, [(prompt, {}) for prompt in prompts() * 2], NEW_TOKENS)
+    assert stats.max_slots_busy > 1
     return alone, both
 
 

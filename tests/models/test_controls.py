@@ -14,6 +14,7 @@ from checkpoints import CORPUS
 from test_pretrained import NEW_TOKENS, reference
 
 import jitserve as js
+from waiting import generated_at_once
 
 VARIANT = "llama-gqa-llama3-rope"
 PROMPTS = ["Once upon a time", CORPUS[2], " ".join(CORPUS[:2])]
@@ -151,8 +152,6 @@ def test_penalized_requests_preempted_by_a_small_pool_finish_with_their_unpreemp
         expected = [tokens_of(js.generate("roomy", p, max_steps=48, **options)) for p in prompts]
     tight = js.from_pretrained(made(VARIANT), slots=8, max_length=128, prefill_lengths=[16, 64],
                                kv_cache_tokens=160)
-    with js.serve(tight, name="tight-penalties") as server:
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda p: js.generate("tight-penalties", p, max_steps=48, **options), prompts))
-        assert server.stats().preemptions > 0, "8 sequences of up to 90 positions do not fit 10 blocks of 16"
+    answers, stats = generated_at_once(tight, [(prompt, options) for prompt in prompts], 48)
+    assert stats.preemptions > 0, "8 sequences of up to 90 positions do not fit 10 blocks of 16"
     assert [tokens_of(answer) for answer in answers] == expected

@@ -13,6 +13,7 @@ from checkpoints import CORPUS
 from test_pretrained import NEW_TOKENS, expected_text, reference
 
 import jitserve as js
+from waiting import generated_at_once
 
 VARIANT = "llama-gqa-llama3-rope"
 MAX_LENGTH = 256
@@ -50,9 +51,7 @@ def test_64_requests_whose_cache_would_not_fit_slots_run_at_once_and_equal_the_s
                                prefill_lengths=[16, 64])
     requests = requests_of(PROMPTS) * 4
     assert len(requests) == 64 and 64 * MAX_LENGTH > 16 * MAX_LENGTH
-    with js.serve(paged, name="paged") as server:
-        answers = run_all("paged", requests)
-        stats = server.stats()
+    answers, stats = generated_at_once(paged, requests, STEPS)
     assert answers == [slot_answers[p, o.get("seed")] for p, o in requests]
     model, tokenizer = reference(folder)
     assert answers[:8] == [expected_text(model, tokenizer, p) for p in PROMPTS]
@@ -78,9 +77,7 @@ def test_a_small_pool_preempts_and_every_request_finishes_with_its_unpreempted_o
     paged = js.from_pretrained(made(VARIANT), slots=16, max_length=MAX_LENGTH, kv_cache_tokens=256,
                                prefill_lengths=[16, 64])
     requests = requests_of(PROMPTS)
-    with js.serve(paged, name="tight") as server:
-        answers = run_all("tight", requests)
-        stats = server.stats()
+    answers, stats = generated_at_once(paged, requests, STEPS)
     assert stats.preemptions > 0, "16 sequences of up to 176 positions do not fit 16 blocks of 16 at once"
     assert answers == [slot_answers[p, o.get("seed")] for p, o in requests]
     assert stats.kv_blocks_used == 0
