@@ -343,6 +343,27 @@ def test_min_tokens_over_openai_holds_the_end_back_as_in_process(client):
     assert held.choices[0].finish_reason == "length"
 
 
+def test_ignore_eos_over_openai_goes_past_the_end_token_as_in_process(client):
+    """vLLM's ``ignore_eos`` (genai-perf's way to fixed output lengths): the end token is picked as without
+    it, its text left out, and the choice goes on to ``max_tokens``; it ends for its length."""
+    seed = next(seed for seed in range(64)
+                if len(js.generate("llama3", PROMPT, max_steps=20, temperature=1.0, seed=seed, logprobs=0)[1]) < 20)
+    asked = {"model": "llama3", "prompt": PROMPT, "max_tokens": 20, "seed": seed}
+    early = client.completions.create(**asked, logprobs=0)
+    ended = early.usage.completion_tokens
+    assert ended < 20 and early.choices[0].finish_reason == "stop"
+    going_on = client.completions.create(**asked, logprobs=0, extra_body={"ignore_eos": True})
+    text, scores = js.generate("llama3", PROMPT, max_steps=20, temperature=1.0, seed=seed, ignore_eos=True, logprobs=0)
+    assert going_on.choices[0].text == text and going_on.usage.completion_tokens == len(scores) == 20
+    assert going_on.choices[0].finish_reason == "length"
+    assert going_on.choices[0].logprobs.tokens[:ended - 1] == early.choices[0].logprobs.tokens[:ended - 1], \
+        "the same tokens up to the end token"
+    assert scores[ended - 1].token == js.generate("llama3", PROMPT, max_steps=20, temperature=1.0, seed=seed,
+                                                  logprobs=0)[1][-1].token, "the end token itself is picked"
+    with pytest.raises(openai.BadRequestError, match="ignore_eos must be True or False, got 'yes'"):
+        client.completions.create(**asked, extra_body={"ignore_eos": "yes"})
+
+
 def test_vllms_top_k_of_minus_one_is_no_limit_and_stop_token_ids_end_the_text(client):
     """vLLM's extensions: ``top_k`` -1 samples from every token (the engine's 0), and ``stop_token_ids`` end
     a choice at the first of them, kept in its text, as in process."""

@@ -713,6 +713,10 @@ def test_stop_token_ids_end_a_request_and_min_tokens_holds_them_and_eos_back():
         assert held[0] == plain[0] and held[1] != plain[1], "the runner-up where eos would have come"
         assert js.generate("held", prompt, max_steps=12, min_tokens=6, temperature=0.7, seed=1,
                            stop_token_ids=[stop]).tolist()[:6].count(plain[1]) == 0
+        assert js.generate("held", prompt, max_steps=12, ignore_eos=True).tolist() == plain, \
+            "eos picked and kept, and the request goes on to max_steps"
+        assert js.generate("held", prompt, max_steps=12, ignore_eos=True, stop_token_ids=[stop]).tolist() == \
+            plain[:4], "its stop ids still end it"
         assert server.stats().compiles == compiles, "held ids are options of the sampling programs"
     with js.serve(sampled(), name="stops") as server:
         assert js.generate("stops", prompt, max_steps=12, stop_token_ids=[stop]).tolist() == plain[:4], \
@@ -722,9 +726,13 @@ def test_stop_token_ids_end_a_request_and_min_tokens_holds_them_and_eos_back():
             js.Sampling(stop_token_ids=bad)
     with pytest.raises(js.OptionError, match=r"min_tokens must be an integer in \[0, 2147483648\)"):
         js.Sampling(min_tokens=-1)
-    with js.serve(generation(), name="no-logits"):
+    with pytest.raises(js.OptionError, match="ignore_eos must be True or False, got 'yes'"):
+        js.Sampling(ignore_eos="yes")
+    with js.serve(generation(eos=plain[1]), name="no-logits"):
         with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids, give log-probabilities or penalize"):
             js.generate("no-logits", prompt, max_steps=4, min_tokens=2)
+        assert js.generate("no-logits", prompt, max_steps=12, ignore_eos=True).tolist() == plain, \
+            "the host ends a request at eos: ignoring it needs no logits"
 
 
 def test_top_k_and_top_p_keep_to_the_most_likely_tokens():

@@ -82,7 +82,7 @@ class Field:
 
 # the fields that make a request's Sampling
 SAMPLING = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids", "repetition_penalty",
-            "presence_penalty", "frequency_penalty")
+            "presence_penalty", "frequency_penalty", "ignore_eos")
 # field -> how a generation reads it; the order is the order of a text generation's optional inputs
 FIELDS: dict[str, Field] = {
     "max_tokens": Field(_positive, "INT32", sampled=True),  # a text generation's most tokens
@@ -95,6 +95,7 @@ FIELDS: dict[str, Field] = {
     "stop_token_ids": Field(_ids, "INT32", (-1,), sampled=True, tokens=True),  # ids that end it as eos does
     "min_tokens": Field(_whole, "INT32", sampled=True, tokens=True),  # outputs before eos may end it
     "min_length": Field(_whole, "INT32", alias="min_tokens"),  # TensorRT-LLM's (genai-perf's deterministic)
+    "ignore_eos": Field(_flag, sampled=True, tokens=True),  # vLLM's: eos does not end it (a parameter only)
     # vLLM's sampling parameters and TensorRT-LLM's inputs alike (HF's rule; OpenAI's over the outputs)
     "repetition_penalty": Field(_number, "FP32", sampled=True, tokens=True),
     "presence_penalty": Field(_number, "FP32", sampled=True, tokens=True),

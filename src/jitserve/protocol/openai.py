@@ -6,8 +6,8 @@
 - ``POST /v1/completions``: ``prompt`` (a text, a list of texts, token ids, or lists of them), ``max_tokens``
   (default 16), ``temperature`` and ``top_p`` (OpenAI's defaults, 1: a request samples unless it sends
   ``temperature: 0``), ``top_k`` (-1 or 0: no limit), ``repetition_penalty``, ``min_tokens`` (outputs
-  before which the end token is never picked) and ``stop_token_ids`` (ids that end the text as the end
-  token does, kept in it; vLLM's extensions), ``presence_penalty``,
+  before which the end token is never picked), ``stop_token_ids`` (ids that end the text as the end
+  token does, kept in it) and ``ignore_eos`` (the end token ends nothing: vLLM's extensions), ``presence_penalty``,
   ``frequency_penalty``, ``seed``, ``stop``, ``n`` (n requests, the ``i``-th seeded ``seed + i`` when a seed
   is given), ``echo``, ``logprobs`` (0 to 20: each token's log-probability under the model, the most likely
   tokens' and the chosen one's by text, and ``text_offset``; not with ``echo``, whose prompt's
@@ -107,9 +107,9 @@ class _Choice:
             self.delivery = Delivery(server.generation, stop, ids, self.top is not None)
         except OptionError as error:
             raise ParameterError(f"'stop': {error}", "stop") from None
-        eos = server.generation.eos  # the ids that end it: the model's end tokens and the request's stop ids
-        self.ends = frozenset(sampling.stop_token_ids).union(np.asarray(eos).reshape(-1).tolist() if eos is not None
-                                                               else ())
+        eos = server.generation.eos  # the ids that end it: the model's end tokens (unless ignored), its stop ids
+        self.ends = frozenset(sampling.stop_token_ids).union(
+            np.asarray(eos).reshape(-1).tolist() if eos is not None and not sampling.ignore_eos else ())
         self.tokens = 0
         self.last: Any = None
         request = server.submit(ids, max_tokens, asyncio.get_running_loop(), sampling)

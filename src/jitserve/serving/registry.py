@@ -164,7 +164,8 @@ def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: 
              stop: Any = None, **sampling: Any) -> Any:
     """Generate from ``prompt`` (1-D integer token ids, or what the generation's ``preprocess`` takes) on
     generation server ``name``: every output, stacked on a first axis; at most ``max_steps`` of them,
-    ending right after one equal to the serving's ``eos``. ``timeout``: give up if no slot frees within
+    ending right after one equal to the serving's ``eos`` (unless ``ignore_eos=True``). ``timeout``: give up
+    if no slot frees within
     that many seconds. ``stop``: a string or a list of them that ends a text generation's request where
     its text reaches one (left out; see :class:`StopText`). ``sampling``: how a ``logits=True`` generation
     picks the tokens (:class:`Sampling`: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``min_tokens``,

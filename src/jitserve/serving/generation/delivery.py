@@ -58,7 +58,8 @@ def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], output
     """Each of ``requests`` gets its next outputs from row ``rows[i]`` of ``outputs`` (steps, rows, ...), in
     step order, all in one :func:`~jitserve.serving.request.put_all`; a request that asked for ``logprobs``
     gets each as a :class:`TokenLogprobs`, from ``scores`` (a scored program's log-probabilities, (steps,
-    rows, 1 + top), and top tokens). A request that is done (its outputs needed, or one of ``eos``) gets END
+    rows, 1 + top), and top tokens). A request that is done (its outputs needed, one of ``eos`` unless it
+    ignores them, or one of its stop ids) gets END
     and ends, and what was computed for it after is dropped, as for one that ended or was cancelled before.
     Returns the outputs handed over and the requests that ended."""
     steps, count = outputs.shape[:2]
@@ -83,7 +84,8 @@ def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], output
             else:
                 deliveries.append((request.stream, output))
             stops = request.sampling.stop_token_ids
-            if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]) or \
+            if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]
+                                                      and not request.sampling.ignore_eos) or \
                     (stops and int(output) in stops):
                 deliveries.append((request.stream, END))
                 request.ended = True

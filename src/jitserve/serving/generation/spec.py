@@ -49,17 +49,19 @@ class Sampling:
     logits before any penalty, temperature or cut, as vLLM's and OpenAI's). ``repetition_penalty`` (HF's,
     > 0; 1: none) divides the positive logits and multiplies the negative ones of every token in the prompt or
     the outputs so far; ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, -2 to 2; 0: none) take
-    ``presence`` from the logit of each token among the outputs so far and ``frequency`` times its count."""
+    ``presence`` from the logit of each token among the outputs so far and ``frequency`` times its count.
+    ``ignore_eos`` (vLLM's): the generation's ``eos`` does not end the request, which goes on to its
+    ``max_steps`` (or ``max_length``); its stop ids still end it. Only this one needs no logits."""
 
     __slots__ = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids", "logprobs",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty")
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos")
     MAX_STOP_IDS = 16
     MAX_LOGPROBS = 20  # the most likely tokens a scored program gives per output (vLLM's default limit)
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  min_tokens: int = 0, stop_token_ids: Sequence[int] = (), logprobs: int | None = None,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0) -> None:
+                 frequency_penalty: float = 0.0, ignore_eos: bool = False) -> None:
         if not finite_number(temperature) or temperature < 0:
             raise OptionError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if not finite_number(top_p) or not 0 < top_p <= 1:
@@ -85,6 +87,9 @@ class Sampling:
         self.repetition_penalty = float(repetition_penalty)
         self.presence_penalty = float(presence_penalty)
         self.frequency_penalty = float(frequency_penalty)
+        if not isinstance(ignore_eos, bool | np.bool_):
+            raise OptionError(f"ignore_eos must be True or False, got {ignore_eos!r:.80}")
+        self.ignore_eos = bool(ignore_eos)
 
     @property
     def penalized(self) -> bool:
