@@ -364,13 +364,18 @@ def test_ignore_eos_over_openai_goes_past_the_end_token_as_in_process(client):
         client.completions.create(**asked, extra_body={"ignore_eos": "yes"})
 
 
-def test_vllms_top_k_of_minus_one_is_no_limit_and_stop_token_ids_end_the_text(client):
-    """vLLM's extensions: ``top_k`` -1 samples from every token (the engine's 0), and ``stop_token_ids`` end
-    a choice at the first of them, kept in its text, as in process."""
+def test_vllms_top_k_of_minus_one_is_no_limit_min_p_and_stop_token_ids_end_the_text(client):
+    """vLLM's extensions: ``top_k`` -1 samples from every token (the engine's 0), ``min_p`` cuts the unlikely
+    ones, and ``stop_token_ids`` end a choice at the first of them, kept in its text, as in process."""
     asked = {"model": "llama3", "prompt": PROMPT, "max_tokens": 12, "seed": 11}
     sampled = client.completions.create(**asked).choices[0].text
     assert client.completions.create(**asked, extra_body={"top_k": -1}).choices[0].text == sampled
     assert client.completions.create(**asked, extra_body={"top_k": 0}).choices[0].text == sampled
+    greedy = client.completions.create(**{**asked, "temperature": 0}).choices[0].text
+    assert client.completions.create(**asked, temperature=1.5, extra_body={"min_p": 1}).choices[0].text == greedy, \
+        "min_p 1 keeps the most likely token alone"
+    with pytest.raises(openai.BadRequestError, match=r"'min_p': min_p must be a number in \[0, 1\]"):
+        client.completions.create(**asked, extra_body={"min_p": 2})
     tokens = [score.token for score in js.generate("llama3", PROMPT, max_steps=12, logprobs=0)[1]]
     at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # its first time
     text, scores = js.generate("llama3", PROMPT, max_steps=12, stop_token_ids=[tokens[at]], logprobs=0)

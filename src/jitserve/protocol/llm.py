@@ -81,7 +81,7 @@ class Field:
 
 
 # the fields that make a request's Sampling
-SAMPLING = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids", "repetition_penalty",
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "stop_token_ids", "repetition_penalty",
             "presence_penalty", "frequency_penalty", "ignore_eos")
 # field -> how a generation reads it; the order is the order of a text generation's optional inputs
 FIELDS: dict[str, Field] = {
@@ -90,6 +90,7 @@ FIELDS: dict[str, Field] = {
     "temperature": Field(_number, "FP32", sampled=True, tokens=True),
     "top_p": Field(_number, "FP32", sampled=True, tokens=True),
     "top_k": Field(_whole, "INT32", sampled=True, tokens=True),
+    "min_p": Field(_number, sampled=True, tokens=True),  # vLLM's (a parameter only, as ignore_eos)
     "seed": Field(_whole, "UINT64", sampled=True, tokens=True),
     "stop": Field(_stops, "BYTES", (-1,), sampled=True, tokens=True),  # a stop sequence, or several
     "stop_token_ids": Field(_ids, "INT32", (-1,), sampled=True, tokens=True),  # ids that end it as eos does

@@ -5,7 +5,7 @@
   ``created`` when this server started).
 - ``POST /v1/completions``: ``prompt`` (a text, a list of texts, token ids, or lists of them), ``max_tokens``
   (default 16), ``temperature`` and ``top_p`` (OpenAI's defaults, 1: a request samples unless it sends
-  ``temperature: 0``), ``top_k`` (-1 or 0: no limit), ``repetition_penalty``, ``min_tokens`` (outputs
+  ``temperature: 0``), ``top_k`` (-1 or 0: no limit), ``min_p``, ``repetition_penalty``, ``min_tokens`` (outputs
   before which the end token is never picked), ``stop_token_ids`` (ids that end the text as the end
   token does, kept in it) and ``ignore_eos`` (the end token ends nothing: vLLM's extensions), ``presence_penalty``,
   ``frequency_penalty``, ``seed``, ``stop``, ``n`` (n requests, the ``i``-th seeded ``seed + i`` when a seed

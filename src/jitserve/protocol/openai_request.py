@@ -19,10 +19,10 @@ from .service import shown
 MAX_CHOICES = 128  # choices of one request (n times its prompts): each is a generation request
 MAX_INPUTS = 2048  # texts of one embeddings request (OpenAI's limit)
 SEEDS = 2**32  # a seed is any integer, taken modulo this (the engine's seeds are 32-bit)
-# the fields that make a choice's Sampling; top_k, repetition_penalty, min_tokens, stop_token_ids and ignore_eos:
-# vLLM's extensions, which the engine has
-SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-            "min_tokens", "stop_token_ids", "ignore_eos")
+# the fields that make a choice's Sampling; top_k, min_p, repetition_penalty, min_tokens, stop_token_ids and
+# ignore_eos: vLLM's extensions, which the engine has
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos")
 ALL_TOKENS = -1  # vLLM's top_k for "no limit", beside 0 (the engine's)
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults: a request samples unless told not to
 

@@ -164,14 +164,14 @@ def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: 
              stop: Any = None, **sampling: Any) -> Any:
     """Generate from ``prompt`` (1-D integer token ids, or what the generation's ``preprocess`` takes) on
     generation server ``name``: every output, stacked on a first axis; at most ``max_steps`` of them,
-    ending right after one equal to the serving's ``eos`` (unless ``ignore_eos=True``). ``timeout``: give up
-    if no slot frees within
-    that many seconds. ``stop``: a string or a list of them that ends a text generation's request where
-    its text reaches one (left out; see :class:`StopText`). ``sampling``: how a ``logits=True`` generation
-    picks the tokens (:class:`Sampling`: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``min_tokens``,
-    ``stop_token_ids``, the penalties; greedy without). A generation with a ``detokenizer`` (a checkpoint's,
-    from :func:`jitserve.from_pretrained`) answers one string. With ``logprobs=N``: ``(answer, logprobs)``,
-    the second a list of :class:`TokenLogprobs`, one per output."""
+    ending right after one equal to the serving's ``eos`` (unless ``ignore_eos=True``). ``timeout``: give
+    up if no slot frees within that many seconds. ``stop``: a string or a list of them that ends a text
+    generation's request where its text reaches one (left out; see :class:`StopText`). ``sampling``: how a
+    ``logits=True`` generation picks the tokens (:class:`Sampling`: ``temperature``, ``top_k``, ``top_p``,
+    ``min_p``, ``seed``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, the penalties; greedy
+    without). A generation with a ``detokenizer`` (a checkpoint's, from :func:`jitserve.from_pretrained`)
+    answers one string. With ``logprobs=N``: ``(answer, logprobs)``, the second a list of
+    :class:`TokenLogprobs`, one per output."""
     return lookup(name).call(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
 
 

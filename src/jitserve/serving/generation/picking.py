@@ -3,7 +3,7 @@
 Three pickers, one per kind of program (:attr:`~.spec.Sampling.kind`), each a
 function of rows of logits and per-row options, compiled into the programs
 that give the logits: :func:`greedy_tokens` (the most likely),
-:func:`sample_tokens` (temperature, top-k, top-p, a seed per row, ids held
+:func:`sample_tokens` (temperature, top-k, top-p, min-p, a seed per row, ids held
 back under ``min_tokens``) and :func:`score_tokens`, which samples after the
 penalties (:func:`penalized`) and gives every row's log-probabilities: the
 chosen token's and the ``MAX_LOGPROBS`` most likely tokens', always that many,
@@ -34,10 +34,10 @@ def greedy_tokens(logits: Any) -> Any:
     return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
 
 
-def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, min_tokens: Any, held: Any,
-                  step: Any) -> Any:
+def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any, seed: Any, min_tokens: Any,
+                  held: Any, step: Any) -> Any:
     """One token per row of ``logits`` (rows, vocabulary): the most likely where ``temperature`` is 0,
-    else drawn from that row's top-k / top-p distribution at its temperature with the key
+    else drawn from that row's top-k / top-p / min-p distribution at its temperature with the key
     ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only. While a row's
     ``step`` is below its ``min_tokens``, the ids of its row of ``held`` (padded with ids past the
     vocabulary) are never picked."""
@@ -46,17 +46,18 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
     banned = jnp.zeros((rows, vocabulary), bool).at[jnp.arange(rows)[:, None], held].set(True, mode="drop")
     logits = jnp.where(banned & (step < min_tokens)[:, None], -jnp.inf, logits)
 
-    def draw(row: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any) -> Any:
+    def draw(row: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any, seed: Any, step: Any) -> Any:
         scaled = row / jnp.maximum(temperature, 1e-6)
         ordered = jnp.sort(scaled)[::-1]
         kept = jnp.where(top_k > 0, scaled >= ordered[jnp.clip(top_k - 1, 0, vocabulary - 1)], True)
         ordered = jnp.where(jnp.arange(vocabulary) < jnp.where(top_k > 0, top_k, vocabulary), ordered, -jnp.inf)
         reached = jnp.sum(jnp.cumsum(jax.nn.softmax(ordered)) < top_p)  # the last token still needed for top_p
         kept &= scaled >= ordered[jnp.clip(reached, 0, vocabulary - 1)]
+        kept &= scaled >= ordered[0] + jnp.log(min_p)  # p >= min_p * p_max, in logits (log 0: every token)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         return jax.random.categorical(key, jnp.where(kept, scaled, -jnp.inf)).astype(jnp.int32)
 
-    drawn = jax.vmap(draw)(logits, temperature, top_k, top_p, seed, step)
+    drawn = jax.vmap(draw)(logits, temperature, top_k, top_p, min_p, seed, step)
     return jnp.where(temperature > 0, drawn, greedy_tokens(logits))
 
 
@@ -71,8 +72,8 @@ def penalized(logits: Any, seen: Any, repetition: Any, presence: Any, frequency:
     return logits - presence[:, None] * (counts > 0) - frequency[:, None] * counts
 
 
-def score_tokens(logits: Any, seen: Any, slots: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any,
-                 min_tokens: Any, held: Any, step: Any, repetition: Any, presence: Any, frequency: Any
+def score_tokens(logits: Any, seen: Any, slots: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
+                 seed: Any, min_tokens: Any, held: Any, step: Any, repetition: Any, presence: Any, frequency: Any
                  ) -> tuple[Any, Any, Any, Any]:
     """One token per row, sampled as :func:`sample_tokens` does from the logits after the row's penalties
     (:func:`penalized`), the rows' slots being ``slots`` (None: row i is slot i; a slot past the last: not
@@ -84,7 +85,7 @@ def score_tokens(logits: Any, seen: Any, slots: Any, temperature: Any, top_k: An
     rows, vocabulary = logits.shape
     rows_seen = seen if slots is None else seen[slots]
     chosen = sample_tokens(penalized(logits, rows_seen, repetition, presence, frequency), temperature, top_k,
-                           top_p, seed, min_tokens, held, step)
+                           top_p, min_p, seed, min_tokens, held, step)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top, tokens = jax.lax.top_k(logprobs, min(Sampling.MAX_LOGPROBS, vocabulary))
     picked = jnp.take_along_axis(logprobs, chosen[:, None], axis=1)

@@ -44,7 +44,7 @@ from .spec import GREEDY, GREEDY_KIND, SAMPLED_KIND, SCORED_KIND, Generation, Sa
 NOT_A_TOKEN = 2**31 - 1  # pads a row of held ids and of sequences: past any vocabulary, so never a token
 KIND = ("", ", sampled", ", scored")  # how warm-up names a program that picks tokens of each kind
 # per kind, the options its programs take per row: sampling's, then the penalties' (see Programs._arrays)
-OPTIONS = {GREEDY_KIND: 0, SAMPLED_KIND: 7, SCORED_KIND: 10}
+OPTIONS = {GREEDY_KIND: 0, SAMPLED_KIND: 8, SCORED_KIND: 11}
 
 
 class Launch(NamedTuple):
@@ -118,13 +118,14 @@ class Programs:
     def _option_templates(self, rows: int, kind: int) -> list[Template]:
         """The templates of the options a program of ``kind`` takes for ``rows`` sequences (see
         :meth:`_arrays`)."""
-        sampled = [*(Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.uint32, np.int32)),
+        sampled = [*(Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.float32, np.uint32,
+                                                            np.int32)),
                    Template((rows, len(self.eos_ids) + Sampling.MAX_STOP_IDS), np.int32), Template((rows,), np.int32)]
         return [*sampled, *[Template((rows,), np.float32)] * 3][:OPTIONS[kind]]
 
     def _arrays(self, samplings: Sequence[Sampling], positions: Sequence[int], kind: int) -> list[np.ndarray]:
         """The options a program of ``kind`` takes: none for a greedy one; each row's temperature, top_k, top_p,
-        seed, min_tokens, the ids it holds back until then (``eos`` and its stop ids), and position (the number
+        min_p, seed, min_tokens, the ids it holds back until then (``eos`` and its stop ids), and position (the number
         of its step); then, for a scored one, its repetition, presence and frequency penalties. A generation
         that gives outputs has only the greedy program: its requests are greedy
         (:meth:`~.spec.Generation.check_request`)."""
@@ -137,7 +138,7 @@ class Programs:
                 held[row, :len(ids)] = ids
         arrays = [np.array([s.temperature for s in samplings], np.float32),
                   np.array([s.top_k for s in samplings], np.int32), np.array([s.top_p for s in samplings], np.float32),
-                  np.array([s.seed for s in samplings], np.uint32),
+                  np.array([s.min_p for s in samplings], np.float32), np.array([s.seed for s in samplings], np.uint32),
                   np.array([s.min_tokens for s in samplings], np.int32), held, np.array(positions, np.int32)]
         if kind == SCORED_KIND:
             arrays += [np.array([getattr(s, name) for s in samplings], np.float32)

@@ -40,7 +40,8 @@ GREEDY_KIND, SAMPLED_KIND, SCORED_KIND = range(3)  # which compiled program pick
 class Sampling:
     """How one request of a ``logits=True`` generation picks its tokens: greedy (``temperature`` 0, the
     default), or drawn at ``temperature`` from the ``top_k`` most likely tokens (0: all of them) that make up
-    ``top_p`` of the probability (HF's order: top-k, then top-p), from a generator seeded with ``seed`` (None:
+    ``top_p`` of the probability and have at least ``min_p`` times the probability of the most likely one (HF's
+    order: top-k, top-p, min-p; 0: no cut), from a generator seeded with ``seed`` (None:
     a fresh one; a seed gives the same tokens whatever else runs). ``stop_token_ids``: up to
     ``MAX_STOP_IDS`` token ids that end the request as ``eos`` does (the id is its last output);
     ``min_tokens``: its first so many outputs are never ``eos`` nor one of those (held back on the device,
@@ -53,7 +54,7 @@ class Sampling:
     ``ignore_eos`` (vLLM's): the generation's ``eos`` does not end the request, which goes on to its
     ``max_steps`` (or ``max_length``); its stop ids still end it. Only this one needs no logits."""
 
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids", "logprobs",
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "stop_token_ids", "logprobs",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos")
     MAX_STOP_IDS = 16
     MAX_LOGPROBS = 20  # the most likely tokens a scored program gives per output (vLLM's default limit)
@@ -61,14 +62,17 @@ class Sampling:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  min_tokens: int = 0, stop_token_ids: Sequence[int] = (), logprobs: int | None = None,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, ignore_eos: bool = False) -> None:
+                 frequency_penalty: float = 0.0, ignore_eos: bool = False, min_p: float = 0.0) -> None:
         if not finite_number(temperature) or temperature < 0:
             raise OptionError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if not finite_number(top_p) or not 0 < top_p <= 1:
             raise OptionError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if not finite_number(min_p) or not 0 <= min_p <= 1:
+            raise OptionError(f"min_p must be a number in [0, 1] (0: no cut), got {min_p!r}")
         self.temperature = float(temperature)
         self.top_k = _whole("top_k (0: no limit)", top_k, 2**31)
         self.top_p = float(top_p)
+        self.min_p = float(min_p)
         self.seed = secrets.randbits(32) if seed is None else _whole("seed", seed, 2**32)
         self.min_tokens = _whole("min_tokens", min_tokens, 2**31)
         if not isinstance(stop_token_ids, list | tuple) or len(stop_token_ids) > self.MAX_STOP_IDS or not all(
