@@ -430,13 +430,16 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
         client.completions.create(model="embed", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="model 'llama3' is a text generation, not an embedding model"):
         client.embeddings.create(model="llama3", input="x")
-    for name, value in (("best_of", 2), ("logit_bias", {"5": 10}), ("suffix", "!")):
+    for name, value in (("best_of", 2), ("logit_bias", {"5": 10}), ("suffix", "!"), ("skip_special_tokens", False),
+                        ("include_stop_str_in_output", True)):
         with pytest.raises(openai.BadRequestError) as refused:
-            client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, **{name: value})
+            client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, extra_body={name: value})
         assert refused.value.param == name and refused.value.code == "unsupported_parameter"
         assert f"'{name}' is not supported yet" in refused.value.message
     neutral = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, temperature=0, presence_penalty=0,
-                                        frequency_penalty=0.0, logprobs=None, best_of=1)
+                                        frequency_penalty=0.0, logprobs=None, best_of=1,
+                                        extra_body={"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                                                    "include_stop_str_in_output": False})
     assert neutral.choices[0].finish_reason == "length", "the values that ask for nothing are accepted"
     for asked, message in [({"logprobs": 21}, "'logprobs' must be an integer from 0 to 20, got 21"),
                            ({"logprobs": -1}, "'logprobs' must be an integer from 0 to 20, got -1"),

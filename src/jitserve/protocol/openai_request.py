@@ -35,9 +35,13 @@ NOT_YET: dict[str, tuple[Any, ...]] = {
     "tools": ([],),
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
+    # vLLM's extensions whose defaults are jitserve's way: the text leaves special tokens and a stop string out
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
 }
 _GENERATING = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user", *SAMPLING, "logprobs",
-               "logit_bias"}
+               "logit_bias", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
 FIELDS: dict[str, frozenset[str]] = {  # endpoint -> the fields it takes
     "completions": frozenset({*_GENERATING, "prompt", "echo", "best_of", "suffix"}),
     "chat/completions": frozenset({*_GENERATING, "messages", "max_completion_tokens", "top_logprobs", "tools",
