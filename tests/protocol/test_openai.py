@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +148,15 @@ def test_models_lists_the_text_generations_and_embedding_models(client):
     assert refused.value.code == "model_not_found" and "is not served by the OpenAI API" in refused.value.message
     with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
         client.models.retrieve("nope")
+
+
+def test_vllms_health_path_answers_without_the_key_as_live_does(served):
+    """Probes set up for vLLM (or TGI) ask ``GET /health``; like KServe's ``/v2/health/live``, it needs no key."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/health", timeout=30) as answer:
+        assert answer.status == 200 and json.loads(answer.read()) == {"live": True}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{served.port}/v1/models", timeout=30)
+    assert refused.value.code == 401, "the rest still needs it"
 
 
 def test_a_greedy_completion_is_the_in_process_generation_of_the_same_engine(served, client, folders):

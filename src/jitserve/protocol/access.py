@@ -13,7 +13,7 @@ latency from arrival, as text or as the fields of a JSON line.
 The key and CORS are off unless asked for. With a key, every call carries ``Authorization:
 Bearer KEY`` (HTTP header or gRPC metadata; ``X-API-Key: KEY`` is accepted
 over HTTP too), else it is answered 401 / UNAUTHENTICATED; health checks
-(``/v2/health/*``, ``grpc.health.v1``, KServe's ``ServerLive`` and
+(``/v2/health/*`` and ``/health``, ``grpc.health.v1``, KServe's ``ServerLive`` and
 ``ServerReady``) stay open so that probes need no secret. Keys are compared in constant time.
 """
 
@@ -34,7 +34,7 @@ import grpc
 
 from ..errors import OptionError
 
-OPEN_HTTP_PREFIX = "/v2/health/"
+OPEN_HTTP_PREFIXES = ("/v2/health/", "/health")  # health: KServe's, and vLLM's path
 OPEN_GRPC = ("/grpc.health.v1.", "/inference.GRPCInferenceService/ServerLive",
              "/inference.GRPCInferenceService/ServerReady")  # health, as HTTP's /v2/health/*
 UNAUTHORIZED = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
@@ -107,7 +107,7 @@ class Access:
         return hmac.compare_digest(presented.encode(), self.api_key.encode())
 
     def http_allows(self, path: str, headers: dict[bytes, bytes]) -> bool:
-        if self.api_key is None or path.startswith(OPEN_HTTP_PREFIX):
+        if self.api_key is None or path.startswith(OPEN_HTTP_PREFIXES):
             return True
         credential = headers.get(b"authorization") or headers.get(b"x-api-key")
         return self.allows(None if credential is None else credential.decode("latin-1"))

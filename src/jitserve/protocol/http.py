@@ -1,6 +1,6 @@
 """The Open Inference Protocol over HTTP/REST, as a bare ASGI application run by uvicorn.
 
-Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2``,
+Routes: ``GET /v2/health/live`` (and ``/health``, vLLM's), ``/v2/health/ready``, ``/v2``,
 ``/v2/models/{m}[/versions/{v}]``, ``/v2/models/{m}[/versions/{v}]/ready``,
 Triton's ``/v2/models/{m}[/versions/{v}]/config``, ``/v2/models[/{m}[/versions/{v}]]/stats``,
 ``POST /v2/repository/index`` (and ``GET /v2/models``, the same list),
@@ -112,6 +112,7 @@ class HttpFront:
             ("POST", re.compile(model + "/generate"), self.generate),
             ("POST", re.compile(model + "/generate_stream"), self.generate_stream),
             ("GET", re.compile(r"/v2/health/live"), self.live),
+            ("GET", re.compile(r"/health"), self.live),  # vLLM's and TGI's liveness path, where their probes point
             ("GET", re.compile(r"/v2/health/ready"), self.ready),
             ("GET", re.compile(r"/v2"), self.server_metadata),
             ("GET", re.compile(r"/v2/models/stats"), self.statistics),
