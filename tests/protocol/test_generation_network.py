@@ -212,6 +212,27 @@ def test_a_client_that_leaves_before_a_whole_generate_answer_frees_its_slot(serv
         "cancelled when the client left, not run to its 500th output"
 
 
+def test_a_grpc_infer_cancelled_by_its_client_frees_its_slot(server):
+    """KServe's unary ModelInfer on a generation answers at the last step; a tritonclient that cancels the
+    call (``CallContext.cancel``, as a deadline does) cancels the generation too (grpc.aio cancels the
+    handler), freeing its slot at the next step."""
+    steps = gauge(server, "jitserve_generation_step_seconds_count", "slow")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    prompt = grpcclient.InferInput("prompt", [3], "INT32")
+    prompt.set_data_from_numpy(np.array(PROMPT, np.int32))
+    answers = []
+    call = client.async_infer("slow", [prompt], lambda result, error: answers.append(error),
+                              parameters={"max_steps": 500})
+    until(lambda: gauge(server, "jitserve_generation_slots_busy", "slow") == 1, "the generation to take a slot")
+    call.cancel()
+    until(lambda: gauge(server, "jitserve_generation_slots_busy", "slow") == 0, "the slot to be free at the next step")
+    assert gauge(server, "jitserve_generation_step_seconds_count", "slow") - steps < 250, \
+        "cancelled with its call, not run to its 500th output"
+    until(lambda: answers, "the cancelled call to end")
+    assert "CANCELLED" in str(answers[0])
+    client.close()
+
+
 @pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
 def test_the_generate_extension_refuses_a_stream_flag_that_is_no_flag_as_such(server, endpoint):
     for flag, message in [("yes", "'stream' must be true or false, got \"yes\""),
