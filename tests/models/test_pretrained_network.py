@@ -266,6 +266,10 @@ def test_tensorrtllm_and_vllm_requests_as_genai_perf_sends_them(llm, expected):
     pieces = streamed(llm, [*vllm, tensor(grpcclient, "stream", [True], "BOOL")])
     assert "".join(pieces) == expected["llama-tied"] and len(pieces) > 1
     assert streamed(llm, [*vllm, tensor(grpcclient, "stream", [False], "BOOL")]) == [expected["llama-tied"]]
+    fixed_length = tensor(grpcclient, "sampling_parameters", [json.dumps(  # genai-perf's --extra-inputs, vLLM's
+        {"max_tokens": STEPS, "ignore_eos": True, "min_p": 0.05}).encode()], "BYTES")
+    assert "".join(streamed(llm, [text_input(grpcclient), fixed_length])) == expected["llama-tied"], \
+        "greedy: min_p cuts nothing the argmax keeps, and no end token comes within these steps"
     assert expected["llama-tied", "penalized"] != expected["llama-tied"]
     penalties = [tensor(grpcclient, name, [value], "FP32", (1, 1)) for name, value in PENALTIES.items()]
     assert "".join(streamed(llm, [*tensorrtllm, *penalties])) == expected["llama-tied", "penalized"]
@@ -295,8 +299,9 @@ def test_tensorrtllm_and_vllm_requests_as_genai_perf_sends_them(llm, expected):
              "in sampling_parameters); give it once"),
             ([text_input(httpclient), tensor(httpclient, "bad_words", [b"x"], "BYTES")],
              "model 'llm' does not take the input 'bad_words'"),
-            ([text_input(httpclient), tensor(httpclient, "sampling_parameters", [b'{"ignore_eos": true}'], "BYTES")],
-             "does not take 'ignore_eos'; its sampling parameters are max_tokens, temperature")]:
+            ([text_input(httpclient), tensor(httpclient, "sampling_parameters", [b'{"use_beam_search": true}'],
+                                             "BYTES")],
+             "does not take 'use_beam_search'; its sampling parameters are max_tokens, temperature")]:
         with pytest.raises(InferenceServerException, match=re.escape(message)) as refused:
             http.infer("llm", inputs)
         assert refused.value.status() == "400"
