@@ -53,7 +53,7 @@ def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, min_p: 
         ordered = jnp.where(jnp.arange(vocabulary) < jnp.where(top_k > 0, top_k, vocabulary), ordered, -jnp.inf)
         reached = jnp.sum(jnp.cumsum(jax.nn.softmax(ordered)) < top_p)  # the last token still needed for top_p
         kept &= scaled >= ordered[jnp.clip(reached, 0, vocabulary - 1)]
-        kept &= scaled >= ordered[0] + jnp.log(min_p)  # p >= min_p * p_max, in logits (log 0: every token)
+        kept &= jnp.exp(scaled - ordered[0]) >= min_p  # p / p_max >= min_p (0: every token, no log of 0)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         return jax.random.categorical(key, jnp.where(kept, scaled, -jnp.inf)).astype(jnp.int32)
 
