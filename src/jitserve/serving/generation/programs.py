@@ -116,12 +116,9 @@ class Programs:
         return self.compiler.place(self.layout.pack(params), self.options)
 
     def _option_templates(self, rows: int, kind: int) -> list[Template]:
-        """The templates of the options a program of ``kind`` takes for ``rows`` sequences (see
-        :meth:`_arrays`)."""
-        sampled = [*(Template((rows,), dtype) for dtype in (np.float32, np.int32, np.float32, np.float32, np.uint32,
-                                                            np.int32)),
-                   Template((rows, len(self.eos_ids) + Sampling.MAX_STOP_IDS), np.int32), Template((rows,), np.int32)]
-        return [*sampled, *[Template((rows,), np.float32)] * 3][:OPTIONS[kind]]
+        """The templates of the options a program of ``kind`` takes for ``rows`` sequences: those of
+        :meth:`_arrays`' (for greedy rows), the one place that says each option's dtype."""
+        return [Template(array.shape, array.dtype) for array in self._arrays([GREEDY] * rows, [0] * rows, kind)]
 
     def _arrays(self, samplings: Sequence[Sampling], positions: Sequence[int], kind: int) -> list[np.ndarray]:
         """The options a program of ``kind`` takes: none for a greedy one; each row's temperature, top_k, top_p,
