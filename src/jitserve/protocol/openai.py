@@ -348,10 +348,11 @@ class OpenAIDoor:
         max_length = server.generation.max_length
         count = fields.integer(request, "n", 1, 1, fields.MAX_CHOICES) or 1
         if count * len(prompts) > fields.MAX_CHOICES:
-            raise ParameterError(f"{len(prompts)} prompts of {count} choices each make {count * len(prompts)} "
-                                 f"generations; ask for at most {fields.MAX_CHOICES}", "n") if count > 1 else \
-                ParameterError(f"{len(prompts)} prompts make {len(prompts)} generations; send at most "
-                               f"{fields.MAX_CHOICES} per request", "prompt")
+            if count > 1:
+                raise ParameterError(f"{len(prompts)} prompts of {count} choices each make {count * len(prompts)} "
+                                     f"generations; ask for at most {fields.MAX_CHOICES}", "n")
+            raise ParameterError(f"{len(prompts)} prompts make {len(prompts)} generations; send at most "
+                                 f"{fields.MAX_CHOICES} per request", "prompt")
         stream = fields.flag(request, "stream")
         usage_chunk = fields.include_usage(request, stream)
         chosen = {**fields.sampling(request), "logprobs": top}

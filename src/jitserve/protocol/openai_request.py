@@ -26,8 +26,15 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty"
 ALL_TOKENS = -1  # vLLM's top_k for "no limit", beside 0 (the engine's)
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults: a request samples unless told not to
 
-# fields OpenAI defines that jitserve's engine does not implement yet -> the values that ask for nothing
-# (null always does); any other value is refused by name
+# vLLM's extensions whose defaults are jitserve's way (the text leaves special tokens and a stop string out) ->
+# those defaults
+VLLM_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+}
+# fields that jitserve's engine does not implement yet -> the values that ask for nothing (null always does); any
+# other value is refused by name
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},),
     "best_of": (1,),
@@ -35,13 +42,10 @@ NOT_YET: dict[str, tuple[Any, ...]] = {
     "tools": ([],),
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
-    # vLLM's extensions whose defaults are jitserve's way: the text leaves special tokens and a stop string out
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
+    **VLLM_DEFAULTS,
 }
 _GENERATING = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user", *SAMPLING, "logprobs",
-               "logit_bias", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
+               "logit_bias", *VLLM_DEFAULTS}
 FIELDS: dict[str, frozenset[str]] = {  # endpoint -> the fields it takes
     "completions": frozenset({*_GENERATING, "prompt", "echo", "best_of", "suffix"}),
     "chat/completions": frozenset({*_GENERATING, "messages", "max_completion_tokens", "top_logprobs", "tools",
