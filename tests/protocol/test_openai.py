@@ -462,7 +462,10 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
                                                                        "must be a finite number > 0 (1: none), got 0"),
                            ({"extra_body": {"min_tokens": -1}}, "'min_tokens': min_tokens must be an integer in [0, "
                                                                 "2147483648), got -1"),
-                           ({"extra_body": {"min_tokens": 3}}, "'min_tokens' (3) must be at most 'max_tokens' (2)")]:
+                           ({"extra_body": {"min_tokens": 3}}, "'min_tokens' (3) must be at most 'max_tokens' (2)"),
+                           ({"seed": 2**70}, "'seed' must be an integer from -2**63 to 2**64 - 1, got "
+                                             "1180591620717411303424"),
+                           ({"seed": 1.5}, "'seed' must be an integer, got 1.5")]:
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, **asked)
         assert message in refused.value.message

@@ -119,12 +119,14 @@ def include_usage(request: dict[str, Any], stream: bool) -> bool:
 
 def sampling(request: dict[str, Any]) -> dict[str, Any]:
     """The request's sampling fields over OpenAI's defaults (temperature 1, top_p 1), each checked as the
-    engine's :class:`Sampling` checks it; ``seed`` any integer, ``top_k`` -1 (vLLM's) the engine's 0."""
+    engine's :class:`Sampling` checks it; ``seed`` any 64-bit integer, ``top_k`` -1 (vLLM's) the engine's 0."""
     chosen = {**OPENAI_SAMPLING, **{name: request[name] for name in SAMPLING if request.get(name) is not None}}
     if type(chosen.get("top_k")) is int and chosen["top_k"] == ALL_TOKENS:
         chosen["top_k"] = 0
     for name, value in chosen.items():
         if name == "seed":
+            if isinstance(value, float) and value.is_integer():  # JSON's integers beyond 64 bits parse as floats
+                raise ParameterError(f"'seed' must be an integer from -2**63 to 2**64 - 1, got {value:.0f}", "seed")
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ParameterError(f"'seed' must be an integer, got {_shown(value)}", "seed")
             continue
