@@ -55,7 +55,7 @@ FOLDER_CAPS = {
     # beside issue 43's typed entry points (each kind's spec asks its front); 3,975: a client that leaves
     # before a whole answer cancels its generation (protocol/disconnect.py); 3,980: the generate extension's
     # 'stream' checked as a flag; 4,015: a response's head and body leave in one send (connection.py's OneSend)
-    "protocol": 4_040,
+    "protocol": 4_075,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode

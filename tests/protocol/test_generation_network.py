@@ -197,14 +197,18 @@ def test_a_client_that_leaves_frees_its_slot_and_metrics_show_the_generation(ser
     assert json.loads(data)["model_transaction_policy"] == {"decoupled": True}
 
 
-def test_a_client_that_leaves_before_a_whole_generate_answer_frees_its_slot(server):
-    """Not streamed: the answer comes at the last step, but a client that gave up (an SDK's timeout) before it
-    cancels the generation instead of holding its slot to the last token for nobody."""
+@pytest.mark.parametrize("endpoint", ["generate", "infer"])
+def test_a_client_that_leaves_before_a_whole_generate_answer_frees_its_slot(server, endpoint):
+    """Not streamed (Triton's generate extension, or KServe's infer): the answer comes at the last step, but a
+    client that gave up (an SDK's timeout) before it cancels the generation instead of holding its slot to the
+    last token for nobody."""
     steps = gauge(server, "jitserve_generation_step_seconds_count", "slow")
     connection = socket.create_connection(("127.0.0.1", server.port))
-    payload = json.dumps({"prompt": PROMPT, "max_steps": 500}).encode()
-    connection.sendall(b"POST /v2/models/slow/generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                       % (len(payload), payload))
+    payload = json.dumps({"prompt": PROMPT, "max_steps": 500} if endpoint == "generate" else
+                         {"inputs": [{"name": "prompt", "datatype": "INT32", "shape": [len(PROMPT)], "data": PROMPT}],
+                          "parameters": {"max_steps": 500}}).encode()
+    connection.sendall(b"POST /v2/models/slow/%s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                       % (endpoint.encode(), len(payload), payload))
     until(lambda: gauge(server, "jitserve_generation_slots_busy", "slow") == 1, "the generation to take a slot")
     connection.close()
     until(lambda: gauge(server, "jitserve_generation_slots_busy", "slow") == 0, "the slot to be free at the next step")

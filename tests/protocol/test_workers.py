@@ -199,20 +199,24 @@ def test_batches_hold_rows_from_several_fronts(workers):
     assert mixed, f"some batch holds rows from several fronts: {ran} by front {front_of}"
 
 
-def test_a_client_that_leaves_a_relayed_stream_frees_its_queued_rows(workers):
+@pytest.mark.parametrize("endpoint", ["infer_stream", "infer"])
+def test_a_client_that_leaves_frees_its_queued_rows_in_the_engine(workers, endpoint):
+    """A relayed stream, or an infer request decoded by the front: a client that leaves before its answer is
+    told to the engine, whose rows of it leave the queue (its front's HTTP application cancels it)."""
     running, hold, log = workers
     hold.touch()
     before = len(batches(log, "gated1"))
+    first = 101.0 if endpoint == "infer_stream" else 201.0
     sock = socket.create_connection(("127.0.0.1", running.port))
-    body = column([float(value) for value in range(101, 109)])
-    sock.sendall(b"POST /v2/models/gated1/infer_stream HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                 % (len(body), body))
+    body = column([first + index for index in range(8)])
+    sock.sendall(b"POST /v2/models/gated1/%s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                 % (endpoint.encode(), len(body), body))
     wait_for(lambda: metric(running, "jitserve_queue_depth", "gated1") == 7, "one row runs, seven wait")
-    sock.close()  # its front tells the engine, whose HTTP application stops the stream and withdraws its rows
-    wait_for(lambda: metric(running, "jitserve_queue_depth", "gated1") == 0, "the stream's rows withdrawn")
+    sock.close()
+    wait_for(lambda: metric(running, "jitserve_queue_depth", "gated1") == 0, "the request's rows withdrawn")
     hold.unlink()
     wait_for(lambda: len(batches(log, "gated1")) == before + 1, "the held row ran")
-    assert batches(log, "gated1")[before:] == [[101.0]], "only the row that had started ran"
+    assert batches(log, "gated1")[before:] == [[first]], "only the row that had started ran"
 
 
 def held_callers(running, hold) -> list[Caller]:

@@ -46,6 +46,7 @@ from typing import Any, cast
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .disconnect import CLIENT_LEAVING
 from .limits import Limits
 from .logs import ClientMistakes
 
@@ -138,6 +139,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._read_timer: asyncio.TimerHandle | None = None  # fires at a deadline, maybe an older one
         self._write_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._leaving: list[Callable[[], None]] = []  # called if the connection is lost (its requests' clients gone)
+        self._extensions = {CLIENT_LEAVING: {"callbacks": self._leaving}}  # ASGI's form
 
     @classmethod
     def factory(cls, limits: Limits, tls: ssl.SSLContext | None = None) -> Any:
@@ -201,6 +204,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         for timer in (self._read_timer, self._write_timer):
             if timer is not None:
                 timer.cancel()
+        for left in tuple(self._leaving):
+            left()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -236,6 +241,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = self._extensions  # type: ignore[typeddict-item]
         self._arm_read(self._headers_overdue)
 
     def on_headers_complete(self) -> None:

@@ -25,7 +25,7 @@ text generations and embedding models (``protocol/openai.py``): ``GET /v1/models
 are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server. A client that disconnects before
-its answer (a stream's, a generate or ``/v1`` request's) cancels it (``protocol/disconnect.py``).
+its answer cancels it: its queued rows leave the queue, its generation frees its slot (``protocol/disconnect.py``).
 
 Why this stack: uvicorn with uvloop (``app.event_loop_factory``) and
 httptools is the fastest mainstream Python HTTP server, and a bare ASGI
@@ -49,7 +49,7 @@ import orjson
 from ..errors import BodyTooLargeError, ProtocolError
 from .access import CORS_METHODS, UNAUTHORIZED, Access, begin_request
 from .codec import BFLOAT16, datatype_of, json_values, raw_contents
-from .disconnect import CLIENT_GONE, disconnected, unless_gone
+from .disconnect import CLIENT_GONE, begin_watch, disconnected, unless_gone
 from .generate import generate_request, generated
 from .http_request import Requested, parse_request
 from .limits import Limits
@@ -138,6 +138,7 @@ class HttpFront:
         headers = dict(scope["headers"])
         method = scope["method"]
         rid = begin_request(headers.get(b"x-request-id"))  # this request's task only: every line it logs carries it
+        begin_watch(scope)
         if method == "OPTIONS":  # a browser's CORS preflight, or a client asking what is allowed
             await _send(send, 204, [(b"allow", CORS_METHODS), *self.access.preflight_headers(headers)], b"", False)
             return
@@ -323,8 +324,11 @@ class HttpFront:
                 else await self._off_loop(len(body), parse)
             if span is not None:
                 span.phase("receive")
-            served, outputs = await self.service.infer(model, tensors, _classes(requested),
-                                                       _priority(request), version, request.get("parameters"))
+            answered = await unless_gone(self.service.infer(model, tensors, _classes(requested), _priority(request),
+                                                            version, request.get("parameters")))
+            if answered is None:
+                return CLIENT_GONE
+            served, outputs = answered
             if span is not None:
                 span.phase(None)  # the queue and batch spans come from the batches
             size = sum([array.nbytes for _, array in outputs])
@@ -386,7 +390,7 @@ class HttpFront:
         try:
             body, _ = await self._read_body(headers, receive)
             request_id, tensors, parameters = generate_request(body, self.service.model(model, version), False)
-            answered = await unless_gone(receive, self.service.infer(model, tensors, None, None, version, parameters))
+            answered = await unless_gone(self.service.infer(model, tensors, None, None, version, parameters), receive)
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error, version)
         if answered is None:
@@ -413,7 +417,7 @@ class HttpFront:
             body, _ = await self._read_body(headers, receive)
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self.openai.refused("", error)
-        answer = await unless_gone(receive, self.openai.post(endpoint, body))
+        answer = await unless_gone(self.openai.post(endpoint, body), receive)
         if answer is None:
             return CLIENT_GONE
         return answer if isinstance(answer, tuple) else _Events(answer)
