@@ -189,7 +189,8 @@ def test_min_p_keeps_the_tokens_transformers_min_p_warper_keeps(temperature, top
     drawn = jax.jit(sample_tokens)(np.repeat(logits[None], draws, axis=0), rows(temperature, np.float32),
                                    rows(top_k, np.int32), rows(top_p, np.float32), rows(min_p, np.float32),
                                    np.arange(draws, dtype=np.uint32), rows(0, np.int32),
-                                   np.full((draws, 1), 2**31 - 1, np.int32), rows(0, np.int32))
+                                   np.full((draws, 1), 2**31 - 1, np.int32), np.full((draws, 1), 2**31 - 1, np.int32),
+                                   np.zeros((draws, 1), np.float32), rows(0, np.int32))
     assert set(np.asarray(drawn).tolist()) == transformers_kept(logits, temperature, top_k, top_p, min_p)
 
 
@@ -205,3 +206,42 @@ def test_min_p_over_a_checkpoint_and_its_refusals(made):
     for bad in (-0.1, 1.5, float("nan"), "0.1"):
         with pytest.raises(js.OptionError, match=r"min_p must be a number in \[0, 1\] \(0: no cut\), got"):
             js.Sampling(min_p=bad)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_logit_bias_equals_transformers_sequence_bias_of_single_tokens(made, engine):
+    """OpenAI's ``logit_bias``: the greedy tokens equal ``generate``'s with HF's ``SequenceBiasLogitsProcessor``
+    over one-token sequences (always applied); banning the plain answer's first token and favouring another
+    changes the text, and the log-probabilities stay the model's own."""
+    from transformers import LogitsProcessorList, SequenceBiasLogitsProcessor
+
+    folder = made(VARIANT)
+    model, tokenizer = reference(folder)
+    name = f"bias-{engine}"
+    with js.serve(served(made, engine), name=name) as server:
+        for prompt in PROMPTS[:2]:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            plain = tokens_of(js.generate(name, prompt, max_steps=NEW_TOKENS, logprobs=0))
+            bias = {plain[0]: -100.0, plain[1]: 4.5, 7: 2.0}
+            processor = SequenceBiasLogitsProcessor([[[token], value] for token, value in bias.items()])
+            with torch.no_grad():
+                out = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS,
+                                     logits_processor=LogitsProcessorList([processor]),
+                                     attention_mask=torch.ones_like(ids))
+            expected = out[0, ids.shape[1]:].tolist()
+            text, scores = js.generate(name, prompt, max_steps=NEW_TOKENS, logit_bias=bias, logprobs=0)
+            assert [score.token for score in scores] == expected and expected[0] != plain[0]
+            assert text == tokenizer.decode(expected, skip_special_tokens=True)
+            assert_logprobs_match(scores, log_softmax(model, ids[0].tolist(), expected), 0)
+        compiles = server.stats().compiles
+        js.generate(name, PROMPTS[0], max_steps=2, temperature=1.0, seed=1, logit_bias={3: 1.0})
+        assert server.stats().compiles == compiles, "a bias is an option of the programs, not a program"
+        vocabulary = model.config.vocab_size
+        with pytest.raises(js.OptionError, match=rf"logit_bias names token {vocabulary}, past the vocabulary of "
+                                                 rf"generation server '{name}' \({vocabulary} tokens\)"):
+            js.generate(name, PROMPTS[0], max_steps=2, logit_bias={5: 1.0, vocabulary: 1.0})
+    for bad in ({1: 101}, {-1: 1.0}, {1: float("nan")}, [1, 2], {True: 1.0}, {i: 1.0 for i in range(301)}):
+        with pytest.raises(js.OptionError, match=r"logit_bias must map at most 300 token ids \(integers >= 0\) "
+                                                 r"to numbers from -100 to 100, got"):
+            js.Sampling(logit_bias=bad)
+

@@ -341,6 +341,30 @@ def test_penalties_over_openai_are_the_in_process_ones(client):
         [c.token for c in unpenalized.choices[0].logprobs.content]
 
 
+def test_logit_bias_over_openai_equals_the_in_process_bias(client):
+    """OpenAI's ``logit_bias`` (token ids as JSON's string keys): banning the greedy answer's first token and
+    favouring another gives the in-process answer with the same bias, chat and completion; what is not a
+    bias is refused naming the field."""
+    _, plain = js.generate("llama3", PROMPT, max_steps=6, logprobs=0)
+    bias = {plain[0].token: -100, plain[1].token: 5}
+    text, _ = js.generate("llama3", PROMPT, max_steps=6, logit_bias=bias, logprobs=0)
+    asked = {"model": "llama3", "max_tokens": 6, "temperature": 0,
+             "logit_bias": {str(token): value for token, value in bias.items()}}
+    biased = client.completions.create(prompt=PROMPT, **asked)
+    assert biased.choices[0].text == text != js.generate("llama3", PROMPT, max_steps=6)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **asked)
+    assert chat.choices[0].finish_reason == "length", "a chat takes the field too"
+    for value, message in [({"x": 1}, "'logit_bias' maps token ids (integers, as JSON writes them: \"50256\") to "
+                                      "biases; got the key \"x\""),
+                           ({"5": 101}, "'logit_bias': logit_bias must map at most 300 token ids (integers >= 0) "
+                                        "to numbers from -100 to 100, got {5: 101}"),
+                           ({"99999": 1}, "logit_bias names token 99999, past the vocabulary of generation server "
+                                          "'llama3'")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, logit_bias=value)
+        assert message in refused.value.message
+
+
 def test_min_tokens_over_openai_holds_the_end_back_as_in_process(client):
     """vLLM's ``min_tokens`` extension: so many outputs before the end token may be picked, in the engine."""
     seed = next(seed for seed in range(64)  # a sampled answer that ends early, at the end token
@@ -441,7 +465,7 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
         client.completions.create(model="embed", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="model 'llama3' is a text generation, not an embedding model"):
         client.embeddings.create(model="llama3", input="x")
-    for name, value in (("best_of", 2), ("logit_bias", {"5": 10}), ("suffix", "!"), ("skip_special_tokens", False),
+    for name, value in (("best_of", 2), ("suffix", "!"), ("skip_special_tokens", False),
                         ("include_stop_str_in_output", True)):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, extra_body={name: value})

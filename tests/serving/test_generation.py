@@ -729,7 +729,7 @@ def test_stop_token_ids_end_a_request_and_min_tokens_holds_them_and_eos_back():
     with pytest.raises(js.OptionError, match="ignore_eos must be True or False, got 'yes'"):
         js.Sampling(ignore_eos="yes")
     with js.serve(generation(eos=plain[1]), name="no-logits"):
-        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids, give log-probabilities or penalize"):
+        with pytest.raises(js.OptionError, match="cannot sample, hold back, bias or stop at token ids, give log-probabilities or penalize"):
             js.generate("no-logits", prompt, max_steps=4, min_tokens=2)
         assert js.generate("no-logits", prompt, max_steps=12, ignore_eos=True).tolist() == plain, \
             "the host ends a request at eos: ignoring it needs no logits"
@@ -829,7 +829,7 @@ def test_logprobs_and_penalties_follow_their_rules_on_every_compiler(compiler):
 
 def test_sampling_options_are_checked():
     with js.serve(generation(), name="ids"):
-        with pytest.raises(js.OptionError, match="cannot sample, hold back or stop at token ids, give log-probabilities "
+        with pytest.raises(js.OptionError, match="cannot sample, hold back, bias or stop at token ids, give log-probabilities "
                                                  "or penalize tokens: its decode returns outputs, not logits"):
             js.generate("ids", [1, 2], max_steps=2, temperature=1.0)
         assert js.generate("ids", [1, 2], max_steps=2, temperature=0.0).tolist() == expected([1, 2], 2)

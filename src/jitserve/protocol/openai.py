@@ -8,10 +8,11 @@
   ``temperature: 0``), ``top_k`` (-1 or 0: no limit), ``min_p``, ``repetition_penalty``, ``min_tokens`` (outputs
   before which the end token is never picked), ``stop_token_ids`` (ids that end the text as the end
   token does, kept in it) and ``ignore_eos`` (the end token ends nothing: vLLM's extensions), ``presence_penalty``,
-  ``frequency_penalty``, ``seed``, ``stop``, ``n`` (n requests, the ``i``-th seeded ``seed + i`` when a seed
-  is given), ``echo``, ``logprobs`` (0 to 20: each token's log-probability under the model, the most likely
-  tokens' and the chosen one's by text, and ``text_offset``; not with ``echo``, whose prompt's
-  log-probabilities jitserve does not compute), ``stream`` (with ``stream_options.include_usage``).
+  ``frequency_penalty``, ``logit_bias`` (token ids as string keys), ``seed``, ``stop``, ``n`` (n requests, the
+  ``i``-th seeded ``seed + i`` when a seed is given), ``echo``, ``logprobs`` (0 to 20: each token's
+  log-probability under the model, the most likely tokens' and the chosen one's by text, and ``text_offset``;
+  not with ``echo``, whose prompt's log-probabilities jitserve does not compute), ``stream`` (with
+  ``stream_options.include_usage``).
 - ``POST /v1/chat/completions``: ``messages`` rendered by the checkpoint's chat template and encoded without
   adding special tokens (the template writes its own, as ``transformers``' ``apply_chat_template`` encodes
   it); a checkpoint without a chat template is a 400 naming it. ``max_tokens`` (or

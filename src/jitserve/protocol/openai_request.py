@@ -22,7 +22,7 @@ SEEDS = 2**32  # a seed is any integer, taken modulo this (the engine's seeds ar
 # the fields that make a choice's Sampling; top_k, min_p, repetition_penalty, min_tokens, stop_token_ids and
 # ignore_eos: vLLM's extensions, which the engine has
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos")
+            "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias")
 ALL_TOKENS = -1  # vLLM's top_k for "no limit", beside 0 (the engine's)
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults: a request samples unless told not to
 
@@ -36,7 +36,6 @@ VLLM_DEFAULTS: dict[str, tuple[Any, ...]] = {
 # fields that jitserve's engine does not implement yet -> the values that ask for nothing (null always does); any
 # other value is refused by name
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},),
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
@@ -45,7 +44,7 @@ NOT_YET: dict[str, tuple[Any, ...]] = {
     **VLLM_DEFAULTS,
 }
 _GENERATING = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user", *SAMPLING, "logprobs",
-               "logit_bias", *VLLM_DEFAULTS}
+               *VLLM_DEFAULTS}
 FIELDS: dict[str, frozenset[str]] = {  # endpoint -> the fields it takes
     "completions": frozenset({*_GENERATING, "prompt", "echo", "best_of", "suffix"}),
     "chat/completions": frozenset({*_GENERATING, "messages", "max_completion_tokens", "top_logprobs", "tools",
@@ -119,10 +118,17 @@ def include_usage(request: dict[str, Any], stream: bool) -> bool:
 
 def sampling(request: dict[str, Any]) -> dict[str, Any]:
     """The request's sampling fields over OpenAI's defaults (temperature 1, top_p 1), each checked as the
-    engine's :class:`Sampling` checks it; ``seed`` any 64-bit integer, ``top_k`` -1 (vLLM's) the engine's 0."""
+    engine's :class:`Sampling` checks it; ``seed`` any 64-bit integer, ``top_k`` -1 (vLLM's) the engine's 0,
+    ``logit_bias``'s keys (strings) token ids."""
     chosen = {**OPENAI_SAMPLING, **{name: request[name] for name in SAMPLING if request.get(name) is not None}}
     if type(chosen.get("top_k")) is int and chosen["top_k"] == ALL_TOKENS:
         chosen["top_k"] = 0
+    if isinstance(chosen.get("logit_bias"), dict):  # JSON's keys are strings: token ids written out
+        bad = [key for key in chosen["logit_bias"] if not key.isdecimal()]
+        if bad:
+            raise ParameterError(f"'logit_bias' maps token ids (integers, as JSON writes them: \"50256\") to "
+                                 f"biases; got the key {_shown(bad[0])}", "logit_bias")
+        chosen["logit_bias"] = {int(key): bias for key, bias in chosen["logit_bias"].items()}
     for name, value in chosen.items():
         if name == "seed":
             if isinstance(value, float) and value.is_integer():  # JSON's integers beyond 64 bits parse as floats

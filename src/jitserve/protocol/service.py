@@ -27,6 +27,7 @@ from ..errors import (
     BodyTooLargeError,
     CheckpointError,
     ModelError,
+    OptionError,
     ProtocolError,
     QueueFullError,
     RepositoryError,
@@ -62,6 +63,7 @@ STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
     (TemplateMismatchError, 400, "INVALID_ARGUMENT"),
     (CheckpointError, 400, "INVALID_ARGUMENT"),
     (RepositoryError, 400, "INVALID_ARGUMENT"),
+    (OptionError, 400, "INVALID_ARGUMENT"),  # a request's option (a generation's logit_bias past its vocabulary)
     (QueueFullError, 503, "UNAVAILABLE"),
     (ServerStoppedError, 503, "UNAVAILABLE"),
     (TimeoutError, 504, "DEADLINE_EXCEEDED"),

@@ -168,7 +168,7 @@ def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: 
     up if no slot frees within that many seconds. ``stop``: a string or a list of them that ends a text
     generation's request where its text reaches one (left out; see :class:`StopText`). ``sampling``: how a
     ``logits=True`` generation picks the tokens (:class:`Sampling`: ``temperature``, ``top_k``, ``top_p``,
-    ``min_p``, ``seed``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, the penalties; greedy
+    ``min_p``, ``seed``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``logit_bias``, the penalties; greedy
     without). A generation with a ``detokenizer`` (a checkpoint's, from :func:`jitserve.from_pretrained`)
     answers one string. With ``logprobs=N``: ``(answer, logprobs)``, the second a list of
     :class:`TokenLogprobs`, one per output."""

@@ -61,8 +61,9 @@ class PagedPrograms(Programs):
         pool = Template((cache.layers, cache.blocks(generation.max_length) * cache.block_size, cache.kv_heads,
                          cache.head_dim), cache.dtype)
         self.output_template = Template((), np.int32)
+        self.vocabulary: int | None = self._vocabulary(pool)
         self.carry_template = ({"k": pool, "v": pool}, Template((generation.slots,), np.int32),
-                               *self._seen(self._vocabulary(pool)))
+                               *self._seen(self.vocabulary))
         self.sequence_width = generation.max_length  # a preempted sequence starts its counts from its outputs too
         self.decodes: dict[tuple[int, int], Callable[..., Any]] = {}
 

@@ -3,8 +3,8 @@
 Three pickers, one per kind of program (:attr:`~.spec.Sampling.kind`), each a
 function of rows of logits and per-row options, compiled into the programs
 that give the logits: :func:`greedy_tokens` (the most likely),
-:func:`sample_tokens` (temperature, top-k, top-p, min-p, a seed per row, ids held
-back under ``min_tokens``) and :func:`score_tokens`, which samples after the
+:func:`sample_tokens` (a logit bias, temperature, top-k, top-p, min-p, a seed per row, ids
+held back under ``min_tokens``) and :func:`score_tokens`, which samples after the
 penalties (:func:`penalized`) and gives every row's log-probabilities: the
 chosen token's and the ``MAX_LOGPROBS`` most likely tokens', always that many,
 so that what each request asks costs no program of its own.
@@ -34,14 +34,25 @@ def greedy_tokens(logits: Any) -> Any:
     return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
 
 
+def biased(logits: Any, bias_ids: Any, biases: Any) -> Any:
+    """``logits`` (rows, vocabulary, float32) with each row's ``biases`` added at its ``bias_ids`` (rows,
+    ``MAX_LOGIT_BIAS``; padded with ids past the vocabulary, which add nothing)."""
+    return logits.at[jnp.arange(logits.shape[0])[:, None], bias_ids].add(biases, mode="drop")
+
+
 def sample_tokens(logits: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any, seed: Any, min_tokens: Any,
-                  held: Any, step: Any) -> Any:
-    """One token per row of ``logits`` (rows, vocabulary): the most likely where ``temperature`` is 0,
-    else drawn from that row's top-k / top-p / min-p distribution at its temperature with the key
-    ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and options only. While a row's
-    ``step`` is below its ``min_tokens``, the ids of its row of ``held`` (padded with ids past the
-    vocabulary) are never picked."""
-    logits = jnp.asarray(logits, jnp.float32)
+                  held: Any, bias_ids: Any, biases: Any, step: Any) -> Any:
+    """One token per row of ``logits`` (rows, vocabulary) after its logit bias (:func:`biased`): the most
+    likely where ``temperature`` is 0, else drawn from that row's top-k / top-p / min-p distribution at its
+    temperature with the key ``fold_in(PRNGKey(seed), step)``: a row's token depends on its own row and
+    options only. While a row's ``step`` is below its ``min_tokens``, the ids of its row of ``held`` (padded
+    with ids past the vocabulary) are never picked."""
+    return _sample(biased(jnp.asarray(logits, jnp.float32), bias_ids, biases), temperature, top_k, top_p, min_p,
+                   seed, min_tokens, held, step)
+
+
+def _sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any, seed: Any, min_tokens: Any,
+            held: Any, step: Any) -> Any:
     rows, vocabulary = logits.shape
     banned = jnp.zeros((rows, vocabulary), bool).at[jnp.arange(rows)[:, None], held].set(True, mode="drop")
     logits = jnp.where(banned & (step < min_tokens)[:, None], -jnp.inf, logits)
@@ -73,19 +84,20 @@ def penalized(logits: Any, seen: Any, repetition: Any, presence: Any, frequency:
 
 
 def score_tokens(logits: Any, seen: Any, slots: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
-                 seed: Any, min_tokens: Any, held: Any, step: Any, repetition: Any, presence: Any, frequency: Any
-                 ) -> tuple[Any, Any, Any, Any]:
-    """One token per row, sampled as :func:`sample_tokens` does from the logits after the row's penalties
-    (:func:`penalized`), the rows' slots being ``slots`` (None: row i is slot i; a slot past the last: not
-    counted); and each row's log-probabilities under the model's own distribution, the log-softmax of
-    ``logits`` as they came: the chosen token's, then the most likely tokens', highest first (rows, 1 +
-    ``MAX_LOGPROBS``), and those tokens (rows, ``MAX_LOGPROBS``; fewer in a smaller vocabulary). Returns the
-    tokens, the log-probabilities, the top tokens and ``seen`` with each chosen token counted in its slot."""
+                 seed: Any, min_tokens: Any, held: Any, bias_ids: Any, biases: Any, step: Any, repetition: Any,
+                 presence: Any, frequency: Any) -> tuple[Any, Any, Any, Any]:
+    """One token per row, sampled as :func:`sample_tokens` does from the logits after the row's logit bias,
+    then its penalties (:func:`penalized`; vLLM's order), the rows' slots being ``slots`` (None: row i is slot
+    i; a slot past the last: not counted); and each row's log-probabilities under the model's own
+    distribution, the log-softmax of ``logits`` as they came: the chosen token's, then the most likely
+    tokens', highest first (rows, 1 + ``MAX_LOGPROBS``), and those tokens (rows, ``MAX_LOGPROBS``; fewer in a
+    smaller vocabulary). Returns the tokens, the log-probabilities, the top tokens and ``seen`` with each
+    chosen token counted in its slot."""
     logits = jnp.asarray(logits, jnp.float32)
     rows, vocabulary = logits.shape
     rows_seen = seen if slots is None else seen[slots]
-    chosen = sample_tokens(penalized(logits, rows_seen, repetition, presence, frequency), temperature, top_k,
-                           top_p, min_p, seed, min_tokens, held, step)
+    chosen = _sample(penalized(biased(logits, bias_ids, biases), rows_seen, repetition, presence, frequency),
+                     temperature, top_k, top_p, min_p, seed, min_tokens, held, step)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top, tokens = jax.lax.top_k(logprobs, min(Sampling.MAX_LOGPROBS, vocabulary))
     picked = jnp.take_along_axis(logprobs, chosen[:, None], axis=1)

@@ -44,7 +44,7 @@ from .spec import GREEDY, GREEDY_KIND, SAMPLED_KIND, SCORED_KIND, Generation, Sa
 NOT_A_TOKEN = 2**31 - 1  # pads a row of held ids and of sequences: past any vocabulary, so never a token
 KIND = ("", ", sampled", ", scored")  # how warm-up names a program that picks tokens of each kind
 # per kind, the options its programs take per row: sampling's, then the penalties' (see Programs._arrays)
-OPTIONS = {GREEDY_KIND: 0, SAMPLED_KIND: 8, SCORED_KIND: 11}
+OPTIONS = {GREEDY_KIND: 0, SAMPLED_KIND: 10, SCORED_KIND: 13}
 
 
 class Launch(NamedTuple):
@@ -74,6 +74,7 @@ class Programs:
         output = self.output_template
         stacked = jax.tree_util.tree_map(lambda t: Template((g.slots, *t.shape), t.dtype), self.row_template,
                                          is_leaf=is_template)
+        self.vocabulary = self.first_template.shape[-1] if g.logits else None  # the width of its logits
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype),
                                *(self._seen(self.first_template.shape[-1]) if g.logits else []))
         self.sequence_width = g.prefill_lengths[-1]  # the longest sequence a slot's counts start from
@@ -122,21 +123,28 @@ class Programs:
 
     def _arrays(self, samplings: Sequence[Sampling], positions: Sequence[int], kind: int) -> list[np.ndarray]:
         """The options a program of ``kind`` takes: none for a greedy one; each row's temperature, top_k, top_p,
-        min_p, seed, min_tokens, the ids it holds back until then (``eos`` and its stop ids), and position (the number
-        of its step); then, for a scored one, its repetition, presence and frequency penalties. A generation
+        min_p, seed, min_tokens, the ids it holds back until then (``eos`` and its stop ids), the ids of its logit
+        bias and their biases, and position (the number of its step); then, for a scored one, its repetition,
+        presence and frequency penalties. A generation
         that gives outputs has only the greedy program: its requests are greedy
         (:meth:`~.spec.Generation.check_request`)."""
         if kind == GREEDY_KIND:
             return []
         held = np.full((len(samplings), len(self.eos_ids) + Sampling.MAX_STOP_IDS), NOT_A_TOKEN, np.int32)
+        bias_ids = np.full((len(samplings), Sampling.MAX_LOGIT_BIAS), NOT_A_TOKEN, np.int32)
+        biases = np.zeros((len(samplings), Sampling.MAX_LOGIT_BIAS), np.float32)
         for row, sampling in enumerate(samplings):
             if sampling.min_tokens:
                 ids = [*self.eos_ids, *sampling.stop_token_ids]
                 held[row, :len(ids)] = ids
+            if sampling.logit_bias:
+                bias_ids[row, :len(sampling.logit_bias)], biases[row, :len(sampling.logit_bias)] = \
+                    zip(*sampling.logit_bias)
         arrays = [np.array([s.temperature for s in samplings], np.float32),
                   np.array([s.top_k for s in samplings], np.int32), np.array([s.top_p for s in samplings], np.float32),
                   np.array([s.min_p for s in samplings], np.float32), np.array([s.seed for s in samplings], np.uint32),
-                  np.array([s.min_tokens for s in samplings], np.int32), held, np.array(positions, np.int32)]
+                  np.array([s.min_tokens for s in samplings], np.int32), held, bias_ids, biases,
+                  np.array(positions, np.int32)]
         if kind == SCORED_KIND:
             arrays += [np.array([getattr(s, name) for s in samplings], np.float32)
                        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]

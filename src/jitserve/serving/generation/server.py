@@ -295,8 +295,8 @@ class GenerationServer(GenerationFront):
         """Queue a prompt for at most ``max_steps`` outputs, its tokens picked as ``sampling`` says (a
         ``logits=True`` generation; None: greedy); its outputs arrive on the request's stream."""
         g = self.generation
-        request = GenerationRequest(g.check_request(self.name, prompt, max_steps, sampling), int(max_steps),
-                                    sampling or GREEDY, g.max_length, loop)
+        checked = g.check_request(self.name, prompt, max_steps, sampling, self._programs.vocabulary)
+        request = GenerationRequest(checked, int(max_steps), sampling or GREEDY, g.max_length, loop)
         with self._lock:
             if self._stopping:
                 raise ServerStoppedError(f"generation server {self.name!r} is stopped and takes no new requests")

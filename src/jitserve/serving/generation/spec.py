@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,10 @@ def _whole(name: str, value: Any, limit: int) -> int:
     return int(value)
 
 
+def _token_id(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | np.integer) and 0 <= int(value) < 2**31
+
+
 GREEDY_KIND, SAMPLED_KIND, SCORED_KIND = range(3)  # which compiled program picks a request's tokens
 
 
@@ -52,17 +56,23 @@ class Sampling:
     the outputs so far; ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, -2 to 2; 0: none) take
     ``presence`` from the logit of each token among the outputs so far and ``frequency`` times its count.
     ``ignore_eos`` (vLLM's): the generation's ``eos`` does not end the request, which goes on to its
-    ``max_steps`` (or ``max_length``); its stop ids still end it. Only this one needs no logits."""
+    ``max_steps`` (or ``max_length``); its stop ids still end it. Only this one needs no logits.
+    ``logit_bias`` (OpenAI's): token id -> a number from -100 to 100 added to that token's logit before
+    anything else (penalties, temperature, cuts; a greedy request picks the most likely after it), for up to
+    ``MAX_LOGIT_BIAS`` ids of the vocabulary; the log-probabilities stay the model's own."""
 
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "stop_token_ids", "logprobs",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos")
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias")
     MAX_STOP_IDS = 16
+    MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
+    BIAS_LIMIT = 100.0  # the largest bias of a token's logit either way (OpenAI's)
     MAX_LOGPROBS = 20  # the most likely tokens a scored program gives per output (vLLM's default limit)
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  min_tokens: int = 0, stop_token_ids: Sequence[int] = (), logprobs: int | None = None,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, ignore_eos: bool = False, min_p: float = 0.0) -> None:
+                 frequency_penalty: float = 0.0, ignore_eos: bool = False, min_p: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None) -> None:
         if not finite_number(temperature) or temperature < 0:
             raise OptionError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if not finite_number(top_p) or not 0 < top_p <= 1:
@@ -76,7 +86,7 @@ class Sampling:
         self.seed = secrets.randbits(32) if seed is None else _whole("seed", seed, 2**32)
         self.min_tokens = _whole("min_tokens", min_tokens, 2**31)
         if not isinstance(stop_token_ids, list | tuple) or len(stop_token_ids) > self.MAX_STOP_IDS or not all(
-                not isinstance(i, bool) and isinstance(i, int | np.integer) and 0 <= i < 2**31 for i in stop_token_ids):
+                _token_id(i) for i in stop_token_ids):
             raise OptionError(f"stop_token_ids must be a list of at most {self.MAX_STOP_IDS} token ids (integers "
                               f">= 0), got {stop_token_ids!r:.80}")
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
@@ -94,6 +104,12 @@ class Sampling:
         if not isinstance(ignore_eos, bool | np.bool_):
             raise OptionError(f"ignore_eos must be True or False, got {ignore_eos!r:.80}")
         self.ignore_eos = bool(ignore_eos)
+        if logit_bias is not None and (not isinstance(logit_bias, Mapping) or len(logit_bias) > self.MAX_LOGIT_BIAS
+                                       or not all(_token_id(i) and finite_number(bias) and abs(bias) <= self.BIAS_LIMIT
+                                                  for i, bias in logit_bias.items())):
+            raise OptionError(f"logit_bias must map at most {self.MAX_LOGIT_BIAS} token ids (integers >= 0) to numbers "
+                              f"from -{self.BIAS_LIMIT:g} to {self.BIAS_LIMIT:g}, got {logit_bias!r:.80}")
+        self.logit_bias = tuple((int(i), float(bias)) for i, bias in (logit_bias or {}).items())
 
     @property
     def penalized(self) -> bool:
@@ -107,7 +123,7 @@ class Sampling:
         with log-probabilities: :func:`~.programs.score_tokens`)."""
         if self.logprobs is not None or self.penalized:
             return SCORED_KIND
-        return SAMPLED_KIND if self.temperature or self.min_tokens else GREEDY_KIND
+        return SAMPLED_KIND if self.temperature or self.min_tokens or self.logit_bias else GREEDY_KIND
 
 
 GREEDY = Sampling(seed=0)
@@ -301,14 +317,19 @@ class Generation:
             stop_outputs(self.eos, output)
         return templates_of(row), first, output
 
-    def check_request(self, name: str, prompt: Any, max_steps: int, sampling: Sampling | None) -> np.ndarray:
+    def check_request(self, name: str, prompt: Any, max_steps: int, sampling: Sampling | None,
+                      vocabulary: int | None = None) -> np.ndarray:
         """A request's prompt (see :meth:`check_prompt`) once its ``max_steps`` and ``sampling`` are checked
-        for generation server ``name``."""
+        for generation server ``name`` (its ``logit_bias`` against the ``vocabulary``, where it is known)."""
         count_option("max_steps", max_steps)
         if sampling is not None and not self.logits and (sampling.kind or sampling.stop_token_ids):
-            raise OptionError(f"generation server {name!r} cannot sample, hold back or stop at token ids, give "
+            raise OptionError(f"generation server {name!r} cannot sample, hold back, bias or stop at token ids, give "
                               f"log-probabilities or penalize tokens: its decode returns outputs, not logits (serve "
                               f"it with js.Generation(..., logits=True) to choose per request)")
+        outside = [i for i, _ in sampling.logit_bias if i >= vocabulary] if sampling and vocabulary else []
+        if outside:
+            raise OptionError(f"logit_bias names token {outside[0]}, past the vocabulary of generation server "
+                              f"{name!r} ({vocabulary} tokens)")
         array = self.check_prompt(prompt)
         if self.cache is not None:  # what it holds at its longest must fit the pool, else it could never finish
             positions = array.size + max(1, min(int(max_steps), self.max_length - array.size)) - 1
