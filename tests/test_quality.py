@@ -54,8 +54,10 @@ FOLDER_CAPS = {
     # 3,900: gRPC's raw contents read where they lie in the request (protocol/grpc_request.py's parse_infer),
     # beside issue 43's typed entry points (each kind's spec asks its front); 3,975: a client that leaves
     # before a whole answer cancels its generation (protocol/disconnect.py); 3,980: the generate extension's
-    # 'stream' checked as a flag; 4,015: a response's head and body leave in one send (connection.py's OneSend)
-    "protocol": 4_075,
+    # 'stream' checked as a flag; 4,015: a response's head and body leave in one send (connection.py's OneSend);
+    # 4,040: GET /health; 4,075: every /infer watched for its client's departure (the connection's callbacks);
+    # 4,090: logit_bias over OpenAI's API and Triton's LLM convention
+    "protocol": 4_090,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode

@@ -30,6 +30,7 @@ STEPS = 12
 # this bound catches a hang, it times nothing
 SLOW_CALLS = 600.0
 PENALTIES = {"repetition_penalty": 0.6, "presence_penalty": -1.5}  # below neutral: repeats favoured
+BIAS = {3: 9.0, 7: -100.0}  # token ids -> biases (logit_bias)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,8 @@ def expected(made):
             answers[variant] = js.generate(f"in-process-{variant}", PROMPT, max_steps=STEPS)
             answers[variant, "penalized"] = js.generate(f"in-process-{variant}", PROMPT, max_steps=STEPS,
                                                         **PENALTIES)
+            answers[variant, "biased"] = js.generate(f"in-process-{variant}", PROMPT, max_steps=STEPS,
+                                                     logit_bias=BIAS)
     return answers
 
 
@@ -270,6 +273,10 @@ def test_tensorrtllm_and_vllm_requests_as_genai_perf_sends_them(llm, expected):
         {"max_tokens": STEPS, "ignore_eos": True, "min_p": 0.05}).encode()], "BYTES")
     assert "".join(streamed(llm, [text_input(grpcclient), fixed_length])) == expected["llama-tied"], \
         "greedy: min_p cuts nothing the argmax keeps, and no end token comes within these steps"
+    assert expected["llama-tied", "biased"] != expected["llama-tied"]
+    biased = tensor(grpcclient, "sampling_parameters", [json.dumps(  # vLLM's logit_bias: ids as JSON's keys
+        {"max_tokens": STEPS, "logit_bias": {str(token): value for token, value in BIAS.items()}}).encode()], "BYTES")
+    assert "".join(streamed(llm, [text_input(grpcclient), biased])) == expected["llama-tied", "biased"]
     assert expected["llama-tied", "penalized"] != expected["llama-tied"]
     penalties = [tensor(grpcclient, name, [value], "FP32", (1, 1)) for name, value in PENALTIES.items()]
     assert "".join(streamed(llm, [*tensorrtllm, *penalties])) == expected["llama-tied", "penalized"]

@@ -32,11 +32,12 @@ def test_tensorrtllm_tensors_as_genai_perf_sends_them():
 def test_vllm_sampling_parameters_read_numbers_in_strings_as_vllm_does():
     tensors = {"sampling_parameters": texts('{"max_tokens": "4", "min_tokens": "4", "temperature": "0.25", '
                                             '"top_k": 3, "stop": "x", "repetition_penalty": "1.1", '
-                                            '"frequency_penalty": 0.5, "ignore_eos": true, "min_p": "0.05"}'),
+                                            '"frequency_penalty": 0.5, "ignore_eos": true, "min_p": "0.05", '
+                                            '"logit_bias": {"7": -100, "9": 2.5}}'),
                "stream": np.array([False]), "exclude_input_in_output": np.array([True])}
     assert read_fields("m", True, tensors, {}) == {"max_tokens": 4, "min_tokens": 4, "temperature": 0.25, "top_k": 3,
                                                    "stop": "x", "repetition_penalty": 1.1, "frequency_penalty": 0.5,
-                                                   "ignore_eos": True, "min_p": 0.05,
+                                                   "ignore_eos": True, "min_p": 0.05, "logit_bias": {7: -100, 9: 2.5},
                                                    "stream": False, "exclude_input_in_output": True}
 
 
@@ -61,11 +62,12 @@ def test_a_field_given_twice_must_agree():
                                     "frequency_penalty, stream, exclude_input_in_output, sampling_parameters"),
     ({}, {"beam_width": 2}, "model 'm' does not take the parameter 'beam_width'; a text generation takes "
                             "max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, min_tokens, "
-                            "min_length, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty, "
+                            "min_length, ignore_eos, logit_bias, repetition_penalty, presence_penalty, "
+                            "frequency_penalty, "
                             "stream, exclude_input_in_output"),
     ({"sampling_parameters": texts('{"use_beam_search": true}')}, {},
      "the 'sampling_parameters' input: model 'm' does not take 'use_beam_search'; its sampling parameters are "
-     "max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, min_tokens, ignore_eos, "
+     "max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, min_tokens, ignore_eos, logit_bias, "
      "repetition_penalty, presence_penalty, frequency_penalty"),
     ({"sampling_parameters": texts('{"ignore_eos": "true"}')}, {},
      "'ignore_eos' in sampling_parameters must be true or false, got 'true'"),
@@ -84,6 +86,9 @@ def test_a_field_given_twice_must_agree():
     ({}, {"stop_token_ids": 3}, "the 'stop_token_ids' parameter must be a list of token ids (integers), got 3"),
     ({}, {"presence_penalty": "high"}, "the 'presence_penalty' parameter must be a number, got 'high'"),
     ({"sampling_parameters": texts('{"logprobs": 2}')}, {}, "model 'm' does not take 'logprobs'"),
+    ({"sampling_parameters": texts('{"logit_bias": {"the": 1}}')}, {},
+     "'logit_bias' in sampling_parameters must map token ids (integers, as JSON writes them: \"50256\") to biases, "
+     "got {'the': 1}"),
 ])
 def test_refusals_name_the_field_and_what_it_takes(tensors, parameters, message):
     with pytest.raises(ProtocolError) as refused:
@@ -95,7 +100,8 @@ def test_a_token_generation_takes_its_fields_as_parameters():
     assert read_fields("g", False, {}, {"max_steps": 3, "seed": 1, "priority": 0}) == {"max_steps": 3, "seed": 1}
     with pytest.raises(ProtocolError, match="does not take the parameter 'max_tokens'; a token generation takes "
                                             "max_steps, temperature, top_p, top_k, min_p, seed, stop, "
-                                            "stop_token_ids, min_tokens, ignore_eos, repetition_penalty, presence_penalty, "
+                                            "stop_token_ids, min_tokens, ignore_eos, logit_bias, repetition_penalty, "
+                                            "presence_penalty, "
                                             "frequency_penalty$"):
         read_fields("g", False, {}, {"max_tokens": 3})
 

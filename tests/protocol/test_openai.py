@@ -354,8 +354,8 @@ def test_logit_bias_over_openai_equals_the_in_process_bias(client):
     assert biased.choices[0].text == text != js.generate("llama3", PROMPT, max_steps=6)
     chat = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **asked)
     assert chat.choices[0].finish_reason == "length", "a chat takes the field too"
-    for value, message in [({"x": 1}, "'logit_bias' maps token ids (integers, as JSON writes them: \"50256\") to "
-                                      "biases; got the key \"x\""),
+    for value, message in [({"x": 1}, "'logit_bias' must map token ids (integers, as JSON writes them: \"50256\") "
+                                      "to biases, got {'x': 1}"),
                            ({"5": 101}, "'logit_bias': logit_bias must map at most 300 token ids (integers >= 0) "
                                         "to numbers from -100 to 100, got {5: 101}"),
                            ({"99999": 1}, "logit_bias names token 99999, past the vocabulary of generation server "

@@ -56,6 +56,15 @@ def _ids(value: Any, where: str) -> list[int]:
     return value
 
 
+def logit_bias(value: Any, where: str) -> dict[int, Any]:
+    """Token ids -> biases, the ids as JSON writes an object's keys (``"50256"``; the biases checked further by
+    the generation's ``Sampling``)."""
+    if not isinstance(value, dict) or not all(isinstance(key, str) and key.isdecimal() for key in value):
+        raise ProtocolError(f"{where} must map token ids (integers, as JSON writes them: \"50256\") to biases, got "
+                            f"{_value(value)}")
+    return {int(key): bias for key, bias in value.items()}
+
+
 def _stops(value: Any, where: str) -> str | list[str]:
     """One stop sequence or a list of them (checked further by the generation's ``StopText``)."""
     texts = value if isinstance(value, list) else [value]
@@ -82,7 +91,7 @@ class Field:
 
 # the fields that make a request's Sampling
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "stop_token_ids", "repetition_penalty",
-            "presence_penalty", "frequency_penalty", "ignore_eos")
+            "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias")
 # field -> how a generation reads it; the order is the order of a text generation's optional inputs
 FIELDS: dict[str, Field] = {
     "max_tokens": Field(_positive, "INT32", sampled=True),  # a text generation's most tokens
@@ -97,6 +106,7 @@ FIELDS: dict[str, Field] = {
     "min_tokens": Field(_whole, "INT32", sampled=True, tokens=True),  # outputs before eos may end it
     "min_length": Field(_whole, "INT32", alias="min_tokens"),  # TensorRT-LLM's (genai-perf's deterministic)
     "ignore_eos": Field(_flag, sampled=True, tokens=True),  # vLLM's: eos does not end it (a parameter only)
+    "logit_bias": Field(logit_bias, sampled=True, tokens=True),  # OpenAI's and vLLM's (a JSON object)
     # vLLM's sampling parameters and TensorRT-LLM's inputs alike (HF's rule; OpenAI's over the outputs)
     "repetition_penalty": Field(_number, "FP32", sampled=True, tokens=True),
     "presence_penalty": Field(_number, "FP32", sampled=True, tokens=True),

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ..errors import OptionError, ParameterError
+from ..errors import OptionError, ParameterError, ProtocolError
 from ..serving.generation import Sampling
+from .llm import logit_bias
 from .service import shown
 
 MAX_CHOICES = 128  # choices of one request (n times its prompts): each is a generation request
@@ -123,12 +124,11 @@ def sampling(request: dict[str, Any]) -> dict[str, Any]:
     chosen = {**OPENAI_SAMPLING, **{name: request[name] for name in SAMPLING if request.get(name) is not None}}
     if type(chosen.get("top_k")) is int and chosen["top_k"] == ALL_TOKENS:
         chosen["top_k"] = 0
-    if isinstance(chosen.get("logit_bias"), dict):  # JSON's keys are strings: token ids written out
-        bad = [key for key in chosen["logit_bias"] if not key.isdecimal()]
-        if bad:
-            raise ParameterError(f"'logit_bias' maps token ids (integers, as JSON writes them: \"50256\") to "
-                                 f"biases; got the key {_shown(bad[0])}", "logit_bias")
-        chosen["logit_bias"] = {int(key): bias for key, bias in chosen["logit_bias"].items()}
+    if "logit_bias" in chosen:  # JSON's keys are strings: token ids written out
+        try:
+            chosen["logit_bias"] = logit_bias(chosen["logit_bias"], "'logit_bias'")
+        except ProtocolError as error:
+            raise ParameterError(str(error), "logit_bias") from None
     for name, value in chosen.items():
         if name == "seed":
             if isinstance(value, float) and value.is_integer():  # JSON's integers beyond 64 bits parse as floats
