@@ -453,6 +453,45 @@ def test_embeddings_equal_the_in_process_serving(served, client, folders):
     assert status == 200 and np.array_equal(np.stack(vectors), expected)
 
 
+def test_tokenize_and_detokenize_answer_as_vllms_with_transformers_tokens(served, folders):
+    """vLLM's ``POST /tokenize`` and ``/detokenize`` (LiteLLM's token counting reads them): a text's ids as
+    ``transformers``' tokenizer gives them (special tokens added unless told not to), a chat's as its
+    ``apply_chat_template``, each token's string as ``convert_ids_to_tokens``; ids back to text as its
+    ``decode`` (special tokens kept)."""
+    tokenizer = AutoTokenizer.from_pretrained(folders["llama3"])
+    status, body = served.post("/tokenize", {"model": "llama3", "prompt": PROMPT, "return_token_strs": True})
+    ids = tokenizer(PROMPT)["input_ids"]
+    assert status == 200 and json.loads(body) == {"count": len(ids), "max_model_len": 64, "tokens": ids,
+                                                  "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    bare = json.loads(served.post("/tokenize", {"model": "llama3", "prompt": PROMPT, "add_special_tokens": False})[1])
+    assert bare["tokens"] == tokenizer(PROMPT, add_special_tokens=False)["input_ids"] != ids
+    assert bare["token_strs"] is None
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = json.loads(served.post("/tokenize", {"model": "chatml", "messages": messages})[1])
+    assert chat["tokens"] == chat_ids(folders["chatml"], messages) and chat["max_model_len"] == 128
+    status, body = served.post("/detokenize", {"model": "llama3", "tokens": ids})
+    assert status == 200 and json.loads(body) == {"prompt": tokenizer.decode(ids)}
+    for path, payload, param, message in [
+            ("/tokenize", {"model": "llama3", "prompt": PROMPT, "messages": messages}, "prompt",
+             "send a 'prompt' (a text) or chat 'messages', one of them"),
+            ("/tokenize", {"model": "llama3", "prompt": [1, 2]}, "prompt", "'prompt' must be a text, got [1,2]"),
+            ("/tokenize", {"model": "plain", "messages": messages}, "messages", "model 'plain' has no chat template"),
+            ("/tokenize", {"model": "llama3", "prompt": PROMPT, "chat_template": "x"}, "chat_template",
+             "unknown parameter 'chat_template': /tokenize takes add_generation_prompt, add_special_tokens, "
+             "messages, model, prompt, return_token_strs"),
+            ("/detokenize", {"model": "llama3", "tokens": [1, 99999]}, "tokens",
+             "'tokens' holds the token id 99999, outside the model's vocabulary"),
+            ("/detokenize", {"model": "llama3", "tokens": "1 2"}, "tokens",
+             "'tokens' must be a list of token ids (integers), got \"1 2\"")]:
+        status, body = served.post(path, payload)
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == param and message in error["message"], (path, payload, error)
+    status, body = served.post("/detokenize", {"model": "llama3", "tokens": ids}, key=None)
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", "OpenAI's shape, its key"
+    status, body = served.post("/tokenize", {"model": "mlp", "prompt": PROMPT})
+    assert status == 404 and "is not served by the OpenAI API" in json.loads(body)["error"]["message"]
+
+
 def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="nope", prompt=PROMPT)

@@ -96,9 +96,13 @@ class Tokenizer:
             encoded.append((np.array(ids, np.int32), np.array(types, np.int32)))
         return encoded
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids``, special tokens left out."""
-        return str(self.rust.decode([int(i) for i in ids], skip_special_tokens=True))
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """The text of ``ids``, special tokens left out (unless not ``skip_special``)."""
+        return str(self.rust.decode([int(i) for i in ids], skip_special_tokens=skip_special))
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each token's string in the vocabulary (``convert_ids_to_tokens``'s: GPT-2's "Ġthe", Llama's "▁the")."""
+        return [str(self.rust.id_to_token(int(i))) for i in ids]
 
     def token_text(self, token: int) -> str:
         """One token's text alone, a special token's too (a piece of a character shows as U+FFFD)."""

@@ -21,7 +21,8 @@ flat JSON object: the model's inputs by name, e.g. ``text_input``, and its
 parameters, top-level or under ``parameters``; the answer's outputs by name,
 a text as a string; the stream's as server-sent events), ``GET /metrics``, and OpenAI's API for
 text generations and embedding models (``protocol/openai.py``): ``GET /v1/models[/{id}]``,
-``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings``, whose errors, 401 included,
+``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings`` and vLLM's ``/tokenize`` and
+``/detokenize``, whose errors, 401 included,
 are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server. A client that disconnects before
@@ -72,6 +73,7 @@ _T = TypeVar("_T")
 # dtypes that orjson writes straight from the array's memory (no Python objects per value)
 ORJSON_DTYPES = frozenset(np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
                                                       "uint32", "uint64", "float16", "float32", "float64"))
+OPENAI_PATHS = ("/v1/", "/tokenize", "/detokenize")  # answered in OpenAI's error shape, 401 and 404 included
 
 
 def _json(status: int, payload: Any) -> Response:
@@ -128,6 +130,7 @@ class HttpFront:
             ("GET", re.compile(r"/v1/models"), self.openai.models),
             ("GET", re.compile(r"/v1/models/(?P<model>[^/]+)"), self.openai.model),
             ("POST", re.compile(r"/v1/(?P<endpoint>completions|chat/completions|embeddings)"), self.openai_request),
+            ("POST", re.compile(r"/(?P<endpoint>tokenize|detokenize)"), self.openai_request),  # vLLM's
             ("GET", re.compile(memory + "/status"), self.shared_memory_status),
             ("POST", re.compile(memory + "/(?P<action>register|unregister)"), self.shared_memory_control),
         ]
@@ -144,7 +147,8 @@ class HttpFront:
             return
         if not self.access.http_allows(scope["path"], headers):
             status, json_headers, body = openai_error(401, UNAUTHORIZED, None, "invalid_api_key") \
-                if scope["path"].startswith("/v1/") else (401, JSON_HEADERS, orjson.dumps({"error": UNAUTHORIZED}))
+                if scope["path"].startswith(OPENAI_PATHS) else \
+                (401, JSON_HEADERS, orjson.dumps({"error": UNAUTHORIZED}))
             response: Response | _Events = (status, [*json_headers, (b"www-authenticate", b"Bearer")], body)
         else:
             try:
@@ -175,7 +179,7 @@ class HttpFront:
         found = self._routed.get((method, path)) or self._match(method, path)
         if found is None:
             allowed = [route_method for route_method, pattern, _ in self.routes if pattern.fullmatch(path)]
-            refuse = openai_error if path.startswith("/v1/") else _error
+            refuse = openai_error if path.startswith(OPENAI_PATHS) else _error
             if allowed:
                 return refuse(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}")
             return refuse(404, f"no such endpoint: {method} {path}")

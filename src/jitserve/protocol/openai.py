@@ -267,7 +267,7 @@ class OpenAIDoor:
         self.service = service
         self.started = int(time.time())
         self.endpoints = {"completions": self.completions, "chat/completions": self.chat,
-                          "embeddings": self.embeddings}
+                          "embeddings": self.embeddings, "tokenize": self.tokenize, "detokenize": self.detokenize}
 
     async def models(self) -> Response:
         cards = [self._card(name) for name, spec in self.service.models.items() if _hook(spec) is not None]
@@ -302,7 +302,8 @@ class OpenAIDoor:
         return openai_error(status, message, *_where(error))
 
     async def post(self, endpoint: str, body: bytes) -> Response | AsyncIterator[bytes]:
-        """``POST /v1/{endpoint}``: the answer, or a stream's events."""
+        """``POST /v1/{endpoint}`` (or vLLM's ``/tokenize`` and ``/detokenize``): the answer, or a stream's
+        events."""
         model = ""
         try:
             request = json_object(body, "the request")
@@ -325,19 +326,40 @@ class OpenAIDoor:
 
     async def chat(self, model: str, request: dict[str, Any]) -> Response | AsyncIterator[bytes]:
         spec, hook = self._spec(model, "generation")
-        messages = fields.messages(request.get("messages"))
         tokenizer = hook.tokenizer
-        if tokenizer.chat_template is None:
-            raise ParameterError(f"model '{model}' has no chat template (its checkpoint has no chat_template.jinja "
-                                 f"and no chat_template in tokenizer_config.json) to render the messages with; "
-                                 f"send a prompt to /v1/completions instead", "messages", "missing_chat_template")
-        ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True), special=False)
+        ids = tokenizer.encode(_chat_text(model, tokenizer, request, True), special=False)
         given = [name for name in ("max_completion_tokens", "max_tokens") if request.get(name) is not None]
         if len(given) == 2 and request["max_tokens"] != request["max_completion_tokens"]:
             raise ParameterError("'max_tokens' and 'max_completion_tokens' differ; send one of them",
                                  "max_completion_tokens")
         return await self._generate(spec, request, [(ids, "")], given[0] if given else "max_tokens", None,
                                     _Chat(tokenizer), fields.logprobs(request, "chat/completions"))
+
+    async def tokenize(self, model: str, request: dict[str, Any]) -> Response:
+        """vLLM's ``POST /tokenize``: the token ids of a ``prompt`` (special tokens added as the tokenizer adds
+        them, unless ``add_special_tokens`` is false) or of chat ``messages`` as ``/v1/chat/completions``
+        encodes them (``add_generation_prompt`` true, ``add_special_tokens`` false, unless told otherwise);
+        their count, the model's length, and each token's string where ``return_token_strs`` asks."""
+        spec, hook = self._spec(model, "generation")
+        tokenizer = hook.tokenizer
+        if ("prompt" in request) == ("messages" in request):
+            raise ParameterError("send a 'prompt' (a text) or chat 'messages', one of them", "prompt")
+        if "messages" in request:
+            text = _chat_text(model, tokenizer, request, fields.flag(request, "add_generation_prompt", True))
+            special = fields.flag(request, "add_special_tokens")
+        else:
+            text = fields.text(request, "prompt")
+            special = fields.flag(request, "add_special_tokens", True)
+        ids = tokenizer.encode(text, special).tolist()
+        strings = tokenizer.token_strings(ids) if fields.flag(request, "return_token_strs") else None
+        return 200, JSON_HEADERS, orjson.dumps({"count": len(ids), "max_model_len": spec.server.generation.max_length,
+                                                "tokens": ids, "token_strs": strings})
+
+    async def detokenize(self, model: str, request: dict[str, Any]) -> Response:
+        """vLLM's ``POST /detokenize``: the text of ``tokens``, special tokens included (as vLLM decodes it)."""
+        _, hook = self._spec(model, "generation")
+        ids = fields.token_ids(request.get("tokens"), hook.tokenizer.vocabulary, "tokens")
+        return 200, JSON_HEADERS, orjson.dumps({"prompt": hook.tokenizer.decode(ids.tolist(), skip_special=False)})
 
     async def _generate(self, spec: GenerationSpec, request: dict[str, Any], prompts: list[tuple[np.ndarray, str]],
                         steps_field: str, default_steps: int | None, shape: _Completion, top: int | None
@@ -445,6 +467,17 @@ class OpenAIDoor:
         return 200, JSON_HEADERS, orjson.dumps({"object": "list", "data": data, "model": model,
                                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
                                                option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+
+def _chat_text(model: str, tokenizer: Tokenizer, request: dict[str, Any], generation_prompt: bool) -> str:
+    """A request's chat ``messages`` rendered by the checkpoint's chat template (a 400 where it has none)."""
+    messages = fields.messages(request.get("messages"))
+    if tokenizer.chat_template is None:
+        raise ParameterError(f"model '{model}' has no chat template (its checkpoint has no chat_template.jinja "
+                             f"and no chat_template in tokenizer_config.json) to render the messages with; "
+                             f"send a prompt to /v1/completions instead", "messages", "missing_chat_template")
+    return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)
 
 
 def _hook(spec: Spec) -> TextHook | None:

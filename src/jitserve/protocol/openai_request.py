@@ -51,7 +51,12 @@ FIELDS: dict[str, frozenset[str]] = {  # endpoint -> the fields it takes
     "chat/completions": frozenset({*_GENERATING, "messages", "max_completion_tokens", "top_logprobs", "tools",
                                    "tool_choice", "response_format"}),
     "embeddings": frozenset({"model", "input", "encoding_format", "dimensions", "user"}),
+    # vLLM's, beside /v1: a text's or a chat's token ids, and token ids' text
+    "tokenize": frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                           "return_token_strs"}),
+    "detokenize": frozenset({"model", "tokens"}),
 }
+ROOT_ENDPOINTS = ("tokenize", "detokenize")  # served at /{endpoint}, as vLLM serves them; the others at /v1/
 ENCODINGS = ("float", "base64")
 
 
@@ -61,13 +66,17 @@ def check_fields(request: dict[str, Any], endpoint: str) -> None:
     known = FIELDS[endpoint]
     for name, value in request.items():
         if name not in known:
-            raise ParameterError(f"unknown parameter '{shown(name)}': /v1/{endpoint} takes "
+            raise ParameterError(f"unknown parameter '{shown(name)}': {path(endpoint)} takes "
                                  f"{', '.join(sorted(known))}", shown(name), "unknown_parameter")
         neutral = NOT_YET.get(name)
         if neutral is not None and value is not None and not any(
                 type(value) is type(one) and value == one for one in neutral):
             raise ParameterError(f"'{name}' is not supported yet: jitserve's engine does not implement it; leave "
                                  f"it out or send {orjson.dumps(neutral[0]).decode()}", name, "unsupported_parameter")
+
+
+def path(endpoint: str) -> str:
+    return f"/{endpoint}" if endpoint in ROOT_ENDPOINTS else f"/v1/{endpoint}"
 
 
 def model_name(request: dict[str, Any]) -> str:
@@ -94,13 +103,21 @@ def integer(request: dict[str, Any], name: str, default: int | None, low: int = 
     return value
 
 
-def flag(request: dict[str, Any], name: str) -> bool:
-    """A true/false field (false when null or absent)."""
+def flag(request: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A true/false field (``default`` when null or absent)."""
     value = request.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise ParameterError(f"'{name}' must be true or false, got {_shown(value)}", name)
+    return value
+
+
+def text(request: dict[str, Any], name: str) -> str:
+    """A text field."""
+    value = request.get(name)
+    if not isinstance(value, str):
+        raise ParameterError(f"'{name}' must be a text, got {_shown(value)}", name)
     return value
 
 
@@ -192,12 +209,14 @@ def _token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def token_ids(ids: list[int], vocabulary: int) -> np.ndarray:
-    """A prompt given as token ids, each in the tokenizer's vocabulary."""
+def token_ids(ids: Any, vocabulary: int, field: str = "prompt") -> np.ndarray:
+    """A prompt (``field``) given as token ids, each in the tokenizer's vocabulary."""
+    if not isinstance(ids, list) or not all(_token(one) for one in ids):
+        raise ParameterError(f"'{field}' must be a list of token ids (integers), got {_shown(ids)}", field)
     outside = next((one for one in ids if not 0 <= one < vocabulary), None)
     if outside is not None:
-        raise ParameterError(f"'prompt' holds the token id {outside}, outside the model's vocabulary (0 to "
-                             f"{vocabulary - 1})", "prompt")
+        raise ParameterError(f"'{field}' holds the token id {outside}, outside the model's vocabulary (0 to "
+                             f"{vocabulary - 1})", field)
     return np.array(ids, np.int32)
 
 
