@@ -143,6 +143,8 @@ def test_models_lists_the_text_generations_and_embedding_models(client):
     assert sorted(model.id for model in listed) == ["chatml", "embed", "llama3", "plain"], "not the MLP"
     assert all(model.object == "model" and model.owned_by == "jitserve" and model.created > 0 for model in listed)
     assert client.models.retrieve("llama3").id == "llama3"
+    assert {model.id: getattr(model, "max_model_len", None) for model in listed} == \
+        {"llama3": 64, "chatml": 128, "plain": 16, "embed": None}, "a generation's length, as vLLM lists it"
     with pytest.raises(openai.NotFoundError) as refused:
         client.models.retrieve("mlp")
     assert refused.value.code == "model_not_found" and "is not served by the OpenAI API" in refused.value.message

@@ -2,7 +2,7 @@
 ``js.from_pretrained`` made (their ``preprocess`` a ``TextHook``, which gives the tokenizer and the task).
 
 - ``GET /v1/models`` and ``/v1/models/{id}``: those models, in OpenAI's list shape (``owned_by: jitserve``,
-  ``created`` when this server started).
+  ``created`` when this server started; a generation's ``max_model_len``, as vLLM lists it).
 - ``POST /v1/completions``: ``prompt`` (a text, a list of texts, token ids, or lists of them), ``max_tokens``
   (default 16), ``temperature`` and ``top_p`` (OpenAI's defaults, 1: a request samples unless it sends
   ``temperature: 0``), ``top_k`` (-1 or 0: no limit), ``min_p``, ``repetition_penalty``, ``min_tokens`` (outputs
@@ -270,18 +270,21 @@ class OpenAIDoor:
                           "embeddings": self.embeddings, "tokenize": self.tokenize, "detokenize": self.detokenize}
 
     async def models(self) -> Response:
-        cards = [self._card(name) for name, spec in self.service.models.items() if _hook(spec) is not None]
+        cards = [self._card(name, spec) for name, spec in self.service.models.items() if _hook(spec) is not None]
         return 200, JSON_HEADERS, orjson.dumps({"object": "list", "data": cards})
 
     async def model(self, model: str) -> Response:
         try:
-            self._spec(model, None)
+            spec, _ = self._spec(model, None)
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return openai_error(status_of(error)[0], str(error), *_where(error))
-        return 200, JSON_HEADERS, orjson.dumps(self._card(model))
+        return 200, JSON_HEADERS, orjson.dumps(self._card(model, spec))
 
-    def _card(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "jitserve"}
+    def _card(self, name: str, spec: Spec) -> dict[str, Any]:
+        """OpenAI's model object; a text generation's with its ``max_model_len`` too, as vLLM lists it."""
+        card = {"id": name, "object": "model", "created": self.started, "owned_by": "jitserve"}
+        return {**card, "max_model_len": spec.server.generation.max_length} if isinstance(spec, GenerationSpec) \
+            else card
 
     def _spec(self, model: str, kind: str | None) -> tuple[Any, TextHook]:
         """The served model ``model`` and its hook, if it is an OpenAI model (of ``kind``, when given)."""
