@@ -41,6 +41,11 @@ def test_vllm_sampling_parameters_read_numbers_in_strings_as_vllm_does():
                                                    "stream": False, "exclude_input_in_output": True}
 
 
+def test_logit_bias_comes_as_a_json_object_or_its_text_as_grpc_parameters_carry_it():
+    assert read_fields("m", True, {}, {"logit_bias": '{"7": -100}'}) == {"logit_bias": {7: -100}}
+    assert read_fields("m", True, {}, {"logit_bias": {"7": -100}}) == {"logit_bias": {7: -100}}
+
+
 def test_a_field_given_twice_must_agree():
     tensors = {"max_tokens": np.array([4], np.int32), "sampling_parameters": texts('{"max_tokens": "4"}')}
     assert read_fields("m", True, tensors, {"max_tokens": 4}) == {"max_tokens": 4}
@@ -86,6 +91,8 @@ def test_a_field_given_twice_must_agree():
     ({}, {"stop_token_ids": 3}, "the 'stop_token_ids' parameter must be a list of token ids (integers), got 3"),
     ({}, {"presence_penalty": "high"}, "the 'presence_penalty' parameter must be a number, got 'high'"),
     ({"sampling_parameters": texts('{"logprobs": 2}')}, {}, "model 'm' does not take 'logprobs'"),
+    ({}, {"logit_bias": '{"5": 1, "05": 2}'}, "the 'logit_bias' parameter names a token id twice"),
+    ({}, {"logit_bias": "{5: 1}"}, "the 'logit_bias' parameter must map token ids"),
     ({"sampling_parameters": texts('{"logit_bias": {"the": 1}}')}, {},
      "'logit_bias' in sampling_parameters must map token ids (integers, as JSON writes them: \"50256\") to biases, "
      "got {'the': 1}"),

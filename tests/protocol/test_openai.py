@@ -473,6 +473,8 @@ def test_tokenize_and_detokenize_answer_as_vllms_with_transformers_tokens(served
     assert chat["tokens"] == chat_ids(folders["chatml"], messages) and chat["max_model_len"] == 128
     status, body = served.post("/detokenize", {"model": "llama3", "tokens": ids})
     assert status == 200 and json.loads(body) == {"prompt": tokenizer.decode(ids)}
+    null = json.loads(served.post("/tokenize", {"model": "llama3", "prompt": PROMPT, "messages": None})[1])
+    assert null["tokens"] == ids, "null is absent, as elsewhere in the API"
     for path, payload, param, message in [
             ("/tokenize", {"model": "llama3", "prompt": PROMPT, "messages": messages}, "prompt",
              "send a 'prompt' (a text) or chat 'messages', one of them"),
@@ -484,7 +486,9 @@ def test_tokenize_and_detokenize_answer_as_vllms_with_transformers_tokens(served
             ("/detokenize", {"model": "llama3", "tokens": [1, 99999]}, "tokens",
              "'tokens' holds the token id 99999, outside the model's vocabulary"),
             ("/detokenize", {"model": "llama3", "tokens": "1 2"}, "tokens",
-             "'tokens' must be a list of token ids (integers), got \"1 2\"")]:
+             "'tokens' must be a list of token ids (integers), got \"1 2\""),
+            ("/tokenize", {"prompt": PROMPT}, "model",  # vLLM's model may be left out where it serves one
+             "'model' must name one of the 3 text generations served: llama3, chatml, plain")]:
         status, body = served.post(path, payload)
         error = json.loads(body)["error"]
         assert status == 400 and error["param"] == param and message in error["message"], (path, payload, error)
@@ -530,7 +534,8 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
                            ({"extra_body": {"min_tokens": 3}}, "'min_tokens' (3) must be at most 'max_tokens' (2)"),
                            ({"seed": 2**70}, "'seed' must be an integer from -2**63 to 2**64 - 1, got "
                                              "1180591620717411303424"),
-                           ({"seed": 1.5}, "'seed' must be an integer, got 1.5")]:
+                           ({"seed": 1.5}, "'seed' must be an integer, got 1.5"),
+                           ({"seed": 5.0}, "'seed' must be an integer, got 5.0")]:
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, **asked)
         assert message in refused.value.message

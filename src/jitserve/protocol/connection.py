@@ -140,7 +140,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._write_timer: asyncio.TimerHandle | None = None
         self._refused = False
         self._leaving: list[Callable[[], None]] = []  # called if the connection is lost (its requests' clients gone)
-        self._extensions = {CLIENT_LEAVING: {"callbacks": self._leaving}}  # ASGI's form
+        self._extensions: dict[str, dict[object, object]] = {CLIENT_LEAVING: {"callbacks": self._leaving}}  # ASGI's
 
     @classmethod
     def factory(cls, limits: Limits, tls: ssl.SSLContext | None = None) -> Any:
@@ -241,7 +241,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = self._extensions  # type: ignore[typeddict-item]
+        given = self.scope.get("extensions")  # none from uvicorn today; any it adds are kept
+        self.scope["extensions"] = self._extensions if given is None else {**given, **self._extensions}
         self._arm_read(self._headers_overdue)
 
     def on_headers_complete(self) -> None:

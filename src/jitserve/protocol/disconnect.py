@@ -27,7 +27,7 @@ LEAVING: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.C
 
 def begin_watch(scope: dict[str, Any]) -> None:
     """Make the callbacks of the connection ``scope`` came on this request's (its task's)."""
-    leaving = scope.get("extensions", {}).get(CLIENT_LEAVING)
+    leaving = (scope.get("extensions") or {}).get(CLIENT_LEAVING)
     LEAVING.set(None if leaving is None else leaving["callbacks"])
 
 
@@ -72,7 +72,7 @@ async def _unless_left(leaving: list[Callable[[], None]], answer: Awaitable[_T])
 
     leaving.append(left)
     try:
-        return await answer
+        answered = await answer
     except asyncio.CancelledError:
         if not gone:
             raise
@@ -80,3 +80,7 @@ async def _unless_left(leaving: list[Callable[[], None]], answer: Awaitable[_T])
         return None
     finally:
         leaving.remove(left)
+    if gone:  # the cancellation was swallowed inside: the answer came, the client did not stay for it
+        task.uncancel()
+        return None
+    return answered

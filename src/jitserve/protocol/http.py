@@ -26,7 +26,8 @@ text generations and embedding models (``protocol/openai.py``): ``GET /v1/models
 are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server. A client that disconnects before
-its answer cancels it: its queued rows leave the queue, its generation frees its slot (``protocol/disconnect.py``).
+its answer cancels it: its queued rows leave the queue, its generation frees its slot (on jitserve's own
+HTTP server; see ``protocol/disconnect.py``).
 
 Why this stack: uvicorn with uvloop (``app.event_loop_factory``) and
 httptools is the fastest mainstream Python HTTP server, and a bare ASGI
@@ -52,7 +53,7 @@ from .access import CORS_METHODS, UNAUTHORIZED, Access, begin_request
 from .codec import BFLOAT16, datatype_of, json_values, raw_contents
 from .disconnect import CLIENT_GONE, begin_watch, disconnected, unless_gone
 from .generate import generate_request, generated
-from .http_request import Requested, parse_request
+from .http_request import Requested, parse_request, priority
 from .limits import Limits
 from .metrics import CONTENT_TYPE
 from .openai import OpenAIDoor, openai_error
@@ -328,9 +329,12 @@ class HttpFront:
                 else await self._off_loop(len(body), parse)
             if span is not None:
                 span.phase("receive")
-            answered = await unless_gone(self.service.infer(model, tensors, _classes(requested), _priority(request),
+            answered = await unless_gone(self.service.infer(model, tensors, _classes(requested), priority(request),
                                                             version, request.get("parameters")))
-            if answered is None:
+            if answered is None:  # counted and traced as nginx logs it, never sent
+                self.service.count(model, "http", CLIENT_GONE[0], version)
+                if span is not None:
+                    span.end(status=CLIENT_GONE[0])
                 return CLIENT_GONE
             served, outputs = answered
             if span is not None:
@@ -377,7 +381,7 @@ class HttpFront:
             if span is not None:
                 span.phase("receive")
             served, stream = self.service.infer_stream(model, tensors, _classes(requested),
-                                                       _priority(request), version, request.get("parameters"))
+                                                       priority(request), version, request.get("parameters"))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             failed = self._failed(model, error, version)
             if span is not None:
@@ -416,7 +420,8 @@ class HttpFront:
 
     async def openai_request(self, headers: dict[bytes, bytes], receive: Callable[..., Any],
                              endpoint: str) -> Response | _Events:
-        """OpenAI's ``POST /v1/{endpoint}`` (``protocol/openai.py``): the answer, or its stream's events."""
+        """OpenAI's ``POST /v1/{endpoint}`` or vLLM's ``/tokenize`` and ``/detokenize`` (``protocol/openai.py``):
+        the answer, or its stream's events."""
         try:
             body, _ = await self._read_body(headers, receive)
         except Exception as error:  # noqa: BLE001 - statuses by error class
@@ -531,15 +536,6 @@ def _how(requested: list[Requested]) -> dict[str, tuple[bool | None, OutputSlot 
     """How each output a request names goes back: binary or not (None: the request's default), or into
     shared memory."""
     return {name: (binary, slot) for name, binary, _, slot in requested}
-
-
-def _priority(request: dict[str, Any]) -> int | None:
-    """The request's ``priority`` parameter (tritonclient's ``priority=``): an integer, else a clear error."""
-    parameters = request.get("parameters") or {}
-    value = parameters.get("priority") if isinstance(parameters, dict) else None
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ProtocolError(f"the 'priority' parameter must be an integer, got {value!r}")
-    return value
 
 
 def _json_data(array: np.ndarray) -> Any:

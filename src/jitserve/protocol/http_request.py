@@ -156,6 +156,15 @@ def _decode_request(request: dict[str, Any], binary: memoryview, shared_memory: 
     return tensors, requested, binary_all
 
 
+def priority(request: dict[str, Any]) -> int | None:
+    """The request's ``priority`` parameter (tritonclient's ``priority=``): an integer, else a clear error."""
+    parameters = request.get("parameters") or {}
+    value = parameters.get("priority") if isinstance(parameters, dict) else None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProtocolError(f"the 'priority' parameter must be an integer, got {value!r}")
+    return value
+
+
 def json_object(body: bytes, what: str) -> dict[str, Any]:
     """A request body that is one JSON object (``what``: the request, as its errors name it)."""
     try:

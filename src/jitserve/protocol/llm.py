@@ -57,12 +57,21 @@ def _ids(value: Any, where: str) -> list[int]:
 
 
 def logit_bias(value: Any, where: str) -> dict[int, Any]:
-    """Token ids -> biases, the ids as JSON writes an object's keys (``"50256"``; the biases checked further by
-    the generation's ``Sampling``)."""
-    if not isinstance(value, dict) or not all(isinstance(key, str) and key.isdecimal() for key in value):
+    """Token ids -> biases: a JSON object, or its text (a gRPC parameter is a string), the ids as JSON writes an
+    object's keys (``"50256"``; the biases checked further by the generation's ``Sampling``)."""
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            pass  # refused below, as it came
+    if not isinstance(value, dict) or not all(isinstance(key, str) and key.isascii() and key.isdigit()
+                                              for key in value):
         raise ProtocolError(f"{where} must map token ids (integers, as JSON writes them: \"50256\") to biases, got "
                             f"{_value(value)}")
-    return {int(key): bias for key, bias in value.items()}
+    biases = {int(key): bias for key, bias in value.items()}
+    if len(biases) < len(value):
+        raise ProtocolError(f"{where} names a token id twice (written two ways, as \"5\" and \"05\")")
+    return biases
 
 
 def _stops(value: Any, where: str) -> str | list[str]:

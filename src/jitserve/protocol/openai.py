@@ -20,6 +20,8 @@
   ``top_logprobs`` (0 to 20) gives ``logprobs.content``, per token its text, log-probability and UTF-8 bytes.
 - ``POST /v1/embeddings``: ``input`` (a text or a list of texts), ``encoding_format`` ``float`` or
   ``base64``.
+- vLLM's ``POST /tokenize`` and ``/detokenize`` (beside ``/v1``, as vLLM serves them): a text generation's
+  tokenizer over HTTP, in vLLM's shapes; ``model`` may be left out where one text generation is served.
 
 A prompt and its ``max_tokens`` must fit the generation's ``max_length``, as OpenAI's API refuses a
 request past the context (code ``context_length_exceeded``, ``param`` the field to shorten). ``usage``
@@ -299,6 +301,15 @@ class OpenAIDoor:
                                  "model_not_supported")
         return spec, hook
 
+    def _only_generation(self) -> str:
+        """The one text generation served (vLLM's tokenizer routes take no ``model`` where one model is served)."""
+        names = [name for name, spec in self.service.models.items()
+                 if isinstance(spec, GenerationSpec) and _hook(spec) is not None]
+        if len(names) != 1:
+            raise ParameterError(f"'model' must name one of the {len(names)} text generations served: "
+                                 f"{', '.join(names) or 'none'}", "model", "missing_parameter")
+        return names[0]
+
     def refused(self, model: str, error: BaseException) -> Response:
         """A failed request: counted, logged (see ``InferenceService.failed``), answered in OpenAI's shape."""
         status, _, message = self.service.failed("http", model, error)
@@ -312,7 +323,8 @@ class OpenAIDoor:
             request = json_object(body, "the request")
             model = request["model"] if isinstance(request.get("model"), str) else ""
             fields.check_fields(request, endpoint)
-            model = fields.model_name(request)
+            model = self._only_generation() if endpoint in fields.ROOT_ENDPOINTS and request.get("model") is None \
+                else fields.model_name(request)
             return await self.endpoints[endpoint](model, request)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
             return self.refused(model, error)
@@ -345,9 +357,9 @@ class OpenAIDoor:
         their count, the model's length, and each token's string where ``return_token_strs`` asks."""
         spec, hook = self._spec(model, "generation")
         tokenizer = hook.tokenizer
-        if ("prompt" in request) == ("messages" in request):
+        if (request.get("prompt") is None) == (request.get("messages") is None):
             raise ParameterError("send a 'prompt' (a text) or chat 'messages', one of them", "prompt")
-        if "messages" in request:
+        if request.get("messages") is not None:
             text = _chat_text(model, tokenizer, request, fields.flag(request, "add_generation_prompt", True))
             special = fields.flag(request, "add_special_tokens")
         else:
@@ -472,14 +484,14 @@ class OpenAIDoor:
                                                option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-
 def _chat_text(model: str, tokenizer: Tokenizer, request: dict[str, Any], generation_prompt: bool) -> str:
     """A request's chat ``messages`` rendered by the checkpoint's chat template (a 400 where it has none)."""
     messages = fields.messages(request.get("messages"))
     if tokenizer.chat_template is None:
         raise ParameterError(f"model '{model}' has no chat template (its checkpoint has no chat_template.jinja "
                              f"and no chat_template in tokenizer_config.json) to render the messages with; "
-                             f"send a prompt to /v1/completions instead", "messages", "missing_chat_template")
+                             f"send a 'prompt' instead (to /v1/completions for a completion)", "messages",
+                             "missing_chat_template")
     return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)
 
 

@@ -61,7 +61,7 @@ ENCODINGS = ("float", "base64")
 
 
 def check_fields(request: dict[str, Any], endpoint: str) -> None:
-    """Every field of a request to ``/v1/{endpoint}`` is one it takes, and none asks for what jitserve does
+    """Every field of a request to ``endpoint`` (see :func:`path`) is one it takes, and none asks for what jitserve does
     not do yet."""
     known = FIELDS[endpoint]
     for name, value in request.items():
@@ -148,7 +148,8 @@ def sampling(request: dict[str, Any]) -> dict[str, Any]:
             raise ParameterError(str(error), "logit_bias") from None
     for name, value in chosen.items():
         if name == "seed":
-            if isinstance(value, float) and value.is_integer():  # JSON's integers beyond 64 bits parse as floats
+            if isinstance(value, float) and value.is_integer() and not -2**63 <= value < 2**64:  # JSON's integers
+                # beyond 64 bits parse as floats
                 raise ParameterError(f"'seed' must be an integer from -2**63 to 2**64 - 1, got {value:.0f}", "seed")
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ParameterError(f"'seed' must be an integer, got {_shown(value)}", "seed")
