@@ -76,11 +76,9 @@ async def _unless_left(leaving: list[Callable[[], None]], answer: Awaitable[_T])
     except asyncio.CancelledError:
         if not gone:
             raise
-        task.uncancel()
-        return None
     finally:
         leaving.remove(left)
-    if gone:  # the cancellation was swallowed inside: the answer came, the client did not stay for it
+    if gone:  # cancelled for it, or the cancellation swallowed inside and the answer came: nobody reads it
         task.uncancel()
         return None
     return answered

@@ -57,6 +57,7 @@ from .http_request import Requested, parse_request, priority
 from .limits import Limits
 from .metrics import CONTENT_TYPE
 from .openai import OpenAIDoor, openai_error
+from .openai_request import ROOT_ENDPOINTS, path
 from .service import InferenceService, loggable, status_of
 from .shared_memory import OutputSlot, cuda_register, cuda_status
 
@@ -74,7 +75,8 @@ _T = TypeVar("_T")
 # dtypes that orjson writes straight from the array's memory (no Python objects per value)
 ORJSON_DTYPES = frozenset(np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
                                                       "uint32", "uint64", "float16", "float32", "float64"))
-OPENAI_PATHS = ("/v1/", "/tokenize", "/detokenize")  # answered in OpenAI's error shape, 401 and 404 included
+# answered in OpenAI's error shape, 401 and 404 included: /v1/ and vLLM's routes beside it
+OPENAI_PATHS = ("/v1/", *(path(endpoint) for endpoint in ROOT_ENDPOINTS))
 
 
 def _json(status: int, payload: Any) -> Response:
@@ -131,7 +133,7 @@ class HttpFront:
             ("GET", re.compile(r"/v1/models"), self.openai.models),
             ("GET", re.compile(r"/v1/models/(?P<model>[^/]+)"), self.openai.model),
             ("POST", re.compile(r"/v1/(?P<endpoint>completions|chat/completions|embeddings)"), self.openai_request),
-            ("POST", re.compile(r"/(?P<endpoint>tokenize|detokenize)"), self.openai_request),  # vLLM's
+            ("POST", re.compile(f"/(?P<endpoint>{'|'.join(ROOT_ENDPOINTS)})"), self.openai_request),  # vLLM's
             ("GET", re.compile(memory + "/status"), self.shared_memory_status),
             ("POST", re.compile(memory + "/(?P<action>register|unregister)"), self.shared_memory_control),
         ]

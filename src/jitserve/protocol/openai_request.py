@@ -148,8 +148,8 @@ def sampling(request: dict[str, Any]) -> dict[str, Any]:
             raise ParameterError(str(error), "logit_bias") from None
     for name, value in chosen.items():
         if name == "seed":
-            if isinstance(value, float) and value.is_integer() and not -2**63 <= value < 2**64:  # JSON's integers
-                # beyond 64 bits parse as floats
+            # JSON's integers beyond 64 bits parse as floats
+            if isinstance(value, float) and value.is_integer() and not -2**63 <= value < 2**64:
                 raise ParameterError(f"'seed' must be an integer from -2**63 to 2**64 - 1, got {value:.0f}", "seed")
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ParameterError(f"'seed' must be an integer, got {_shown(value)}", "seed")

@@ -76,7 +76,7 @@ class Programs:
                                          is_leaf=is_template)
         self.vocabulary = self.first_template.shape[-1] if g.logits else None  # the width of its logits
         self.carry_template = (stacked, Template((g.slots, *output.shape), output.dtype),
-                               *(self._seen(self.first_template.shape[-1]) if g.logits else []))
+                               *(self._seen(self.vocabulary) if self.vocabulary is not None else []))
         self.sequence_width = g.prefill_lengths[-1]  # the longest sequence a slot's counts start from
         self.steps: dict[int, Callable[..., Any]] = {}
 
@@ -125,9 +125,8 @@ class Programs:
         """The options a program of ``kind`` takes: none for a greedy one; each row's temperature, top_k, top_p,
         min_p, seed, min_tokens, the ids it holds back until then (``eos`` and its stop ids), the ids of its logit
         bias and their biases, and position (the number of its step); then, for a scored one, its repetition,
-        presence and frequency penalties. A generation
-        that gives outputs has only the greedy program: its requests are greedy
-        (:meth:`~.spec.Generation.check_request`)."""
+        presence and frequency penalties. A generation that gives outputs has only the greedy program: its
+        requests are greedy (:meth:`~.spec.Generation.check_request`)."""
         if kind == GREEDY_KIND:
             return []
         held = np.full((len(samplings), len(self.eos_ids) + Sampling.MAX_STOP_IDS), NOT_A_TOKEN, np.int32)
