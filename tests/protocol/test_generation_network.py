@@ -156,6 +156,8 @@ def test_tritonclient_grpc_streams_a_generation_with_parameters(server):
     (body(temperature=-1), "a sampling parameter: temperature must be a finite number >= 0 (0: greedy), got -1"),
     (body(top_p=2), r"a sampling parameter: top_p must be a number in (0, 1], got 2"),
     (body(priority=1), "model 'gen' is a generation: it admits prompts in arrival order and has no priority levels"),
+    (body(logit_bias='{"' + "1" * 5000 + '": 1}'),  # past int()'s limit of 4,300 digits (as gRPC's text too)
+     "the 'logit_bias' parameter names a token id of 5000 digits; a token id has at most 10"),
 ])
 def test_bad_generation_requests_are_400_over_http_and_invalid_argument_over_grpc(server, payload, message):
     status, answer = server.infer_json("gen", payload)

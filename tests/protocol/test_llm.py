@@ -93,6 +93,10 @@ def test_a_field_given_twice_must_agree():
     ({"sampling_parameters": texts('{"logprobs": 2}')}, {}, "model 'm' does not take 'logprobs'"),
     ({}, {"logit_bias": '{"5": 1, "05": 2}'}, "the 'logit_bias' parameter names a token id twice"),
     ({}, {"logit_bias": "{5: 1}"}, "the 'logit_bias' parameter must map token ids"),
+    ({}, {"logit_bias": '{"' + "1" * 5000 + '": 1}'},  # past int()'s limit of 4,300 digits: read no further
+     "the 'logit_bias' parameter names a token id of 5000 digits; a token id has at most 10"),
+    ({"sampling_parameters": texts('{"logit_bias": {"' + "1" * 11 + '": 1}}')}, {},
+     "'logit_bias' in sampling_parameters names a token id of 11 digits; a token id has at most 10"),
     ({"sampling_parameters": texts('{"logit_bias": {"the": 1}}')}, {},
      "'logit_bias' in sampling_parameters must map token ids (integers, as JSON writes them: \"50256\") to biases, "
      "got {'the': 1}"),

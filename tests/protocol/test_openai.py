@@ -361,7 +361,9 @@ def test_logit_bias_over_openai_equals_the_in_process_bias(client):
                            ({"5": 101}, "'logit_bias': logit_bias must map at most 300 token ids (integers >= 0) "
                                         "to numbers from -100 to 100, got {5: 101}"),
                            ({"99999": 1}, "logit_bias names token 99999, past the vocabulary of generation server "
-                                          "'llama3'")]:
+                                          "'llama3'"),
+                           ({"1" * 5000: 1}, "'logit_bias' names a token id of 5000 digits; a token id has at most "
+                                             "10")]:  # past int()'s limit of 4,300 digits: read no further
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, logit_bias=value)
         assert message in refused.value.message

@@ -56,6 +56,9 @@ def _ids(value: Any, where: str) -> list[int]:
     return value
 
 
+ID_DIGITS = len(str(2**31 - 1))  # a token id is an int32 (the generation's Sampling checks its range)
+
+
 def logit_bias(value: Any, where: str) -> dict[int, Any]:
     """Token ids -> biases: a JSON object, or its text (a gRPC parameter is a string), the ids as JSON writes an
     object's keys (``"50256"``; the biases checked further by the generation's ``Sampling``)."""
@@ -68,6 +71,9 @@ def logit_bias(value: Any, where: str) -> dict[int, Any]:
                                               for key in value):
         raise ProtocolError(f"{where} must map token ids (integers, as JSON writes them: \"50256\") to biases, got "
                             f"{_value(value)}")
+    longest = max(value, key=len, default="")
+    if len(longest) > ID_DIGITS:  # read no further: int() refuses past 4,300 digits, and its time grows with them
+        raise ProtocolError(f"{where} names a token id of {len(longest)} digits; a token id has at most {ID_DIGITS}")
     biases = {int(key): bias for key, bias in value.items()}
     if len(biases) < len(value):
         raise ProtocolError(f"{where} names a token id twice (written two ways, as \"5\" and \"05\")")
