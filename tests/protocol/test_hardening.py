@@ -20,7 +20,8 @@ pytest.importorskip("uvicorn")
 from gates import gate_env, holding, started
 
 import jitserve as js
-from jitserve.protocol.grpc import MESSAGES
+from jitserve.protocol.grpc import MESSAGES, GrpcFront, StreamCall
+from jitserve.protocol.limits import Limits
 from netutil import Running, start_server, stop
 from waiting import HANG_S, until
 
@@ -66,8 +67,9 @@ def json_input(value: float) -> dict:
     return {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
 
 
-def resident(running: Running) -> int:
-    for line in Path(f"/proc/{running.process.pid}/status").read_text().splitlines():
+def resident(running: Running | None) -> int:
+    """The resident bytes of ``running``'s server (None: of this process)."""
+    for line in Path(f"/proc/{'self' if running is None else running.process.pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS in /proc")
@@ -160,6 +162,42 @@ def test_a_stream_that_reads_gets_every_reply_through_its_caps(server):
 
     rows = asyncio.run(asyncio.wait_for(read_all(), 60))
     assert rows == {f"r{index}": [float(index)] * 3 for index in range(40)}
+
+
+REPLY_BYTES = 64 * 2**20
+
+
+class OneOutput:
+    """An InferenceService's part a stream's answer uses, streaming one output of ``REPLY_BYTES`` per request."""
+
+    tracing = shared_memory = None
+
+    def infer_stream(self, *_: object) -> tuple[str, object]:
+        async def outputs():
+            yield [("output", np.ones(REPLY_BYTES, np.uint8))]  # its pages written: resident
+
+        return "1", outputs()
+
+    def count(self, *_: object) -> None:
+        pass
+
+
+def test_a_reply_that_waits_for_room_in_the_stream_buffer_is_held_once():
+    """Issue 56's regression of ce0501a: the answer kept its reply alive across the await of the stream's
+    buffer beside the stream message that copies it, so each waiting reply was held twice. Measured when the
+    reply is handed to the buffer: the output and one reply are resident, not a copy more."""
+    call = StreamCall(GrpcFront(OneOutput(), Limits()), context=None)
+    grown: list[int] = []
+
+    async def put(message) -> None:  # where a reply waits for room: what the answer holds across it is resident
+        grown.append(resident(None) - baseline)
+        assert message.infer_response.raw_output_contents[0][:1] == b"\x01"
+
+    call._put = put
+    baseline = resident(None)
+    asyncio.run(call._answer(MESSAGES["ModelInferRequest"](model_name="m", id="r").SerializeToString()))
+    (held,) = grown
+    assert held < 2.5 * REPLY_BYTES, f"{held / REPLY_BYTES:.1f} replies' bytes resident while the reply waits"
 
 
 def test_stream_error_replies_name_their_request(server):

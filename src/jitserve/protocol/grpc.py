@@ -279,10 +279,12 @@ class StreamCall:
             async for outputs in stream:
                 if span is not None:
                     span.output()
-                response = infer_response(model, served, request.id, outputs, slots)
+                # made in place: a local reply kept across the await would hold each waiting reply twice
+                reply = MESSAGES["ModelStreamInferResponse"](
+                    infer_response=infer_response(model, served, request.id, outputs, slots))
                 if marked:
-                    response.parameters["triton_final_response"].bool_param = False
-                await self._put(MESSAGES["ModelStreamInferResponse"](infer_response=response))
+                    reply.infer_response.parameters["triton_final_response"].bool_param = False
+                await self._put(reply)
             status = "OK"
         except Exception as error:  # noqa: BLE001 - answered on the stream, which stays open
             failure = error
