@@ -5,7 +5,9 @@ end of the client's socket); which rows ran together, from the gated models' rec
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import http.client
 import json
 import os
@@ -15,6 +17,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -78,6 +81,11 @@ def owners(running, pids) -> dict[int, int]:
 def listening(running) -> list[int]:
     """The front processes listening on the port now."""
     return sorted(pid for state, _, pid in sockets(running, front_processes(running.process.pid)) if state == "0A")
+
+
+def rings(pid: int | str = "self") -> int:
+    """The fronts' rings a process maps (each memfd is named so)."""
+    return Path(f"/proc/{pid}/maps").read_text().count("jitserve-http-ring")
 
 
 def wait_for(condition, what):
@@ -242,6 +250,7 @@ def test_a_killed_front_loses_only_its_own_requests_and_is_started_again(workers
     # the engine cancels the requests the killed front held: their queued rows leave the queue
     wait_for(lambda: metric(running, "jitserve_queue_depth", "gated1") <= 16 - len(lost), "its rows withdrawn")
     wait_for(lambda: len(listening(running)) == 4 and victim not in listening(running), "the front started again")
+    assert rings(running.process.pid) == 4, "the killed front's ring is unmapped in the engine, the new one mapped"
     hold.unlink()
     for caller in callers:
         caller.join()
@@ -506,3 +515,27 @@ def test_every_datatype_crosses_the_ring_as_it_was_and_frames_survive_any_split(
     for at in range(0, len(stream), 4099):
         parts += frames.feed(stream[at:at + 4099])
     assert parts == [(1, 7, 0, b""), (2, 14, 1, b"x" * 70_000), (3, 21, 2, b"abc")]
+
+
+def test_a_fronts_ring_is_unmapped_once_its_connection_closes_without_waiting_for_a_collection():
+    """Issue 56: the engine's end of a SIGKILLed front held its 8 MiB ring until the cyclic garbage collector
+    freed the link (a cycle through its handlers), one ring more per restart. The collector is off here."""
+    from jitserve.protocol.workers.engine import FrontLink
+    from jitserve.protocol.workers.ring import Ring
+
+    async def lost() -> int:
+        ours, theirs = socket.socketpair()
+        _, link = await asyncio.get_running_loop().connect_accepted_socket(
+            lambda: FrontLink(0, SimpleNamespace(pid=0), Ring.create(), None, None, lambda _: None), ours)
+        mapped = rings()
+        theirs.close()  # as a killed front's end closes
+        await link.closed
+        return mapped
+
+    before = rings()
+    gc.disable()
+    try:
+        assert asyncio.run(lost()) == before + 1
+        assert rings() == before
+    finally:
+        gc.enable()

@@ -95,6 +95,7 @@ class FrontLink(Peer):
                     f"HTTP front process {self.index} (pid {self.process.pid}) exited before it listened; the "
                     f"lines it logged above say why"))
                 started.exception()  # retrieved here: the starter may be gone
+        self.ring.close()  # its front is gone; the link may live on in a cycle (its handlers) until a collection
         self.closed.set_result(None)
         self.on_lost(self)
 

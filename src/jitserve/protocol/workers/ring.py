@@ -56,7 +56,8 @@ class Ring:
         self.fd = fd
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self.view = memoryview(mmap.mmap(fd, slots * slot_bytes))  # the mapping holds its own descriptor
+        self.mapping = mmap.mmap(fd, slots * slot_bytes)  # it holds a descriptor of its own
+        self.view = memoryview(self.mapping)
 
     @classmethod
     def create(cls) -> Ring:
@@ -70,6 +71,12 @@ class Ring:
     def close_file(self) -> None:
         """Close the descriptor once the front process has its own (the mapping stays)."""
         os.close(self.fd)
+
+    def close(self) -> None:
+        """Unmap the slots and close the mapping's descriptor, once the other process is gone: the memory is
+        freed now, not whenever the garbage collector frees what refers to the ring."""
+        self.view.release()
+        self.mapping.close()
 
 
 def _aligned(size: int) -> int:
