@@ -117,6 +117,11 @@ class PagedScheduler(Scheduler[R]):
         self.pool.clear()
         return requests
 
+    def weights_changed(self) -> None:
+        """New weights went live: the prefix cache's blocks hold keys and values the old weights computed, so
+        none is shared again; no sequence holds a block now, and every block is free."""
+        self.pool.clear()
+
     def plan(self, admit: bool = True) -> Plan[R]:
         decoding = [request for request in self.running.values() if request not in self.prefilling]
         for request in sorted(decoding, key=self.admitted_order.__getitem__):
@@ -130,7 +135,10 @@ class PagedScheduler(Scheduler[R]):
             budget -= chunks[-1][3]
         admitted = []
         reserve = len(self.running) - len(self.prefilling)  # a block more for each decoding sequence
-        while admit and budget and self.free and self.waiting and self._ready(self.waiting[0]):
+        # while new weights wait (not admit), a preempted sequence still resumes: its outputs so far are the
+        # old weights', and so are those it has left
+        while budget and self.free and self.waiting and (admit or self.waiting[0].dispatched) \
+                and self._ready(self.waiting[0]):
             request = self.waiting[0]
             if not self._admit(request, budget, reserve, chunks):
                 break

@@ -170,6 +170,15 @@ class Scheduler(Generic[R]):
             bisect.insort(self.free, request.slot)
             self.sampling -= request.sampling.kind > 0
 
+    @property
+    def between_weights(self) -> bool:
+        """No request runs or waits to resume (a preempted one): new weights may go live."""
+        return not self.running and not any(request.dispatched for request in self.waiting)
+
+    def weights_changed(self) -> None:
+        """New weights went live (no request runs): what the engine kept of the old ones is gone (the slot
+        engine keeps nothing past a request)."""
+
     def take_waiting(self) -> list[R]:
         """Every waiting request, off the queue."""
         requests = list(self.waiting)

@@ -212,7 +212,8 @@ class GenerationServer(GenerationFront):
         dtypes of the generation's (else a TemplateMismatchError naming the leaf, and the old weights keep
         generating). A request's state is computed by one set of weights, so every request is generated
         entirely by the old or entirely by the new ones: prompts stay queued while the requests already in
-        slots finish with the old weights, then the new ones go live and those prompts are admitted. Returns
+        slots finish with the old weights (a preempted one resumes under them), then the new ones go live,
+        the prefix cache is emptied of the old ones' keys and values, and those prompts are admitted. Returns
         once they are live. Concurrent updates apply one at a time."""
         placed = self._programs.place(check_params(params, self.generation.params_template))
         with self._update_lock, self._lock:
@@ -355,10 +356,11 @@ class GenerationServer(GenerationFront):
                 if self._stopping and not (scheduler.running or scheduler.waiting or in_flight):
                     return
                 self._stats.cancelled += scheduler.release_cancelled()
-                if self._new_params is not None and not scheduler.running:  # no slot runs with the old weights
+                if self._new_params is not None and scheduler.between_weights:  # none runs with the old weights
                     self._params, self._new_params = self._new_params, None
+                    scheduler.weights_changed()
                     self._wake.notify_all()
-                # while new weights wait, nothing is admitted: the slots run empty of the old weights' requests
+                # while new weights wait, nothing new is admitted (a preempted request resumes): the old ones end
                 plan = scheduler.plan(admit=self._new_params is None)
                 planned = time.perf_counter()
                 for request in plan.admitted:
