@@ -57,8 +57,9 @@ FOLDER_CAPS = {
     # 'stream' checked as a flag; 4,015: a response's head and body leave in one send (connection.py's OneSend);
     # 4,040: GET /health; 4,075: every /infer watched for its client's departure (the connection's callbacks);
     # 4,090: logit_bias over OpenAI's API and Triton's LLM convention; 4,125: vLLM's /tokenize and /detokenize;
-    # 4,150: their model left out where one is served, logit_bias as a gRPC parameter's text, a gone /infer counted
-    "protocol": 4_150,
+    # 4,150: their model left out where one is served, logit_bias as a gRPC parameter's text, a gone /infer counted;
+    # 4,175: a bound on one model's loads and unloads beside the bound on all (--max-loads-per-model, issue 56)
+    "protocol": 4_175,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode

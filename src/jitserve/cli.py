@@ -254,7 +254,7 @@ def serve_command(args: argparse.Namespace) -> int:
                               "--batch-size, --batch-timeout and --compiler do not apply to it")
         repository = app.start_repository(args.model_repository, args.model_control_mode,
                                           args.repository_poll_secs, tuple(args.load_model or ()),
-                                          args.model_load_timeout)
+                                          args.model_load_timeout, args.max_loads_per_model)
         run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
         _logging(args)
         app.run(lambda servers: None, attach=repository, **_network_options(args))
@@ -487,6 +487,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--model-load-timeout", type=float, default=600.0,
                               help="seconds a repository model's model.py (or checkpoint) may take to load before "
                               "the load fails and that run is abandoned (default 600)")
+    serve_parser.add_argument("--max-loads-per-model", type=int, default=4, metavar="N",
+                              help="load and unload requests of one repository model taken at once, running or "
+                              "waiting their turn; one more is refused 503 (default 4; all models: 16)")
     serve_parser.add_argument("--name", help="the model name of a single Serving (default: the file's or module's "
                               "name, e.g. 'mlp' for examples/mlp.py:serving)")
     _add_network(serve_parser)

@@ -3,6 +3,7 @@ over HTTP and gRPC under 8 concurrent callers, failed models reported by name, a
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -369,42 +370,57 @@ serving = js.Serving(lambda x: x * 2, batch_size=2, batch_timeout=0.001, input_t
 """
 
 
-def test_many_slow_loads_hold_no_shared_pool_and_sigterm_during_a_load_exits(repository):
-    """40 loads of a model whose model.py does not return leave the server free: 16 run (each on a daemon
-    thread of its own, not in the event loop's shared pool) and the rest are refused 503 with Retry-After;
-    another load is refused alike, a request body of over 1 MiB (decoded off the event loop) is answered;
-    once the gated loads end, another model loads; and SIGTERM while a load hangs exits."""
-    write_model(repository, "gated", GATED)
-    running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit",
-                           "--load-model", "doubler", "--drain-timeout", "2")
-    answers: list = []
+PER_MODEL = "8 loads and unloads of model 'gated' are running or waiting (--max-loads-per-model); try again once " \
+    "one ends"
+ALL_MODELS = "16 model loads and unloads are running; try '{}' again once one ends"
 
-    def wait_for(count):
-        deadline = time.monotonic() + 120
-        while len(answers) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(answers) >= count, f"{len(answers)} of {count} loads answered"
+
+def test_many_slow_loads_hold_no_shared_pool_and_sigterm_during_a_load_exits(repository):
+    """40 loads of a model whose model.py does not return leave the server free: 8 are taken
+    (--max-loads-per-model), each on a daemon thread of its own, not in the event loop's shared pool, the rest
+    refused 503 with Retry-After, so that another model still loads (issue 56: the 16 places of all models
+    went to the one model); 9 loads of a second such model fill the 16 places, and one more load of any model
+    is refused alike; a request body of over 1 MiB (decoded off the event loop) is answered; once the gated
+    loads end, another model loads; and SIGTERM while a load hangs exits."""
+    for name in ("gated", "gated2"):
+        write_model(repository, name, GATED)
+    running = start_server(f"--model-repository={repository}", "--model-control-mode", "explicit",
+                           "--load-model", "doubler", "--drain-timeout", "2", "--max-loads-per-model", "8")
+    answers: dict[str, list] = {"gated": [], "gated2": []}
 
     def load(name):
-        answers.append(running.request("POST", f"/v2/repository/models/{name}/load", b"{}", timeout=120))
+        answers[name].append(running.request("POST", f"/v2/repository/models/{name}/load", b"{}", timeout=120))
+
+    def loading(name, count):
+        for thread in [threading.Thread(target=load, args=(name,), daemon=True) for _ in range(count)]:
+            thread.start()
+
+    def refusals(name, count) -> set[str]:
+        """The texts of the first ``count`` answers to loads of ``name`` once they came, each a 503 to retry."""
+        until(lambda: len(answers[name]) >= count, f"{count} loads of '{name}' answered")
+        assert {(status, headers.get("retry-after")) for status, headers, _ in answers[name]} == {(503, "1")}
+        return {json.loads(body)["error"] for _, _, body in answers[name]}
 
     try:
-        pending = [threading.Thread(target=load, args=("gated",), daemon=True) for _ in range(40)]
-        for thread in pending:
-            thread.start()
-        wait_for(24)
-        assert {(status, headers.get("retry-after")) for status, headers, _ in answers} == {(503, "1")}
-        assert "16 model loads and unloads are running" in answers[0][2].decode()
-        assert running.request("POST", "/v2/repository/models/doubler/load", b"{}")[0] == 503
+        loading("gated", 40)
+        # past the 8th, each is refused as the 9th of 'gated', or as the 17th of all while refused ones held places
+        texts = refusals("gated", 32)
+        assert PER_MODEL in texts and texts <= {PER_MODEL, ALL_MODELS.format("gated")}
+        assert running.request("POST", "/v2/repository/models/doubler/load", b"{}")[0] == 200
+        loading("gated2", 9)  # 8 places left: the last of these to arrive is refused, the others wait
+        assert refusals("gated2", 1) == {ALL_MODELS.format("gated2")}
+        status, _, body = running.request("POST", "/v2/repository/models/doubler/load", b"{}")
+        assert (status, json.loads(body)["error"]) == (503, ALL_MODELS.format("doubler"))
         big = np.ones((2**16 + 1, 4), np.float32)  # over 1 MiB as JSON, decoded off the event loop
         status, answer = running.infer_json("doubler", {"inputs": [{"name": "input", "datatype": "FP32",
                                                                     "shape": list(big.shape),
                                                                     "data": big.ravel().tolist()}]})
         assert status == 200 and answer["outputs"][0]["data"][:4] == [2.0] * 4
-        write_model(repository, "gated", GATED.replace('while not (Path(__file__).parent / "open").exists()',
+        for name in ("gated", "gated2"):
+            write_model(repository, name, GATED.replace('while not (Path(__file__).parent / "open").exists()',
                                                         "while False"))
-        (repository / "gated" / "open").touch()  # the gated loads end, one after another (each reloads it)
-        wait_for(40)
+            (repository / name / "open").touch()  # the gated loads end, one after another (each reloads it)
+        until(lambda: len(answers["gated"]) == 40 and len(answers["gated2"]) == 9, "every gated load answered")
         assert running.request("POST", "/v2/repository/models/doubler/load", b"{}")[0] == 200
         (repository / "gated" / "open").unlink()
         write_model(repository, "gated", GATED)
@@ -416,6 +432,16 @@ def test_many_slow_loads_hold_no_shared_pool_and_sigterm_during_a_load_exits(rep
         output = stop(running)  # SIGTERM with the gated loads still running; stop() asserts exit code 0
     assert "Traceback" not in output
     assert "exiting with the load of model 'gated' still running: abandoned" in output
+
+
+@pytest.mark.parametrize("count", ["0", "17"])
+def test_a_count_of_loads_per_model_past_the_count_of_all_is_refused(repository, capsys, count):
+    from jitserve.cli import main
+
+    assert main(["serve", f"--model-repository={repository}", "--model-control-mode", "explicit",
+                 f"--max-loads-per-model={count}"]) == 2
+    assert capsys.readouterr().err.startswith(f"jitserve serve: --max-loads-per-model must be a count from 1 to 16 "
+                                              f"(the loads and unloads of all models taken at once), got {count}")
 
 
 def test_a_load_that_never_finishes_fails_at_the_load_timeout_and_the_model_loads_again(repository):

@@ -31,7 +31,7 @@ from .connection import GuardedHttpProtocol
 from .grpc import GrpcServer
 from .http import HttpFront
 from .limits import Limits, Tls
-from .repository import DEFAULT_LOAD_TIMEOUT, ModelRepository
+from .repository import DEFAULT_LOAD_TIMEOUT, DEFAULT_LOADS_PER_MODEL, ModelRepository
 from .service import InferenceService
 
 log = logging.getLogger("jitserve.serve")
@@ -105,14 +105,16 @@ def start_locally(servings: Mapping[str, Serving]) -> Callable[[dict[str, Server
 
 
 def start_repository(directory: str, mode: str, poll_seconds: float = 15.0,
-                     load: tuple[str, ...] = (), load_timeout: float = DEFAULT_LOAD_TIMEOUT
+                     load: tuple[str, ...] = (), load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+                     max_loads_per_model: int = DEFAULT_LOADS_PER_MODEL
                      ) -> Callable[[InferenceService], ModelRepository]:
     """A ``repository`` for :func:`run`: the models of ``directory`` under control ``mode`` (``load``: the
-    models an ``explicit`` repository loads at start). The directory and mode are checked now."""
-    ModelRepository(directory, InferenceService({}), mode, poll_seconds, load_timeout)
+    models an ``explicit`` repository loads at start). The directory, mode and bounds are checked now."""
+    settings = (mode, poll_seconds, load_timeout, max_loads_per_model)
+    ModelRepository(directory, InferenceService({}), *settings)
 
     def start(service: InferenceService) -> ModelRepository:
-        repository = ModelRepository(directory, service, mode, poll_seconds, load_timeout)
+        repository = ModelRepository(directory, service, *settings)
         service.control = repository
         repository.start(load)
         return repository

@@ -27,10 +27,15 @@ nothing compiles. A model whose ``model.py`` fails keeps its old version
 serving (if it had one); the index and the client report the error's first
 line, its paths shown from the repository (the model's folder as its name; the
 log keeps them whole); the other models are untouched. Unloading drains, then frees.
+
+Loads and unloads of one model run one at a time; at most ``max_loads_per_model`` of them (running or
+waiting their turn, ``--max-loads-per-model``) are taken, one more is refused (503, as the service refuses
+one past its global cap, ``MAX_CONTROLS``): so many loads of one slow model leave places for the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -38,16 +43,16 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import OptionError, RepositoryError, UnknownServerError
+from ..errors import OptionError, QueueFullError, RepositoryError, UnknownServerError
 from ..models import from_pretrained
 from ..serving.generation import Generation
 from ..serving.registry import is_servable, unstarted_server
 from ..serving.serving import Serving
-from .service import InferenceService, hide_paths
+from .service import MAX_CONTROLS, InferenceService, hide_paths
 
 log = logging.getLogger("jitserve.repository")
 LOAD_THREAD = "jitserve-model-"  # the name of each thread a model.py (or a checkpoint's compile) runs on
@@ -82,6 +87,7 @@ WEIGHTS = b"\0weights:"  # in a checkpoint's source, what follows is its weight 
 VERSION = "1"  # a repository model is served in one version
 MAX_POLL_SECONDS = 86_400 * 365  # a year: beyond it a wait's timeout overflows
 DEFAULT_LOAD_TIMEOUT = 600.0  # seconds a model.py (or a checkpoint's reading) may take before it is abandoned
+DEFAULT_LOADS_PER_MODEL = 4  # loads and unloads of one model taken at once: the rest of MAX_CONTROLS for the others
 _LOADS = itertools.count(1)  # each load's module gets a fresh name: nothing of an earlier load is reused
 
 
@@ -102,7 +108,8 @@ class ModelRepository:
     stops the servers)."""
 
     def __init__(self, directory: str | Path, service: InferenceService, mode: str = "none",
-                 poll_seconds: float = 15.0, load_timeout: float = DEFAULT_LOAD_TIMEOUT) -> None:
+                 poll_seconds: float = 15.0, load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+                 max_loads_per_model: int = DEFAULT_LOADS_PER_MODEL) -> None:
         if mode not in CONTROL_MODES:
             raise OptionError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got {mode!r}")
         self.directory = Path(directory)
@@ -113,7 +120,13 @@ class ModelRepository:
                     or not 0.01 <= seconds <= MAX_POLL_SECONDS:
                 raise OptionError(f"{flag} must be a number of seconds from 0.01 to {MAX_POLL_SECONDS:,}, got "
                                   f"{seconds!r}")
+        if isinstance(max_loads_per_model, bool) or not isinstance(max_loads_per_model, int) \
+                or not 1 <= max_loads_per_model <= MAX_CONTROLS:
+            raise OptionError(f"--max-loads-per-model must be a count from 1 to {MAX_CONTROLS} (the loads and "
+                              f"unloads of all models taken at once), got {max_loads_per_model!r}")
         self.load_timeout = float(load_timeout)
+        self.max_loads_per_model = max_loads_per_model
+        self._taken: dict[str, int] = {}  # model name -> its loads and unloads taken (running or waiting), under _guard
         self.service = service
         self.mode = mode
         self.poll_seconds = float(poll_seconds)
@@ -139,11 +152,31 @@ class ModelRepository:
 
     def load(self, name: str, parameters: Mapping[str, Any] | None) -> None:
         self._check_request("load", name, parameters, ignored=())
-        self._load(name)
+        with self._taken_one(name):
+            self._load(name)
 
     def unload(self, name: str, parameters: Mapping[str, Any] | None) -> None:
         self._check_request("unload", name, parameters, ignored=("unload_dependents",))  # no dependents here
-        self._unload(name)
+        with self._taken_one(name):
+            self._unload(name)
+
+    @contextlib.contextmanager
+    def _taken_one(self, name: str) -> Iterator[None]:
+        """A client's load or unload of ``name``, one of at most ``max_loads_per_model`` taken at once (the
+        count of a name leaves with its last one: made-up names leave no trace)."""
+        with self._guard:
+            taken = self._taken.get(name, 0)
+            if taken >= self.max_loads_per_model:
+                raise QueueFullError(f"{taken} loads and unloads of model '{_shown(name)}' are running or waiting "
+                                     f"(--max-loads-per-model); try again once one ends")
+            self._taken[name] = taken + 1
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._taken[name] -= 1
+                if not self._taken[name]:
+                    del self._taken[name]
 
     def _check_request(self, action: str, name: str, parameters: Mapping[str, Any] | None,
                        ignored: Iterable[str]) -> None:
