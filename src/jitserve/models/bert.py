@@ -20,17 +20,19 @@ POOLINGS = ("mean", "cls")
 class Bert:
     """The encoder of one BERT config; ``prefix`` is ``"bert."`` in a task model's checkpoint."""
 
+    tied_head = None  # no language-model head
+
     def __init__(self, checkpoint: Checkpoint, task: str, max_length: int) -> None:
         c = checkpoint
         self.task = task
         self.prefix = "bert." if c.architecture != "BertModel" else ""
-        self.width = c.count("hidden_size")
-        self.heads = c.count("num_attention_heads")
-        self.layers = c.count("num_hidden_layers")
-        self.inner = c.count("intermediate_size")
-        self.context = c.count("max_position_embeddings")
-        self.vocabulary = c.count("vocab_size")
-        self.token_types = c.count("type_vocab_size", 2)
+        self.width = c.dimension("hidden_size")
+        self.heads = c.dimension("num_attention_heads")
+        self.layers = c.blocks("num_hidden_layers")
+        self.inner = c.dimension("intermediate_size")
+        self.context = c.dimension("max_position_embeddings")
+        self.vocabulary = c.dimension("vocab_size")
+        self.token_types = c.dimension("type_vocab_size", 2)
         self.eps = c.number("layer_norm_eps", 1e-12)
         self.activation = ACTIVATIONS[c.choice("hidden_act", "gelu", ACTIVATIONS)]
         c.choice("position_embedding_type", "absolute", ["absolute"])

@@ -18,15 +18,16 @@ class GPT2:
 
     def __init__(self, checkpoint: Checkpoint, task: str, max_length: int) -> None:
         c = checkpoint
-        self.width = c.count("n_embd")
-        self.heads = c.count("n_head")
-        self.layers = c.count("n_layer")
-        self.context = c.count("n_positions")
-        self.vocabulary = c.count("vocab_size")
-        self.inner = c.count("n_inner", 4 * self.width)
+        self.width = c.dimension("n_embd")
+        self.heads = c.dimension("n_head")
+        self.layers = c.blocks("n_layer")
+        self.context = c.dimension("n_positions")
+        self.vocabulary = c.dimension("vocab_size")
+        self.inner = c.dimension("n_inner", 4 * self.width)
         self.eps = c.number("layer_norm_epsilon", 1e-5)
         self.activation = ACTIVATIONS[c.choice("activation_function", "gelu_new", ACTIVATIONS)]
         self.tied = bool(c.field("tie_word_embeddings", True, bool))
+        self.tied_head = ("lm_head.weight", "transformer.wte.weight") if self.tied else None
         c.choice("scale_attn_by_inverse_layer_idx", False, [False])
         c.choice("add_cross_attention", False, [False])
         if self.width % self.heads:
@@ -51,8 +52,8 @@ class GPT2:
         return expected
 
     def ignored(self) -> list[str]:
-        """The causal-mask buffers older checkpoints saved; a tied head's copy, which transformers ignores."""
-        return [r"transformer\.h\.\d+\.attn\.(masked_)?bias", *([r"lm_head\.weight"] if self.tied else [])]
+        """The causal-mask buffers older checkpoints saved."""
+        return [r"transformer\.h\.\d+\.attn\.(masked_)?bias"]
 
     def embed(self, params: Any, tokens: Any, positions: Any) -> Any:
         t = params["transformer"]

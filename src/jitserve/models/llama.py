@@ -22,17 +22,18 @@ class Llama:
 
     def __init__(self, checkpoint: Checkpoint, task: str, max_length: int) -> None:
         c = checkpoint
-        self.width = c.count("hidden_size")
-        self.inner = c.count("intermediate_size")
-        self.layers = c.count("num_hidden_layers")
-        self.heads = c.count("num_attention_heads")
-        self.kv_heads = c.count("num_key_value_heads", self.heads)
-        self.head_dim = c.count("head_dim", self.width // self.heads)
+        self.width = c.dimension("hidden_size")
+        self.inner = c.dimension("intermediate_size")
+        self.layers = c.blocks("num_hidden_layers")
+        self.heads = c.dimension("num_attention_heads")
+        self.kv_heads = c.dimension("num_key_value_heads", self.heads)
+        self.head_dim = c.dimension("head_dim", self.width // self.heads)
         self.context = c.count("max_position_embeddings")
-        self.vocabulary = c.count("vocab_size")
+        self.vocabulary = c.dimension("vocab_size")
         self.eps = c.number("rms_norm_eps", 1e-6)
         self.activation = ACTIVATIONS[c.choice("hidden_act", "silu", ACTIVATIONS)]
         self.tied = bool(c.field("tie_word_embeddings", False, bool))
+        self.tied_head = ("lm_head.weight", "model.embed_tokens.weight") if self.tied else None
         qwen = c.architecture == "Qwen2ForCausalLM"
         self.qkv_bias = qwen or bool(c.field("attention_bias", False, bool))
         self.o_bias = not qwen and bool(c.field("attention_bias", False, bool))
@@ -73,9 +74,8 @@ class Llama:
         return expected
 
     def ignored(self) -> list[str]:
-        """Rotary frequencies some checkpoints saved (derived from the config here); a tied head's copy."""
-        return [r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", *([r"lm_head\.weight"] if self.tied
-                                                                           else [])]
+        """Rotary frequencies some checkpoints saved (derived from the config here)."""
+        return [r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq"]
 
     def embed(self, params: Any, tokens: Any, positions: Any) -> Any:
         return params["model"]["embed_tokens"]["weight"][tokens]

@@ -36,27 +36,29 @@ KV_CACHES = ("paged", "slots")  # a generation's KV cache: blocks of a pool (the
 DEFAULT_MAX_LENGTH = 2048  # a generation's default room per sequence, where the context is longer
 SHORTEST_BUCKET = 16  # the shortest compiled prompt or text length
 
-# architecture -> (its family, built from (checkpoint, task, max_length); the config field of its context length;
-# its tasks, the default first)
-ARCHITECTURES: dict[str, tuple[Callable[..., Any], str, tuple[str, ...]]] = {
-    "GPT2LMHeadModel": (GPT2, "n_positions", ("generation",)),
-    "LlamaForCausalLM": (Llama, "max_position_embeddings", ("generation",)),
-    "MistralForCausalLM": (Llama, "max_position_embeddings", ("generation",)),
-    "Qwen2ForCausalLM": (Llama, "max_position_embeddings", ("generation",)),
-    "BertForSequenceClassification": (Bert, "max_position_embeddings", ("classification", "embedding")),
-    "BertModel": (Bert, "max_position_embeddings", ("embedding",)),
+# architecture -> (the config.json 'model_type' it is built for; its family, built from (checkpoint, task,
+# max_length); the config field of its context length; its tasks, the default first)
+ARCHITECTURES: dict[str, tuple[str, Callable[..., Any], str, tuple[str, ...]]] = {
+    "GPT2LMHeadModel": ("gpt2", GPT2, "n_positions", ("generation",)),
+    "LlamaForCausalLM": ("llama", Llama, "max_position_embeddings", ("generation",)),
+    "MistralForCausalLM": ("mistral", Llama, "max_position_embeddings", ("generation",)),
+    "Qwen2ForCausalLM": ("qwen2", Llama, "max_position_embeddings", ("generation",)),
+    "BertForSequenceClassification": ("bert", Bert, "max_position_embeddings", ("classification", "embedding")),
+    "BertModel": ("bert", Bert, "max_position_embeddings", ("embedding",)),
 }
 
 
 class TextHook:
     """The ``preprocess`` of a checkpoint's served model, which reads text: ``read(value)``, with the
-    ``tokenizer`` it reads with and the ``task`` the model does, for the fronts that need more than the
-    model's tensors (the OpenAI door renders chats and counts tokens with them: ``protocol/openai.py``)."""
+    ``tokenizer`` it reads with, the ``task`` the model does and its ``vocabulary`` (the embedding's rows:
+    the token ids it reads, 0 to ``vocabulary - 1``, at least the tokenizer's), for the fronts that need more
+    than the model's tensors (the OpenAI door renders chats and counts tokens with them: ``protocol/openai.py``)."""
 
-    def __init__(self, read: Callable[[Any], Any], tokenizer: Tokenizer, task: str) -> None:
+    def __init__(self, read: Callable[[Any], Any], tokenizer: Tokenizer, task: str, vocabulary: int) -> None:
         self.read = read
         self.tokenizer = tokenizer
         self.task = task
+        self.vocabulary = vocabulary
 
     def __call__(self, value: Any) -> Any:
         return self.read(value)
@@ -86,11 +88,7 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     mesh = mesh_of(devices)
     checkpoint = Checkpoint(path)
     architecture = checkpoint.architecture
-    if architecture not in ARCHITECTURES:
-        raise CheckpointError(f"checkpoint {checkpoint.folder!r}: config.json's 'architectures' is "
-                              f"{checkpoint.config.get('architectures')!r}; jitserve serves "
-                              f"{', '.join(ARCHITECTURES)}")
-    family, context_field, tasks = ARCHITECTURES[architecture]
+    family, context_field, tasks = _served(checkpoint)
     task = tasks[0] if task is None else task
     if task not in tasks:
         raise OptionError(f"task {task!r} is not one {architecture} can do; it does {', '.join(tasks)}")
@@ -105,8 +103,9 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
                               f"integer at most the model's context, config.json's {context_field!r} ({context})")
     dtype = check_dtype(dtype)
     model = family(checkpoint, task, max_length)
-    params = checkpoint.weights(model.weights(), model.ignored(), dtype)
+    params = checkpoint.weights(model.weights(), model.ignored(), dtype, model.tied_head)
     tokenizer = Tokenizer(checkpoint)
+    _check_vocabulary(checkpoint, tokenizer, model.vocabulary)
     options = {**({"compiler": compiler} if compiler else {}), **options}
     generating = sorted(set(options) & GENERATION_OPTIONS)
     if task != "generation" and generating:
@@ -116,6 +115,39 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
             options["mesh"] = tensor_parallel(model, mesh, params, checkpoint.folder)
         return _generation(checkpoint, model, params, tokenizer, max_length, options)
     return _encoder(model, params, tokenizer, task, max_length, options)
+
+
+def _served(checkpoint: Checkpoint) -> tuple[Callable[..., Any], str, tuple[str, ...]]:
+    """The family, context field and tasks of the checkpoint's architecture, once its ``model_type`` is the
+    one the architecture is built for (``transformers`` builds the model ``model_type`` names, whatever
+    ``architectures`` says) and its weights are not quantized."""
+    folder, config = checkpoint.folder, checkpoint.config
+    if checkpoint.architecture not in ARCHITECTURES:
+        raise CheckpointError(f"checkpoint {folder!r}: config.json's 'architectures' is "
+                              f"{config.get('architectures')!r}; jitserve serves {', '.join(ARCHITECTURES)}")
+    model_type, family, context_field, tasks = ARCHITECTURES[checkpoint.architecture]
+    if config.get("model_type", model_type) != model_type:
+        raise CheckpointError(f"checkpoint {folder!r}: config.json's 'model_type' is {config['model_type']!r}, "
+                              f"but its 'architectures' says {checkpoint.architecture}, which is a {model_type!r} "
+                              f"model; transformers builds a {config['model_type']!r} model from this folder, so "
+                              f"jitserve does not run {checkpoint.architecture}'s arithmetic on its weights")
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        said = quantization if isinstance(quantization, dict) else {}
+        how = ", ".join(f"{key} {said[key]!r}" for key in ("quant_method", "format") if key in said)
+        raise CheckpointError(f"checkpoint {folder!r} is quantized (config.json's 'quantization_config': "
+                              f"{how or repr(quantization)}); jitserve serves float32, bfloat16 and float16 "
+                              f"weights, not quantized ones, for now")
+    return family, context_field, tasks
+
+
+def _check_vocabulary(checkpoint: Checkpoint, tokenizer: Tokenizer, rows: int) -> None:
+    """The tokenizer's ids all have a row of the embedding (``rows`` of them; a padded embedding has more)."""
+    ids = max(tokenizer.rust.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if ids > rows:
+        raise CheckpointError(f"checkpoint {checkpoint.folder!r}: tokenizer.json has token ids up to {ids - 1}, but "
+                              f"the embedding has {rows} rows (config.json's 'vocab_size'); an id past it would "
+                              f"read no row of the model's")
 
 
 def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Tokenizer, max_length: int,
@@ -139,7 +171,8 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
     if kv_cache not in KV_CACHES:
         raise OptionError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     common = {"params": params, "max_length": max_length, "eos": _eos(checkpoint, tokenizer), "logits": True,
-              "preprocess": TextHook(prompt_ids, tokenizer, "generation"), "detokenizer": tokenizer.stream}
+              "preprocess": TextHook(prompt_ids, tokenizer, "generation", model.vocabulary),
+              "detokenizer": tokenizer.stream}
     if kv_cache == "slots":
         paged_only = [name for name in PAGED_OPTIONS if name in options]
         if paged_only:
@@ -226,8 +259,8 @@ def _encoder(model: Bert, params: Any, tokenizer: Tokenizer, task: str, max_leng
     options = {"batch_size": 8, "batch_timeout": 0.002, **options}
     if task == "classification":  # Triton's classification extension names each class by its label
         options.setdefault("labels", {"probabilities": model.labels})
-    return Serving(run, params=params, batch_keys=buckets, preprocess=TextHook(preprocess, tokenizer, task),
-                   postprocess=postprocess,
+    return Serving(run, params=params, batch_keys=buckets,
+                   preprocess=TextHook(preprocess, tokenizer, task, model.vocabulary), postprocess=postprocess,
                    input_template={"input_ids": row, "attention_mask": row, "token_type_ids": row},
                    wire={"inputs": {"text": ("BYTES", ())}, "outputs": outputs}, **options)
 
