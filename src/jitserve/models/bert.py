@@ -1,11 +1,13 @@
 """BERT (``BertModel``, ``BertForSequenceClassification``) over its checkpoint's own key names: word,
 position and token-type embeddings, post-norm encoder layers, and either the pooler and classifier
 (task ``classification``) or a pooled sentence vector (task ``embedding``: the mean over the attention
-mask by default, as sentence-transformers; or the ``[CLS]`` vector; optionally L2-normalised)."""
+mask by default, or another of sentence-transformers' pooling modes, :data:`POOLINGS`; optionally
+L2-normalised)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,7 +16,25 @@ import jax.numpy as jnp
 from .checkpoint import Checkpoint
 from .layers import ACTIVATIONS, layer_norm, linear, merge_heads, split_heads
 
-POOLINGS = ("mean", "cls")
+
+def _mean(x: Any, weights: Any) -> Any:
+    return (x * weights).sum(1) / jnp.maximum(weights.sum(1), 1e-9)
+
+
+def _last(x: Any, weights: Any) -> Any:
+    last = jnp.maximum((weights[:, :, 0] > 0).sum(1) - 1, 0)
+    return jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+
+
+# sentence-transformers' pooling modes: one vector (B, D) of the hidden states (B, S, D) and the mask (B, S, 1)
+POOLINGS: dict[str, Callable[[Any, Any], Any]] = {
+    "mean": _mean,
+    "cls": lambda x, weights: x[:, 0],
+    "max": lambda x, weights: jnp.where(weights > 0, x, -jnp.inf).max(1),
+    "mean_sqrt_len_tokens": lambda x, weights: (x * weights).sum(1) / jnp.sqrt(jnp.maximum(weights.sum(1), 1e-9)),
+    "weightedmean": lambda x, weights: _mean(x, weights * jnp.arange(1, x.shape[1] + 1)[None, :, None]),
+    "lasttoken": _last,
+}
 
 
 class Bert:
@@ -102,13 +122,8 @@ class Bert:
 
     @staticmethod
     def pool(x: Any, mask: Any, pooling: str, normalize: bool) -> Any:
-        """One vector per text (B, D), float32: the mean over the masked positions, or the first ([CLS])."""
-        x = x.astype(jnp.float32)
-        if pooling == "cls":
-            vectors = x[:, 0]
-        else:
-            weights = (mask > 0).astype(jnp.float32)[:, :, None]
-            vectors = (x * weights).sum(1) / jnp.maximum(weights.sum(1), 1e-9)
+        """One vector per text (B, D), float32, pooled over the masked positions as ``POOLINGS[pooling]``."""
+        vectors = POOLINGS[pooling](x.astype(jnp.float32), (mask > 0).astype(jnp.float32)[:, :, None])
         if normalize:
             vectors = vectors / jnp.maximum(jnp.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
         return vectors

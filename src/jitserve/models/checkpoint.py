@@ -51,8 +51,8 @@ class Checkpoint:
             self._stored = flatten(load_params(self.folder))
         return self._stored
 
-    def json(self, name: str) -> dict[str, Any] | None:
-        """The folder's JSON file ``name`` as a dict, or None where there is none."""
+    def json(self, name: str, kind: type = dict) -> Any:
+        """The folder's JSON file ``name``, an object (or a ``kind``: ``list``), or None where there is none."""
         path = os.path.join(self.folder, name)
         if not os.path.isfile(path):
             return None
@@ -61,8 +61,9 @@ class Checkpoint:
                 data = json.load(file)
         except (OSError, ValueError) as error:
             raise CheckpointError(f"checkpoint {self.folder!r}: {name} is not readable JSON ({error})") from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"checkpoint {self.folder!r}: {name} holds {type(data).__name__}, not an object")
+        if not isinstance(data, kind):
+            raise CheckpointError(f"checkpoint {self.folder!r}: {name} holds {type(data).__name__}, not "
+                                  f"{_kind_name((kind,))}")
         return data
 
     def field(self, name: str, default: Any = _ABSENT, kind: type | tuple[type, ...] | None = None) -> Any:

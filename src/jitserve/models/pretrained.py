@@ -27,6 +27,7 @@ from .bert import POOLINGS, Bert
 from .checkpoint import Checkpoint, check_dtype
 from .gpt2 import GPT2
 from .llama import Llama
+from .sentence import Sentence, sentence_folder
 from .sharding import mesh_of, tensor_parallel
 from .tokenizer import Tokenizer
 
@@ -81,9 +82,11 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
     ``kv_cache="paged"`` (blocks of ``block_size=16`` positions from a pool of ``kv_cache_tokens``, by default
     eight sequences' ``max_length``, ``prefix_caching=True``; ``slots``, 32 by default, is then the most
     sequences a step runs) or ``"slots"`` (a ``max_length`` row per slot, 8 by default); for an embedding
-    also ``pooling="mean"`` or ``"cls"`` and ``normalize=False``); ``devices``: a generation's number of
-    devices, or a ``jax.sharding.Mesh``, to split its weights and KV cache over (tensor parallel,
-    :mod:`~jitserve.models.sharding`, with the slot cache; None or 1: one device). Raises
+    also ``pooling`` (``"mean"``, ``"cls"``, or another mode of :data:`~.bert.POOLINGS`) and ``normalize``, by
+    default what a sentence-transformers folder says (:mod:`~.sentence`, whose texts are then cut to
+    ``max_length``, by default its ``max_seq_length``), else the mean, unnormalised); ``devices``: a
+    generation's number of devices, or a ``jax.sharding.Mesh``, to split its weights and KV cache over (tensor
+    parallel, :mod:`~jitserve.models.sharding`, with the slot cache; None or 1: one device). Raises
     :class:`CheckpointError` naming the field or weight that does not fit."""
     mesh = mesh_of(devices)
     checkpoint = Checkpoint(path)
@@ -96,8 +99,10 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
         raise OptionError(f"devices={devices!r}: tensor parallel splits a generation (a causal LM); {architecture} "
                           f"as {task!r} runs on one device (leave devices out; partitions=N serves copies on N)")
     context = checkpoint.count(context_field)
+    sentence = sentence_folder(checkpoint, context) if task == "embedding" else None
     if max_length is None:
-        max_length = min(context, DEFAULT_MAX_LENGTH) if task == "generation" else context
+        max_length = min(context, DEFAULT_MAX_LENGTH) if task == "generation" else \
+            context if sentence is None else sentence.length
     elif isinstance(max_length, bool) or not isinstance(max_length, int) or not 1 <= max_length <= context:
         raise CheckpointError(f"checkpoint {checkpoint.folder!r}: max_length={max_length!r} must be a positive "
                               f"integer at most the model's context, config.json's {context_field!r} ({context})")
@@ -114,7 +119,9 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
         if mesh is not None:
             options["mesh"] = tensor_parallel(model, mesh, params, checkpoint.folder)
         return _generation(checkpoint, model, params, tokenizer, max_length, options)
-    return _encoder(model, params, tokenizer, task, max_length, options)
+    if sentence is not None:
+        sentence.apply(checkpoint.folder, tokenizer, max_length, model.width)
+    return _encoder(model, params, tokenizer, task, max_length, options, sentence)
 
 
 def _served(checkpoint: Checkpoint) -> tuple[Callable[..., Any], str, tuple[str, ...]]:
@@ -208,9 +215,13 @@ def _eos(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int] | None:
 
 
 def _encoder(model: Bert, params: Any, tokenizer: Tokenizer, task: str, max_length: int,
-             options: dict[str, Any]) -> Serving:
-    pooling = options.pop("pooling", "mean") if task == "embedding" else "mean"
-    normalize = bool(options.pop("normalize", False)) if task == "embedding" else False
+             options: dict[str, Any], sentence: Sentence | None) -> Serving:
+    """A text serving of ``model``: labels and probabilities, or one vector per text, pooled and normalised
+    as the options say, else as a sentence-transformers folder says (``sentence``, whose texts are cut to
+    ``max_length`` tokens; others' longer texts are refused), else the mean, unnormalised."""
+    pooling, normalize = ("mean", False) if sentence is None else (sentence.pooling, sentence.normalize)
+    pooling = options.pop("pooling", pooling) if task == "embedding" else pooling
+    normalize = bool(options.pop("normalize", normalize)) if task == "embedding" else normalize
     if pooling not in POOLINGS:
         raise OptionError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     buckets = powers_of_two_up_to(max_length, SHORTEST_BUCKET)
