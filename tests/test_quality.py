@@ -41,10 +41,11 @@ FOLDER_CAPS = {
     "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
     "compilers/evaluator": 1_000,
     "compilers/iree": 800,
-    "models": 990,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
+    "models": 1_000,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
     # tokenizer and task, for the OpenAI door); 850: models/sharding.py, tensor parallel per family (issue 44);
     # 990: no silent wrong answer from a folder (issues 59, 56): model_type, a tied head, quantization, counts
-    # checked before they size anything, the tokenizer within the embedding; sentence-transformers folders
+    # checked before they size anything, the tokenizer within the embedding; sentence-transformers folders;
+    # 1,000: generation_config.json's sampling defaults
     # 2,650: issue 47's hardening (loads on threads of their own, size checks, names quoted short); 2,700:
     # Triton's generate extension (protocol/generate.py); 2,750: loads bounded, 503 with Retry-After; 3,200:
     # OpenAI's API on the HTTP port (protocol/openai.py, its request checks in protocol/openai_request.py);

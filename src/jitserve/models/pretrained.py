@@ -18,7 +18,7 @@ import numpy as np
 from ..batch import Batch
 from ..defn import resolve_options
 from ..errors import CheckpointError, ModelError, OptionError
-from ..serving.generation import Generation, PagedCache
+from ..serving.generation import Generation, PagedCache, Sampling
 from ..serving.options import powers_of_two_up_to
 from ..serving.serving import Serving
 from ..template import template
@@ -36,6 +36,7 @@ GENERATION_OPTIONS = {"slots", "kv_cache", "prefill_lengths", "steps_per_launch"
 KV_CACHES = ("paged", "slots")  # a generation's KV cache: blocks of a pool (the default), or a row per slot
 DEFAULT_MAX_LENGTH = 2048  # a generation's default room per sequence, where the context is longer
 SHORTEST_BUCKET = 16  # the shortest compiled prompt or text length
+SAMPLED_DEFAULTS = ("temperature", "top_k", "top_p", "min_p")  # generation_config.json's, where do_sample is true
 
 # architecture -> (the config.json 'model_type' it is built for; its family, built from (checkpoint, task,
 # max_length); the config field of its context length; its tasks, the default first)
@@ -178,6 +179,7 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
     if kv_cache not in KV_CACHES:
         raise OptionError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     common = {"params": params, "max_length": max_length, "eos": _eos(checkpoint, tokenizer), "logits": True,
+              "default_sampling": default_sampling(checkpoint),
               "preprocess": TextHook(prompt_ids, tokenizer, "generation", model.vocabulary),
               "detokenizer": tokenizer.stream}
     if kv_cache == "slots":
@@ -197,6 +199,27 @@ def _generation(checkpoint: Checkpoint, model: Any, params: Any, tokenizer: Toke
     options.setdefault("slots", 32)
     return Generation(forward=functools.partial(layers.paged_forward, model, cache.block_size), cache=cache,
                       **common, **options)
+
+
+def default_sampling(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The sampling a request gets where it gives none of its own, from ``generation_config.json`` as
+    ``transformers``' ``generate()`` reads it: its ``repetition_penalty``; and where ``do_sample`` is true,
+    its ``temperature`` (1 where unsaid) and the cuts it states (``top_k``, ``top_p``, ``min_p``). Without
+    ``do_sample`` the sampling fields are not defaults, as ``generate()`` ignores them when greedy; a cut
+    the file does not state is none (as vLLM: not ``generate()``'s implicit ``top_k`` of 50)."""
+    config = checkpoint.json("generation_config.json") or {}
+    sampled = config.get("do_sample") is True
+    chosen = {name: config[name] for name in ("repetition_penalty", *(SAMPLED_DEFAULTS if sampled else ()))
+              if config.get(name) is not None}
+    if sampled:
+        chosen.setdefault("temperature", 1.0)
+    for name, value in chosen.items():
+        try:
+            Sampling(**{name: value})
+        except OptionError as error:
+            raise CheckpointError(f"checkpoint {checkpoint.folder!r}: generation_config.json's {name!r}: "
+                                  f"{error}") from None
+    return chosen
 
 
 def _eos(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int] | None:

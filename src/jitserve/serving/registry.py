@@ -160,6 +160,15 @@ async def batched_stream_async(name: str | tuple[str, str], value: Any, timeout:
         yield outputs
 
 
+def _prompt(front: Front, prompt: Any, max_steps: int, stop: Any, timeout: float | None,
+            sampling: dict[str, Any]) -> Prompt:
+    """What ``js.generate`` asks ``front``: its ``sampling`` over the generation's defaults
+    (:meth:`Generation.sampling`), where the front serves one."""
+    generation = getattr(front, "generation", None)
+    chosen = generation.sampling(**sampling) if isinstance(generation, Generation) else Sampling(**sampling)
+    return Prompt(prompt, max_steps, chosen, stop, timeout)
+
+
 def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
              stop: Any = None, **sampling: Any) -> Any:
     """Generate from ``prompt`` (1-D integer token ids, or what the generation's ``preprocess`` takes) on
@@ -172,7 +181,7 @@ def generate(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: 
     without). A generation with a ``detokenizer`` (a checkpoint's, from :func:`jitserve.from_pretrained`)
     answers one string. With ``logprobs=N``: ``(answer, logprobs)``, the second a list of
     :class:`TokenLogprobs`, one per output."""
-    return lookup(name).call(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
+    return (front := lookup(name)).call(_prompt(front, prompt, max_steps, stop, timeout, sampling))
 
 
 def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
@@ -181,20 +190,20 @@ def generate_stream(name: str | tuple[str, str], prompt: Any, max_steps: int, ti
     request and frees its slot at the next step. With ``logprobs=N``, each item comes paired with the
     :class:`TokenLogprobs` of the outputs that gave it: ``(item, [TokenLogprobs, ...])`` (a piece of text
     may come of several outputs, or of none)."""
-    yield from lookup(name).stream(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
+    yield from (front := lookup(name)).stream(_prompt(front, prompt, max_steps, stop, timeout, sampling))
 
 
 async def generate_async(name: str | tuple[str, str], prompt: Any, max_steps: int, timeout: float | None = None,
                          stop: Any = None, **sampling: Any) -> Any:
     """:func:`generate` for asyncio callers."""
-    return await lookup(name).call_async(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
+    return await (front := lookup(name)).call_async(_prompt(front, prompt, max_steps, stop, timeout, sampling))
 
 
 async def generate_stream_async(name: str | tuple[str, str], prompt: Any, max_steps: int,
                                 timeout: float | None = None, stop: Any = None, **sampling: Any
                                 ) -> AsyncIterator[Any]:
     """:func:`generate_stream` for asyncio callers (``async for``)."""
-    items = lookup(name).stream_async(Prompt(prompt, max_steps, Sampling(**sampling), stop, timeout))
+    items = (front := lookup(name)).stream_async(_prompt(front, prompt, max_steps, stop, timeout, sampling))
     try:
         async for item in items:
             yield item

@@ -190,7 +190,9 @@ class Generation:
     alone cannot give); such a generation answers text, and :func:`jitserve.generate` one string. All run in
     the caller. ``mesh``: a :class:`~jitserve.mesh.MeshPlacement`, to run every program over the devices of
     its mesh (tensor parallel, compiler ``xla``), the weights and the slots' state split as it says
-    (``from_pretrained(..., devices=N)`` makes one); None: one device."""
+    (``from_pretrained(..., devices=N)`` makes one); None: one device. ``default_sampling``: the
+    :class:`Sampling` fields a request of a ``logits=True`` generation gets where it gives none of its own
+    (a checkpoint's ``generation_config.json``; see :meth:`sampling`)."""
 
     generates = True  # its server generates (a Serving's batches rows)
 
@@ -201,7 +203,7 @@ class Generation:
                  steps_per_launch: int = 1, preprocess: Callable[[Any], Any] | None = None,
                  postprocess: Callable[[Any], Any] | None = None,
                  detokenizer: Callable[[np.ndarray], Any] | None = None, mesh: MeshPlacement | None = None,
-                 **compiler_options: Any) -> None:
+                 default_sampling: Mapping[str, Any] | None = None, **compiler_options: Any) -> None:
         if cache is None and (not callable(prefill) or not callable(decode) or forward is not None):
             raise OptionError("a Generation needs two functions: prefill(params, tokens, length) and "
                               "decode(params, state, last_outputs) (or forward= and cache=, for a paged cache)")
@@ -241,6 +243,10 @@ class Generation:
                                                    min(self.slots, PAGED_PREFILL_BATCHES))
         self.eos = eos
         self.logits = bool(logits)
+        self.default_sampling = dict(default_sampling or {})
+        if self.default_sampling and not self.logits:
+            raise OptionError("default_sampling picks tokens from logits: give it to a logits=True generation")
+        Sampling(**self.default_sampling)  # a field Sampling does not take, or a value it refuses, raises here
         self.steps_per_launch = count_option("steps_per_launch", steps_per_launch)
         self.max_queue = optional_count("max_queue", max_queue)
         chosen, self.compiler_options = resolve_options({**({"compiler": compiler} if compiler else {}),
@@ -281,6 +287,11 @@ class Generation:
     def has_params(self) -> bool:
         """False only for a copy made to travel without its weights (``with_params(None)``)."""
         return self.params is not None
+
+    def sampling(self, **asked: Any) -> Sampling:
+        """A request's :class:`Sampling`: the fields it ``asked`` (what each door read from it), over this
+        generation's ``default_sampling`` (a field the request gives wins)."""
+        return Sampling(**{**self.default_sampling, **asked})
 
     def with_params(self, params: Any) -> Generation:
         """This generation with other weights of the same shapes (None: without them, to travel light)."""
