@@ -5,24 +5,13 @@ from __future__ import annotations
 
 import time
 
-import jax.numpy as jnp
 import numpy as np
+from test_generation import expected, generation
 
-import jitserve as js
 import waiting
 from jitserve.serving.registry import unstarted_server
 
 LONGER_THAN_THE_BOUND = 0.5  # seconds of warm-up, against a hang bound of 0.1 s while it runs
-
-
-def prefill(params, tokens, length):
-    total = jnp.sum(jnp.where(jnp.arange(tokens.shape[0]) < length, tokens, 0))
-    return {"total": total}, (total % 97).astype(jnp.int32)
-
-
-def decode(params, state, last):
-    total = state["total"] + last
-    return {"total": total}, (total % 97).astype(jnp.int32)
 
 
 def test_requests_planned_together_wait_out_a_warm_up_longer_than_the_hang_bound(monkeypatch):
@@ -31,8 +20,8 @@ def test_requests_planned_together_wait_out_a_warm_up_longer_than_the_hang_bound
     (tests/models/test_paged.py's two tests that plan together). Here the warm-up outlasts a bound of 0.1 s,
     which it then restores, and every request is answered."""
 
-    def slow_to_start(generation, name):
-        server = unstarted_server(generation, name)
+    def slow_to_start(served, name):
+        server = unstarted_server(served, name)
         start = server.start
 
         def started():  # slow as a busy machine's compile, once every request is queued
@@ -45,8 +34,7 @@ def test_requests_planned_together_wait_out_a_warm_up_longer_than_the_hang_bound
 
     monkeypatch.setattr(waiting, "unstarted_server", slow_to_start)
     monkeypatch.setattr(waiting, "HANG_S", 0.1)
-    generation = js.Generation(prefill, decode, params={}, slots=2, max_length=16, prefill_lengths=[4],
-                               compiler="eager")
-    answers, stats = waiting.generated_at_once(generation, [(np.array([1, 2]), {}), (np.array([3]), {})], 3)
-    assert [answer.tolist() for answer in answers] == [[3, 6, 12], [3, 6, 12]]
+    prompts = [np.array([1, 2]), np.array([3, 4, 5])]
+    answers, stats = waiting.generated_at_once(generation(slots=2, compiler="eager"), [(p, {}) for p in prompts], 3)
+    assert [answer.tolist() for answer in answers] == [expected(p, 3) for p in prompts]
     assert stats.max_slots_busy == 2
