@@ -41,11 +41,12 @@ FOLDER_CAPS = {
     "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
     "compilers/evaluator": 1_000,
     "compilers/iree": 800,
-    "models": 1_000,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
+    "models": 1_125,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
     # tokenizer and task, for the OpenAI door); 850: models/sharding.py, tensor parallel per family (issue 44);
     # 990: no silent wrong answer from a folder (issues 59, 56): model_type, a tied head, quantization, counts
     # checked before they size anything, the tokenizer within the embedding; sentence-transformers folders;
-    # 1,000: generation_config.json's sampling defaults
+    # 1,000: generation_config.json's sampling defaults; 1,125: chat templates rendered within bounds of size and
+    # CPU time (issue 56: the sandbox's checked repetitions, joins, formats and calls, the deadline's trace)
     # 2,650: issue 47's hardening (loads on threads of their own, size checks, names quoted short); 2,700:
     # Triton's generate extension (protocol/generate.py); 2,750: loads bounded, 503 with Retry-After; 3,200:
     # OpenAI's API on the HTTP port (protocol/openai.py, its request checks in protocol/openai_request.py);
@@ -61,8 +62,10 @@ FOLDER_CAPS = {
     # 4,040: GET /health; 4,075: every /infer watched for its client's departure (the connection's callbacks);
     # 4,090: logit_bias over OpenAI's API and Triton's LLM convention; 4,125: vLLM's /tokenize and /detokenize;
     # 4,150: their model left out where one is served, logit_bias as a gRPC parameter's text, a gone /infer counted;
-    # 4,175: a bound on one model's loads and unloads beside the bound on all (--max-loads-per-model, issue 56)
-    "protocol": 4_175,
+    # 4,175: a bound on one model's loads and unloads beside the bound on all (--max-loads-per-model, issue 56);
+    # 4,225: a client's text tokenized and rendered off the event loop on every door, refused past the context's
+    # bound before it is (issue 56: the /v1 door's per-prompt work, the streams opened by an await)
+    "protocol": 4_225,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode

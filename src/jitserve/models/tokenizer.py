@@ -8,8 +8,11 @@ does."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +21,9 @@ import numpy as np
 from ..errors import CheckpointError, ModelError
 from .checkpoint import Checkpoint
 
+TEMPLATE_CHARS = 1 << 20  # the most text a chat template may render, by default (render_chat's max_chars)
+TEMPLATE_CPU_S = 1.0  # a chat template's rendering: at most this many seconds of its thread's CPU time
+TEMPLATE_LINES_PER_CHECK = 256  # template lines run between two readings of the CPU clock
 CONTEXT_TOKENS = 6  # the prompt's last tokens a stream decodes with its first ones, for their leading space
 
 
@@ -112,28 +118,179 @@ class Tokenizer:
         """A new incremental decoder for the tokens generated after ``prompt``."""
         return TextStream(self, [int(i) for i in prompt[-CONTEXT_TOKENS:]])
 
-    def render_chat(self, messages: Any, add_generation_prompt: bool = True, **variables: Any) -> str:
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True, max_chars: int = TEMPLATE_CHARS,
+                    **variables: Any) -> str:
         """Chat ``messages`` (``[{"role": ..., "content": ...}, ...]``) as the prompt text the checkpoint's
-        chat template makes of them, rendered as ``transformers`` renders it (a sandboxed ``jinja2``)."""
+        chat template makes of them, rendered as ``transformers`` renders it (a sandboxed ``jinja2``), within
+        bounds: at most ``max_chars`` characters of text (a repetition's size is checked before it is made)
+        and ``TEMPLATE_CPU_S`` seconds of this thread's CPU time. Every failure, those bounds included, is a
+        :class:`~jitserve.errors.ModelError` (a 400) naming the chat template."""
         if self.chat_template is None:
             raise ModelError("this model's tokenizer has no chat template (chat_template.jinja or "
                              "tokenizer_config.json's chat_template); send a plain prompt instead")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise ModelError(f"the chat template refused the messages: {message}")
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=["jinja2.ext.loopcontrols"])
+        environment = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=["jinja2.ext.loopcontrols"])
+        environment.max_chars = max_chars
         environment.globals["raise_exception"] = raise_exception
-        environment.filters["tojson"] = _tojson
+        environment.filters = {name: _bounded_filter(name, function, max_chars)
+                               for name, function in {**environment.filters, "tojson": _tojson}.items()}
         try:
-            return environment.from_string(self.chat_template).render(
+            template = environment.from_string(self.chat_template)
+            return _within(max_chars, template.generate(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_text or "",
-                eos_token=self.eos_text or "", **variables)
-        except jinja2.TemplateError as error:
-            raise ModelError(f"the chat template failed on these messages: {error}") from None
+                eos_token=self.eos_text or "", **variables))
+        except ModelError:
+            raise
+        except (jinja2.TemplateError, ArithmeticError, RecursionError, MemoryError, TypeError, ValueError,
+                LookupError, AttributeError) as error:
+            raise ModelError(f"the chat template failed on these messages: {type(error).__name__}: "
+                             f"{str(error)[:200]}") from None
+
+
+@functools.cache
+def _bounded_sandbox() -> type:
+    """jinja2's immutable sandbox (``transformers``' own) in which what could make a value larger than the
+    environment's ``max_chars`` is checked before it runs: repetitions, sums, formats and concatenations
+    (``'x' * n``, ``n ** m``, ``s + s``, ``'%*s' % (n, s)``, ``s ~ s``), and calls and filters given a
+    count past it or a ``replace`` that would grow past it (jinja2 is imported on first use)."""
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedCode(CodeGenerator):
+        def visit_Concat(self, node: Any, frame: Any) -> None:  # noqa: N802 - ``a ~ b`` through a checked join
+            self.write("environment.joined((")
+            for value in node.nodes:
+                self.visit(value, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        code_generator_class = BoundedCode
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+        max_chars = TEMPLATE_CHARS
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_operation(operator, left, right, self.max_chars)
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            _check_call(__obj, getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None), args, kwargs,
+                        __self.max_chars)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj: Any, attribute: str) -> Any:  # a format method is checked as it is taken
+            if isinstance(obj, str) and attribute in ("format", "format_map"):
+                _check_widths(obj, self.max_chars)
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            return self.getattr(obj, argument) if isinstance(obj, str) and isinstance(argument, str) else \
+                super().getitem(obj, argument)
+
+        def joined(self, values: Sequence[Any]) -> str:
+            texts = [str(value) for value in values]
+            if sum(map(len, texts)) > self.max_chars:
+                raise ModelError(f"the chat template joins text past its bound of {self.max_chars:,} characters")
+            return "".join(texts)
+
+    return BoundedSandbox
+
+
+def _bounded_filter(name: str, filter_: Any, max_chars: int) -> Any:
+    """``filter_`` whose counts and ``replace`` are checked (see :func:`_check_call`) before it runs."""
+    taken = 1 + hasattr(filter_, "jinja_pass_arg")  # its context, environment or evaluation context comes first
+
+    @functools.wraps(filter_)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_call(filter_, name, args[taken - 1] if len(args) >= taken else None, args[taken:], kwargs,
+                    max_chars)
+        return filter_(*args, **kwargs)
+    return bounded
+
+
+def _too_large(what: str, max_chars: int) -> ModelError:
+    return ModelError(f"the chat template {what}, past its bound of {max_chars:,} characters")
+
+
+def _check_call(function: Any, name: str, subject: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                max_chars: int) -> None:
+    """Refuse a call given a count past ``max_chars`` (``'x'.ljust(n)``, ``indent(n)``), a ``replace`` of
+    ``subject`` whose result would pass it, or a format of ``subject`` whose widths would."""
+    counts = [value for value in (*args, *kwargs.values()) if isinstance(value, int) and abs(value) > max_chars]
+    if counts:
+        raise _too_large(f"calls {name or function!r} with {counts[0]:.3g}", max_chars)
+    if isinstance(subject, str):
+        if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+            grown = len(subject) + subject.count(args[0]) * (len(args[1]) - len(args[0])) if args[0] else \
+                len(subject) * (len(args[1]) + 1)
+            if grown > max_chars:
+                raise _too_large(f"replaces text into {grown:.3g} characters", max_chars)
+        elif name == "format":  # the format filter (the format methods are checked as they are taken)
+            _check_widths(subject, max_chars)
+
+
+def _check_widths(text: str, max_chars: int) -> None:
+    """Refuse a format string (``%`` or ``str.format``'s) that asks for a width past ``max_chars``."""
+    for width in re.findall(r"%[-+ #0]*(\d+)|\{[^{}]*:[^{}]*?(\d+)[^{}]*\}", text):
+        if int(width[0] or width[1]) > max_chars:
+            raise _too_large(f"formats text {int(width[0] or width[1]):.3g} wide", max_chars)
+
+
+def _check_operation(operator: str, left: Any, right: Any, max_chars: int) -> None:
+    """Refuse ``left <operator> right`` whose result would be larger than ``max_chars`` (characters or items
+    of a sequence, bits of a power)."""
+    if operator == "*":
+        for sequence, count in ((left, right), (right, left)):
+            if isinstance(sequence, str | list | tuple) and isinstance(count, int) and \
+                    len(sequence) * count > max_chars:
+                raise _too_large(f"repeats a sequence of {len(sequence)} {count:.3g} times", max_chars)
+    elif operator == "+":
+        if isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple) and \
+                len(left) + len(right) > max_chars:
+            raise _too_large(f"adds sequences of {len(left) + len(right)}", max_chars)
+    elif operator == "%":
+        if isinstance(left, str):
+            _check_widths(left, max_chars)
+            _check_call(str.__mod__, "%", left, right if isinstance(right, tuple) else (right,), {}, max_chars)
+    elif isinstance(left, int) and isinstance(right, int) and right > 0 and \
+            max(abs(left), 2).bit_length() * right > 8 * max_chars:
+        raise _too_large(f"raises a number to the power {right:.3g}", max_chars)
+
+
+def _within(max_chars: int, pieces: Any) -> str:
+    """The text of a template's ``pieces`` (its generator), rendered under a CPU-time deadline (a trace of the
+    template's own lines), refused once it grows past ``max_chars``."""
+    deadline = time.thread_time() + TEMPLATE_CPU_S
+    lines = 0
+
+    def line(frame: Any, event: str, argument: Any) -> Any:
+        nonlocal lines
+        lines += 1
+        if lines % TEMPLATE_LINES_PER_CHECK == 0 and time.thread_time() > deadline:
+            raise ModelError(f"the chat template ran past its bound of {TEMPLATE_CPU_S:g} s of CPU time")
+        return line
+
+    def call(frame: Any, event: str, argument: Any) -> Any:
+        return line if frame.f_code.co_filename == "<template>" else None
+
+    text: list[str] = []
+    size = 0
+    before = sys.gettrace()
+    sys.settrace(call)
+    try:
+        for piece in pieces:
+            size += len(piece)
+            if size > max_chars:
+                raise ModelError(f"the chat template rendered more than its bound of {max_chars:,} characters")
+            text.append(piece)
+    finally:
+        sys.settrace(before)
+    return "".join(text)
 
 
 class TextStream:
