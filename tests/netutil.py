@@ -41,6 +41,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def http_front(config):
+    """A uvicorn server of ``config`` (``jitserve.protocol.app.http_config``'s) on a thread of this process,
+    once it has started; stopped at the end."""
+    import uvicorn
+
+    front = uvicorn.Server(config)
+    thread = threading.Thread(target=front.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not front.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the HTTP front did not start"
+        time.sleep(0.05)
+    try:
+        yield front
+    finally:
+        front.should_exit = True
+        thread.join(30)
+
+
 def front_processes(server_pid: int) -> list[int]:
     """The pids of a ``jitserve serve --http-workers N`` (or ``front``) process's HTTP front processes: its
     children running the front module."""

@@ -172,7 +172,7 @@ class OneOutput:
 
     tracing = shared_memory = None
 
-    def infer_stream(self, *_: object) -> tuple[str, object]:
+    async def infer_stream(self, *_: object) -> tuple[str, object]:
         async def outputs():
             yield [("output", np.ones(REPLY_BYTES, np.uint8))]  # its pages written: resident
 

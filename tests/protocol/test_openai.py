@@ -16,8 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,14 +24,13 @@ import numpy as np
 import openai
 import pytest
 import torch
-import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import jitserve as js
 from jitserve.protocol import app
 from jitserve.protocol.access import Access
 from jitserve.protocol.service import InferenceService
-from netutil import ROOT, free_port, start_server, stop
+from netutil import ROOT, free_port, http_front, start_server, stop
 from waiting import until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the checkpoints the model tests make
@@ -102,16 +99,8 @@ def served(folders):
               "mlp": js.Serving(lambda x: x * 2, input_template=js.template((4,), "float32"))}
     servers = {name: js.serve(model, name=name) for name, model in models.items()}
     port = free_port()
-    front = uvicorn.Server(app.http_config(InferenceService(servers), "127.0.0.1", port, access=Access(KEY, (ORIGIN,))))
-    thread = threading.Thread(target=front.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not front.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the HTTP front did not start"
-        time.sleep(0.05)
-    yield Served(port, servers)
-    front.should_exit = True
-    thread.join(30)
+    with http_front(app.http_config(InferenceService(servers), "127.0.0.1", port, access=Access(KEY, (ORIGIN,)))):
+        yield Served(port, servers)
     for server in servers.values():
         server.stop()
 

@@ -273,8 +273,8 @@ class StreamCall:
             names, slots = requested_outputs(request, service.shared_memory)
             if span is not None:
                 span.phase("receive")
-            served, stream = service.infer_stream(model, tensors, names, priority(request.parameters),
-                                                  request.model_version, parameter_values(request.parameters))
+            served, stream = await service.infer_stream(model, tensors, names, priority(request.parameters),
+                                                        request.model_version, parameter_values(request.parameters))
             marked = flag(request, "triton_enable_empty_final_response")  # so the last one tells it is
             async for outputs in stream:
                 if span is not None:

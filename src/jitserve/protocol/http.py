@@ -382,7 +382,7 @@ class HttpFront:
                 len(body), lambda: parse_request(body, header_length, self.service.shared_memory))
             if span is not None:
                 span.phase("receive")
-            served, stream = self.service.infer_stream(model, tensors, _classes(requested),
+            served, stream = await self.service.infer_stream(model, tensors, _classes(requested),
                                                        priority(request), version, request.get("parameters"))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             failed = self._failed(model, error, version)
@@ -415,7 +415,7 @@ class HttpFront:
         try:
             body, _ = await self._read_body(headers, receive)
             request_id, tensors, parameters = generate_request(body, self.service.model(model, version), True)
-            served, stream = self.service.infer_stream(model, tensors, None, None, version, parameters)
+            served, stream = await self.service.infer_stream(model, tensors, None, None, version, parameters)
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error, version)
         return _Events(self._events(model, served, request_id, stream, None, generated))

@@ -24,6 +24,15 @@ import orjson
 from ..errors import ProtocolError
 from .codec import shown
 
+PROMPT_CHARS_PER_TOKEN = 32  # a prompt's text longer than this per token of the context is refused untokenized
+
+
+def prompt_chars(max_length: int) -> int:
+    """The longest text (characters) a prompt for a generation of ``max_length`` tokens may be, on every door:
+    a longer one could not fit the context whatever the tokenizer (a token is rarely longer than
+    ``PROMPT_CHARS_PER_TOKEN``), and is refused before it is tokenized."""
+    return max_length * PROMPT_CHARS_PER_TOKEN
+
 
 def _whole(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):

@@ -32,7 +32,7 @@ from ..serving.generation import GenerationFront, Prompt, Sampling, stacked, sto
 from ..serving.server import Server
 from ..template import Template, is_template
 from .codec import BYTES, datatype_of, dtype_of, shown
-from .llm import OPTIONAL_INPUTS, PROMPT, SAMPLING, read_fields
+from .llm import OPTIONAL_INPUTS, PROMPT, PROMPT_CHARS_PER_TOKEN, SAMPLING, prompt_chars, read_fields
 
 
 def _tensor_names(tree: Any, prefix: str) -> list[str]:
@@ -155,9 +155,9 @@ class ModelSpec:
         """The named outputs of what ``ask`` asks."""
         return self.named_outputs(await self.server.call_async(ask))
 
-    def stream(self, ask: Rows) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
-        """The named outputs of ``ask`` as they are ready (queued now: its errors raise here)."""
-        return self._named(self.server.stream_async(ask))
+    async def stream(self, ask: Rows) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        """The named outputs of ``ask`` as they are ready (queued once awaited: its errors raise here)."""
+        return self._named(await self.server.open_stream(ask))
 
     async def _named(self, items: AsyncGenerator[Any, None]) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         async for outputs in items:
@@ -385,6 +385,11 @@ class GenerationSpec:
         generation = self.server.generation
         if generation.preprocess is not None:  # it checks the prompt, and the server its token ids
             prompt = prompt.reshape(-1)[0] if prompt.dtype.kind == "O" and prompt.size == 1 else prompt
+            longest = prompt_chars(generation.max_length)
+            if self.text and isinstance(prompt, bytes | str) and len(prompt) > longest:
+                raise ProtocolError(f"input '{self.input_name}' is {len(prompt):,} bytes long; model '{self.name}' "
+                                    f"takes at most {longest:,} ({PROMPT_CHARS_PER_TOKEN} per token of its "
+                                    f"max_length): shorten it")
         elif prompt.dtype.kind not in "iu":
             raise ProtocolError(f"input 'prompt' has datatype {datatype_of(prompt.dtype)}, but model "
                                 f"'{self.name}' expects INT32 or INT64 token ids")
@@ -416,10 +421,11 @@ class GenerationSpec:
         answer = await self.server.call_async(asked.prompt)
         return [(self.output_name, stacked([asked.echo + answer]) if self.text else answer)]
 
-    def stream(self, asked: Asked) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
-        """The request queued now (its errors raise here, before a response starts); its outputs as they come,
-        one ``[("output", array)]`` per step, or the whole text at once where ``asked.whole``."""
-        return self._outputs(self.server.stream_async(asked.prompt), asked.echo, asked.whole)
+    async def stream(self, asked: Asked) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
+        """The request queued once awaited (its text tokenized off the event loop; its errors raise here,
+        before a response starts); its outputs as they come, one ``[("output", array)]`` per step, or the
+        whole text at once where ``asked.whole``."""
+        return self._outputs(await self.server.open_stream(asked.prompt), asked.echo, asked.whole)
 
     async def _outputs(self, items: AsyncGenerator[Any, None], echo: str, whole: bool
                        ) -> AsyncIterator[list[tuple[str, np.ndarray]]]:

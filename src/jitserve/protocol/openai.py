@@ -52,9 +52,11 @@ from ..errors import OptionError, ParameterError, UnknownServerError
 from ..models.pretrained import TextHook, text_hook
 from ..models.tokenizer import Tokenizer
 from ..serving.generation import Delivery, GenerationFront, TokenLogprobs
+from ..serving.request import off_loop
 from . import openai_request as fields
 from .access import REQUEST_ROWS
 from .http_request import json_object
+from .llm import prompt_chars
 from .model import GenerationSpec, ModelSpec
 from .service import InferenceService, Spec, status_of
 
@@ -320,29 +322,29 @@ class OpenAIDoor:
         events."""
         model = ""
         try:
-            request = json_object(body, "the request")
+            request = await off_loop(len(body), lambda: json_object(body, "the request"))
             model = request["model"] if isinstance(request.get("model"), str) else ""
             fields.check_fields(request, endpoint)
             model = self._only_generation() if endpoint in fields.ROOT_ENDPOINTS and request.get("model") is None \
                 else fields.model_name(request)
-            return await self.endpoints[endpoint](model, request)
+            return await self.endpoints[endpoint](model, request, len(body))
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
             return self.refused(model, error)
 
-    async def completions(self, model: str, request: dict[str, Any]) -> Response | AsyncIterator[bytes]:
+    async def completions(self, model: str, request: dict[str, Any], size: int) -> Response | AsyncIterator[bytes]:
         spec, hook = self._spec(model, "generation")
-        given = fields.prompts(request.get("prompt"))
-        prompts = [(hook.tokenizer.encode(one) if isinstance(one, str) else
-                    fields.token_ids(one, hook.tokenizer.vocabulary),
-                    one if isinstance(one, str) else hook.tokenizer.decode(one)) for one in given]
+        longest = prompt_chars(spec.server.generation.max_length)
+        prompts = await off_loop(size, lambda: [_prompt(hook, one, longest)
+                                                for one in fields.prompts(request.get("prompt"))])
         return await self._generate(spec, request, prompts, "max_tokens", COMPLETION_TOKENS,
                                     _Completion(hook.tokenizer, fields.flag(request, "echo")),
                                     fields.logprobs(request, "completions"))
 
-    async def chat(self, model: str, request: dict[str, Any]) -> Response | AsyncIterator[bytes]:
+    async def chat(self, model: str, request: dict[str, Any], size: int) -> Response | AsyncIterator[bytes]:
         spec, hook = self._spec(model, "generation")
         tokenizer = hook.tokenizer
-        ids = tokenizer.encode(_chat_text(model, tokenizer, request, True), special=False)
+        text = await off_loop(size, lambda: _chat_text(model, tokenizer, request, True, spec))
+        ids = await off_loop(len(text), lambda: tokenizer.encode(text, special=False))
         given = [name for name in ("max_completion_tokens", "max_tokens") if request.get(name) is not None]
         if len(given) == 2 and request["max_tokens"] != request["max_completion_tokens"]:
             raise ParameterError("'max_tokens' and 'max_completion_tokens' differ; send one of them",
@@ -350,7 +352,7 @@ class OpenAIDoor:
         return await self._generate(spec, request, [(ids, "")], given[0] if given else "max_tokens", None,
                                     _Chat(tokenizer), fields.logprobs(request, "chat/completions"))
 
-    async def tokenize(self, model: str, request: dict[str, Any]) -> Response:
+    async def tokenize(self, model: str, request: dict[str, Any], size: int) -> Response:
         """vLLM's ``POST /tokenize``: the token ids of a ``prompt`` (special tokens added as the tokenizer adds
         them, unless ``add_special_tokens`` is false) or of chat ``messages`` as ``/v1/chat/completions``
         encodes them (``add_generation_prompt`` true, ``add_special_tokens`` false, unless told otherwise);
@@ -360,21 +362,24 @@ class OpenAIDoor:
         if (request.get("prompt") is None) == (request.get("messages") is None):
             raise ParameterError("send a 'prompt' (a text) or chat 'messages', one of them", "prompt")
         if request.get("messages") is not None:
-            text = _chat_text(model, tokenizer, request, fields.flag(request, "add_generation_prompt", True))
+            generation_prompt = fields.flag(request, "add_generation_prompt", True)
+            text = await off_loop(size, lambda: _chat_text(model, tokenizer, request, generation_prompt, spec))
             special = fields.flag(request, "add_special_tokens")
         else:
-            text = fields.text(request, "prompt")
+            text = fields.within(fields.text(request, "prompt"), prompt_chars(spec.server.generation.max_length),
+                                 "prompt")
             special = fields.flag(request, "add_special_tokens", True)
-        ids = tokenizer.encode(text, special).tolist()
-        strings = tokenizer.token_strings(ids) if fields.flag(request, "return_token_strs") else None
+        strings = fields.flag(request, "return_token_strs")
+        ids, shown = await off_loop(len(text), lambda: _tokens(tokenizer, text, special, strings))
         return 200, JSON_HEADERS, orjson.dumps({"count": len(ids), "max_model_len": spec.server.generation.max_length,
-                                                "tokens": ids, "token_strs": strings})
+                                                "tokens": ids, "token_strs": shown})
 
-    async def detokenize(self, model: str, request: dict[str, Any]) -> Response:
+    async def detokenize(self, model: str, request: dict[str, Any], size: int) -> Response:
         """vLLM's ``POST /detokenize``: the text of ``tokens``, special tokens included (as vLLM decodes it)."""
         _, hook = self._spec(model, "generation")
-        ids = fields.token_ids(request.get("tokens"), hook.tokenizer.vocabulary, "tokens")
-        return 200, JSON_HEADERS, orjson.dumps({"prompt": hook.tokenizer.decode(ids.tolist(), skip_special=False)})
+        text = await off_loop(size, lambda: hook.tokenizer.decode(
+            fields.token_ids(request.get("tokens"), hook.tokenizer.vocabulary, "tokens").tolist(), skip_special=False))
+        return 200, JSON_HEADERS, orjson.dumps({"prompt": text})
 
     async def _generate(self, spec: GenerationSpec, request: dict[str, Any], prompts: list[tuple[np.ndarray, str]],
                         steps_field: str, default_steps: int | None, shape: _Completion, top: int | None
@@ -461,7 +466,7 @@ class OpenAIDoor:
             await choices.close()
         yield DONE
 
-    async def embeddings(self, model: str, request: dict[str, Any]) -> Response:
+    async def embeddings(self, model: str, request: dict[str, Any], size: int) -> Response:
         spec, hook = self._spec(model, "embedding")
         texts = fields.texts(request.get("input"))
         encoding = fields.encoding_format(request)
@@ -470,7 +475,7 @@ class OpenAIDoor:
             raise ParameterError(f"'dimensions' is {request['dimensions']!r:.40}, but model '{model}' gives vectors "
                                  f"of {width}; shortening them is not supported: leave it out", "dimensions",
                                  "unsupported_parameter")
-        tokens = sum(ids.size for ids, _ in hook.tokenizer.encode_many(texts))
+        tokens = await off_loop(size, lambda: sum(ids.size for ids, _ in hook.tokenizer.encode_many(texts)))
         text = np.empty(len(texts), object)
         text[:] = texts
         served, outputs = await self.service.infer(model, {"text": text}, None)
@@ -484,15 +489,31 @@ class OpenAIDoor:
                                                option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _chat_text(model: str, tokenizer: Tokenizer, request: dict[str, Any], generation_prompt: bool) -> str:
-    """A request's chat ``messages`` rendered by the checkpoint's chat template (a 400 where it has none)."""
+def _prompt(hook: TextHook, prompt: Any, longest: int) -> tuple[np.ndarray, str]:
+    """One prompt of a completion (a text of at most ``longest`` characters, or token ids): its ids, its text."""
+    if isinstance(prompt, str):
+        return hook.tokenizer.encode(fields.within(prompt, longest, "prompt")), prompt
+    return fields.token_ids(prompt, hook.tokenizer.vocabulary), hook.tokenizer.decode(prompt)
+
+
+def _tokens(tokenizer: Tokenizer, text: str, special: bool, strings: bool) -> tuple[list[int], list[str] | None]:
+    """``/tokenize``'s answer: the ids of ``text`` and, where asked, each one's string."""
+    ids = tokenizer.encode(text, special).tolist()
+    return ids, tokenizer.token_strings(ids) if strings else None
+
+
+def _chat_text(model: str, tokenizer: Tokenizer, request: dict[str, Any], generation_prompt: bool,
+               spec: GenerationSpec) -> str:
+    """A request's chat ``messages`` rendered by the checkpoint's chat template (a 400 where it has none), at
+    most as long as a prompt ``spec``'s generation could take."""
     messages = fields.messages(request.get("messages"))
     if tokenizer.chat_template is None:
         raise ParameterError(f"model '{model}' has no chat template (its checkpoint has no chat_template.jinja "
                              f"and no chat_template in tokenizer_config.json) to render the messages with; "
                              f"send a 'prompt' instead (to /v1/completions for a completion)", "messages",
                              "missing_chat_template")
-    return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)
+    return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt,
+                                 max_chars=prompt_chars(spec.server.generation.max_length))
 
 
 def _hook(spec: Spec) -> TextHook | None:

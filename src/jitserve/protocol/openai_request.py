@@ -14,7 +14,7 @@ import orjson
 
 from ..errors import OptionError, ParameterError, ProtocolError
 from ..serving.generation import Sampling
-from .llm import logit_bias
+from .llm import PROMPT_CHARS_PER_TOKEN, logit_bias
 from .service import shown
 
 MAX_CHOICES = 128  # choices of one request (n times its prompts): each is a generation request
@@ -208,6 +208,15 @@ def prompts(value: Any) -> list[Any]:
 
 def _token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def within(text: str, longest: int, field: str) -> str:
+    """``text`` (a prompt's ``field``), refused before it is tokenized when longer than ``longest`` characters."""
+    if len(text) > longest:
+        raise ParameterError(f"'{field}' is {len(text):,} characters long; the model's context takes at most "
+                             f"{longest:,} ({PROMPT_CHARS_PER_TOKEN} per token of its max_length): shorten it",
+                             field, "context_length_exceeded")
+    return text
 
 
 def token_ids(ids: Any, vocabulary: int, field: str = "prompt") -> np.ndarray:

@@ -345,13 +345,13 @@ class InferenceService:
             return spec.version, await asyncio.to_thread(select_outputs, named, requested, model, spec.labels)
         return spec.version, select_outputs(named, requested, model, spec.labels)
 
-    def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Mapping[str, int] | None,
+    async def infer_stream(self, model: str, tensors: Mapping[str, np.ndarray], requested: Mapping[str, int] | None,
                      priority: int | None = None, version: str | None = None,
                      parameters: Mapping[str, Any] | None = None
                      ) -> tuple[str, AsyncIterator[list[tuple[str, np.ndarray]]]]:
         """``infer`` whose outputs come as they are ready: one item per batch that ran some of the rows (in
         row order), per step of a streaming serving, or per output of a generation. The request is checked
-        and queued now (its errors raise here, before anything is sent); a consumer that stops early frees
+        and queued once awaited (its errors raise here, before anything is sent); a consumer that stops early frees
         its queued rows (a generation's slot). Returns the version that runs
         it with the outputs to come."""
         spec = self.model(model, version)
@@ -361,11 +361,11 @@ class InferenceService:
         parameters = parameters or {}
         ask: Any = spec.ask(tensors, parameters, priority, self.request_timeout, True)  # what its spec reads
         try:
-            items = spec.stream(ask)
+            items = await spec.stream(ask)
         except ServerStoppedError:
             spec = self._current(spec)  # reloaded or unloaded meanwhile
             ask = spec.ask(tensors, parameters, priority, self.request_timeout, True)
-            items = spec.stream(ask)
+            items = await spec.stream(ask)
         return spec.version, self._stream(spec, items, requested)
 
     async def _stream(self, spec: Spec, items: AsyncIterator[list[tuple[str, np.ndarray]]],

@@ -89,6 +89,12 @@ class Front(Generic[Ask]):
         """:meth:`stream` for a caller on a running event loop: an async iterator."""
         raise NotImplementedError
 
+    async def open_stream(self, ask: Ask) -> AsyncGenerator[Any, None]:
+        """:meth:`stream_async`, where what the request's own size makes long (a tokenizer over a client's
+        text) runs off the event loop first: the network fronts' entry. The request is queued once it
+        returns (its errors raise here)."""
+        return self.stream_async(ask)
+
     def listen(self, listener: Listener) -> None:
         """Tell ``listener`` this front's reports from now on (a front whose work runs elsewhere has none)."""
 

@@ -20,7 +20,7 @@ import contextvars
 import queue as thread_queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -33,6 +33,17 @@ END = object()  # the last item of a stream
 # reports of the batches that run the request's rows (``BatchReport.traces``)
 TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("jitserve_trace", default=None)
 NO_INFO = object()  # what ``prepare`` gives as info when ``preprocess`` returned a bare batch
+OFF_LOOP_CHARS = 2048  # a client's text from this long is tokenized (or rendered, checked) on a thread
+_T = TypeVar("_T")
+
+
+async def off_loop(size: int, work: Callable[[], _T]) -> _T:
+    """``work()`` (tokenizing, rendering or checking a client's text of about ``size`` characters) here when
+    ``size`` is under ``OFF_LOOP_CHARS``, else on a thread, so that the event loop goes on answering others
+    meanwhile (a tokenizer's Rust code lets go of the GIL; Python code shares it in slices)."""
+    if size < OFF_LOOP_CHARS:
+        return work()
+    return await asyncio.to_thread(work)
 
 
 def model_code(function: Callable[..., Any], *arguments: Any) -> Any:

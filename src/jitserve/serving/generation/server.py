@@ -33,7 +33,7 @@ from ...errors import OptionError, QueueFullError, ServerStoppedError, raised_by
 from ...template import Template, check_params
 from ..front import Front, Listener, wrong_request
 from ..options import optional_seconds
-from ..request import Reading, read, read_async
+from ..request import OFF_LOOP_CHARS, Reading, off_loop, read, read_async
 from ..serving import owned_host_array
 from ..stats import GenerationStats, Phases
 from ..warmup import compile_each
@@ -104,7 +104,7 @@ class GenerationFront(Front[Prompt]):
         return self._answer(list(self.stream(ask)), ask.sampling.logprobs is not None)
 
     async def call_async(self, ask: Prompt) -> Any:
-        items = self.stream_async(ask)
+        items = await self.open_stream(ask)
         try:
             return self._answer([item async for item in items], ask.sampling.logprobs is not None)
         finally:
@@ -122,12 +122,28 @@ class GenerationFront(Front[Prompt]):
         delivery, request = self._enter(ask, asyncio.get_running_loop())
         return delivery.each_async(self.outputs_async(request, ask.timeout))
 
+    async def open_stream(self, ask: Prompt) -> AsyncGenerator[Any, None]:
+        """:meth:`stream_async` whose ``preprocess`` (a tokenizer) runs on a thread unless the prompt is a
+        short text, so that the event loop goes on answering others meanwhile (the network fronts' entry)."""
+        self._check(ask)
+        prompt = ask.prompt
+        size = len(prompt) if isinstance(prompt, str | bytes) else OFF_LOOP_CHARS
+        tokens = prompt if self.generation.preprocess is None else \
+            await off_loop(size, lambda: self.generation.prompt_of(prompt))
+        delivery, request = self._queued(ask, tokens, asyncio.get_running_loop())
+        return delivery.each_async(self.outputs_async(request, ask.timeout))
+
     def _enter(self, ask: Prompt, loop: asyncio.AbstractEventLoop | None) -> tuple[Delivery, Any]:
         """The caller's side of a request (its token ids, what it makes of the outputs) and the request, queued."""
+        self._check(ask)
+        return self._queued(ask, self.generation.prompt_of(ask.prompt), loop)
+
+    def _check(self, ask: Prompt) -> None:
         if type(ask) is not Prompt:
             raise wrong_request(self.name, Prompt, ask)
         optional_seconds("timeout", ask.timeout)
-        tokens = self.generation.prompt_of(ask.prompt)
+
+    def _queued(self, ask: Prompt, tokens: Any, loop: asyncio.AbstractEventLoop | None) -> tuple[Delivery, Any]:
         delivery = Delivery(self.generation, ask.stop, tokens, ask.sampling.logprobs is not None)
         return delivery, self.submit(tokens, ask.max_steps, loop, ask.sampling)
 
