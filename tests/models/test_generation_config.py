@@ -6,6 +6,7 @@ and what a request gives wins. Before, only ``eos_token_id`` was read (greedy te
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import pytest
@@ -14,6 +15,9 @@ from test_checkpoint_errors import copy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import jitserve as js
+from jitserve.protocol import app
+from jitserve.protocol.service import InferenceService
+from netutil import free_port, http_front
 
 PROMPT = "A server batches requests, a scheduler admits them"
 STEPS = 16
@@ -64,3 +68,36 @@ def test_a_value_the_engine_refuses_is_named_in_generation_config(made, tmp_path
     with pytest.raises(js.CheckpointError, match=r"generation_config.json's 'top_p': top_p must be a number in "
                                                  r"\(0, 1\]"):
         js.from_pretrained(folder)
+
+
+def test_the_files_defaults_hold_over_kserve_and_openai_too(made, tmp_path):
+    """The network doors read a request's fields over the folder's defaults too (vLLM's order: the request,
+    then generation_config.json, then the door's own)."""
+    folder = configured(made, tmp_path, repetition_penalty=1.3)
+    expected = generated(folder)
+    server = js.serve(js.from_pretrained(folder, slots=2), name="penalized")
+    port = free_port()
+
+    def post(path, payload):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            connection.request("POST", path, json.dumps(payload).encode())
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            connection.close()
+
+    try:
+        with http_front(app.http_config(InferenceService({"penalized": server}), "127.0.0.1", port)):
+            status, completion = post("/v1/completions", {"model": "penalized", "prompt": PROMPT,
+                                                          "max_tokens": STEPS, "temperature": 0})
+            assert status == 200, completion
+            assert completion["choices"][0]["text"] == expected
+            status, generate = post("/v2/models/penalized/generate", {"text_input": PROMPT, "max_tokens": STEPS})
+            assert status == 200, generate
+            assert generate["text_output"] == expected
+            status, plain = post("/v2/models/penalized/generate", {"text_input": PROMPT, "max_tokens": STEPS,
+                                                                   "repetition_penalty": 1.0})
+            assert plain["text_output"] == generated(made("llama-gqa-llama3-rope"))
+    finally:
+        server.stop()

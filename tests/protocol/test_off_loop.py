@@ -63,11 +63,12 @@ def front(tmp_path_factory):
     folder = checkpoints.llama(tmp_path_factory.mktemp("off-loop") / "llama", heads=4, kv_heads=4, tied=True, seed=2)
     (folder / "chat_template.jinja").write_text(TEMPLATE)
     generation = js.from_pretrained(folder, slots=2, max_length=MAX_LENGTH)
-    held = Held(text_hook(generation).tokenizer)
+    hook = text_hook(generation)
+    held = Held(hook.tokenizer)
     server = js.serve(generation, name="m")
     port = free_port()
     with http_front(app.http_config(InferenceService({"m": server}), "127.0.0.1", port)):
-        yield port, held
+        yield port, held, hook
         held.release.set()
     server.stop()
 
@@ -84,7 +85,7 @@ def request(port, method, path, payload=None, timeout=60):
 
 @pytest.mark.parametrize("door", DOORS)
 def test_health_answers_while_a_long_prompt_is_tokenized(front, door):
-    port, held = front
+    port, held, _ = front
     held.entered.clear()
     held.release.clear()
     path, payload = DOORS[door]
@@ -107,7 +108,7 @@ def test_health_answers_while_a_long_prompt_is_tokenized(front, door):
 
 @pytest.mark.parametrize("door", DOORS)
 def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_it_is_tokenized(front, door):
-    port, held = front
+    port, held, _ = front
     held.entered.clear()
     path, payload = DOORS[door]
     longest = MAX_LENGTH * PROMPT_CHARS_PER_TOKEN
@@ -148,3 +149,20 @@ def test_a_chat_template_past_its_bounds_is_a_400_naming_the_template(tmp_path):
         assert message in str(info.value) and info.value.status == 400, template
     tokenizer.chat_template = TEMPLATE
     assert tokenizer.render_chat(messages) == "user: hi\nassistant:"
+
+
+def test_token_ids_are_checked_against_the_model_s_embedding_not_its_tokenizer(front, monkeypatch):
+    """A padded embedding (more rows than the tokenizer has ids: here the tokenizer is made to say it has 20
+    fewer) reads every id below its rows; an id past them is refused, named with the model's vocabulary
+    (issue 56, item 6)."""
+    port, _, hook = front
+    fewer = hook.vocabulary - 20
+    monkeypatch.setattr(type(hook.tokenizer), "vocabulary", property(lambda self: fewer))
+    last = hook.vocabulary - 1
+    status, body = request(port, "POST", "/v1/completions", {"model": "m", "prompt": [1, last], "max_tokens": 2,
+                                                             "temperature": 0})
+    assert status == 200, body
+    for path, field in (("/v1/completions", "prompt"), ("/detokenize", "tokens")):
+        status, body = request(port, "POST", path, {"model": "m", field: [1, last + 1]})
+        assert status == 400
+        assert f"holds the token id {last + 1}, outside the model's vocabulary (0 to {last})".encode() in body, body

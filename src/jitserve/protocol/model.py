@@ -28,7 +28,7 @@ from .. import compilers
 from ..batch import Batch
 from ..errors import OptionError, ProtocolError
 from ..serving.corridor import Rows
-from ..serving.generation import GenerationFront, Prompt, Sampling, stacked, stop_text
+from ..serving.generation import GenerationFront, Prompt, stacked, stop_text
 from ..serving.server import Server
 from ..template import Template, is_template
 from .codec import BYTES, datatype_of, dtype_of, shown
@@ -399,7 +399,7 @@ class GenerationSpec:
             raise ProtocolError(f"input 'prompt' has shape {list(tensors['prompt'].shape)}; model '{self.name}' "
                                 f"takes one prompt per request, shaped [n] or [1, n]")
         try:
-            sampling = Sampling(**{key: fields[key] for key in SAMPLING if key in fields})
+            sampling = generation.sampling(**{key: fields[key] for key in SAMPLING if key in fields})
         except OptionError as error:
             raise ProtocolError(f"a sampling parameter: {error}") from None
         try:

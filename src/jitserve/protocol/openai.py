@@ -378,7 +378,7 @@ class OpenAIDoor:
         """vLLM's ``POST /detokenize``: the text of ``tokens``, special tokens included (as vLLM decodes it)."""
         _, hook = self._spec(model, "generation")
         text = await off_loop(size, lambda: hook.tokenizer.decode(
-            fields.token_ids(request.get("tokens"), hook.tokenizer.vocabulary, "tokens").tolist(), skip_special=False))
+            fields.token_ids(request.get("tokens"), hook.vocabulary, "tokens").tolist(), skip_special=False))
         return 200, JSON_HEADERS, orjson.dumps({"prompt": text})
 
     async def _generate(self, spec: GenerationSpec, request: dict[str, Any], prompts: list[tuple[np.ndarray, str]],
@@ -398,7 +398,7 @@ class OpenAIDoor:
                                  f"{fields.MAX_CHOICES} per request", "prompt")
         stream = fields.flag(request, "stream")
         usage_chunk = fields.include_usage(request, stream)
-        chosen = {**fields.sampling(request), "logprobs": top}
+        chosen = {**fields.sampling(request, server.generation.default_sampling), "logprobs": top}
         stop = fields.stop_sequences(request)
         asked = fields.integer(request, steps_field, default_steps)
         if asked is not None and chosen.get("min_tokens", 0) > asked:
@@ -493,7 +493,7 @@ def _prompt(hook: TextHook, prompt: Any, longest: int) -> tuple[np.ndarray, str]
     """One prompt of a completion (a text of at most ``longest`` characters, or token ids): its ids, its text."""
     if isinstance(prompt, str):
         return hook.tokenizer.encode(fields.within(prompt, longest, "prompt")), prompt
-    return fields.token_ids(prompt, hook.tokenizer.vocabulary), hook.tokenizer.decode(prompt)
+    return fields.token_ids(prompt, hook.vocabulary), hook.tokenizer.decode(prompt)
 
 
 def _tokens(tokenizer: Tokenizer, text: str, special: bool, strings: bool) -> tuple[list[int], list[str] | None]:

@@ -134,11 +134,13 @@ def include_usage(request: dict[str, Any], stream: bool) -> bool:
     return flag(options, "include_usage")
 
 
-def sampling(request: dict[str, Any]) -> dict[str, Any]:
-    """The request's sampling fields over OpenAI's defaults (temperature 1, top_p 1), each checked as the
-    engine's :class:`Sampling` checks it; ``seed`` any 64-bit integer, ``top_k`` -1 (vLLM's) the engine's 0,
-    ``logit_bias``'s keys (strings) token ids."""
-    chosen = {**OPENAI_SAMPLING, **{name: request[name] for name in SAMPLING if request.get(name) is not None}}
+def sampling(request: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The request's sampling fields over the model's ``defaults`` (its ``generation_config.json``'s, as vLLM
+    applies them) over OpenAI's (temperature 1, top_p 1), each checked as the engine's :class:`Sampling`
+    checks it; ``seed`` any 64-bit integer, ``top_k`` -1 (vLLM's) the engine's 0, ``logit_bias``'s keys
+    (strings) token ids."""
+    chosen = {**OPENAI_SAMPLING, **defaults,
+              **{name: request[name] for name in SAMPLING if request.get(name) is not None}}
     if type(chosen.get("top_k")) is int and chosen["top_k"] == ALL_TOKENS:
         chosen["top_k"] = 0
     if "logit_bias" in chosen:  # JSON's keys are strings: token ids written out
