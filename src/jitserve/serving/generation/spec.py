@@ -304,7 +304,7 @@ class Generation:
         its checked options, and its weights' templates and file, not their values (``params``)."""
         names = ("prefill", "decode", "forward", "cache", "preprocess", "postprocess", "detokenizer", "params_source",
                  "params_template", "slots", "max_length", "prefill_lengths", "prefill_batches", "eos", "logits",
-                 "steps_per_launch", "max_queue", "compiler_name", "compiler_options", "mesh")
+                 "steps_per_launch", "max_queue", "compiler_name", "compiler_options", "mesh", "default_sampling")
         return {name: getattr(self, name) for name in names}
 
     def shapes(self) -> tuple[Any, Template, Template]:
