@@ -3,8 +3,10 @@ checkpoints made here (tests/models/checkpoints.py), one with a Llama 3-style ch
 own BOS, one with a ChatML-style template, one without a template, and a BERT encoder. Completions and chat,
 streamed and not, equal the in-process ``js.generate`` of the same engine and ``transformers``' greedy
 decoding of ``apply_chat_template``'s tokens; ``usage`` counts the tokenizer's tokens; ``n``, ``seed``,
-``stop``, ``echo``; embeddings equal the in-process serving's; errors in OpenAI's shape (a wrong model 404, a
-bad key 401, an unsupported parameter 400 naming it); and the README's example against `jitserve serve`."""
+``stop``, ``echo``; what clients send by default (vLLM's continuous usage in a stream, ``best_of`` equal to
+``n``, ``parallel_tool_calls`` without tools); embeddings equal the in-process serving's; errors in OpenAI's
+shape (a wrong model 404, a bad key 401, an unsupported parameter 400 naming it); and the README's example
+against `jitserve serve`."""
 
 from __future__ import annotations
 
@@ -215,6 +217,79 @@ def test_streams_are_chunks_that_join_to_the_whole_answer_then_done(served, clie
     events = body.decode().split("\n\n")
     assert status == 200 and events[-2:] == ["data: [DONE]", ""], "the stream ends in [DONE]"
     assert all(json.loads(e[len("data: "):])["object"] == "chat.completion.chunk" for e in events[:-2])
+
+
+def test_continuous_usage_stats_give_every_chunk_its_choices_usage_as_vllm_does(served, client):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it by default), read as vLLM reads it:
+    with ``include_usage``, every chunk with a choice carries that choice's usage so far (its prompt's tokens
+    and those it generated), its last one the choice's whole count; without ``include_usage``, no usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    whole = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=6, temperature=0)
+    chunks = list(client.completions.create(model="llama3", prompt=PROMPT, max_tokens=6, temperature=0,
+                                            stream=True, extra_body={"stream_options": options}))
+    counted = [c.usage for c in chunks if c.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage and all(counted)
+    assert {u.prompt_tokens for u in counted} == {whole.usage.prompt_tokens}
+    assert [u.completion_tokens for u in counted] == sorted(u.completion_tokens for u in counted)
+    assert counted[-1] == whole.usage and all(u.total_tokens == u.prompt_tokens + u.completion_tokens
+                                              for u in counted)
+
+    asked = {"model": "llama3", "messages": MESSAGES, "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 2}
+    chat = list(client.chat.completions.create(stream=True, extra_body={"stream_options": options}, **asked))
+    last = {c.choices[0].index: c.usage.completion_tokens for c in chat if c.choices}  # each choice's last chunk
+    assert chat[-1].usage.completion_tokens == sum(last.values()) and set(last) == {0, 1}
+    assert chat[-1].usage.prompt_tokens == chat[0].usage.prompt_tokens, "the prompt counted once in the total"
+    alone = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **asked))
+    assert all(c.usage is None for c in alone[:-1]) and alone[-1].usage == chat[-1].usage
+    quiet = list(client.chat.completions.create(stream=True, extra_body={"stream_options": {
+        "continuous_usage_stats": True}}, **asked))
+    assert all(c.usage is None for c in quiet), "continuous_usage_stats goes with include_usage, as in vLLM"
+    for wrong, message in [({"continuous_usage_stats": 1}, "'continuous_usage_stats' must be true or false, got 1"),
+                           ({"include_usage": True, "per_token": True}, "'stream_options' takes "
+                            "continuous_usage_stats, include_usage (each true or false); got "
+                            '{"include_usage":true,"per_token":true}')]:
+        status, body = served.post("/v1/completions", {"model": "llama3", "prompt": PROMPT, "stream": True,
+                                                       "stream_options": wrong})
+        assert status == 400 and json.loads(body)["error"]["message"] == message
+
+
+def test_best_of_equal_to_n_is_taken_and_any_other_refused_by_name(client):
+    """``best_of`` (LlamaIndex and benchmark clients send 1): equal to ``n`` it asks for every choice generated,
+    which is what jitserve returns; any other value is refused by name (vLLM V1 does not support best_of)."""
+    asked = {"model": "llama3", "prompt": PROMPT, "max_tokens": 3, "temperature": 1.0, "seed": 5}
+    two = client.completions.create(n=2, **asked)
+    assert [c.text for c in client.completions.create(n=2, best_of=2, **asked).choices] == [c.text for c in two.choices]
+    assert len(client.completions.create(best_of=1, **asked).choices) == 1
+    for n, best_of, shown in [(2, 3, "3"), (2, 1, "1"), (None, 2, "2"), (None, True, "true"), (None, 1.0, "1.0")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(**asked, **({} if n is None else {"n": n}), extra_body={"best_of": best_of})
+        assert (refused.value.param, refused.value.code) == ("best_of", "unsupported_parameter")
+        assert refused.value.body["message"] == (f"'best_of' is {shown}; jitserve's engine returns every choice it "
+                                                 f"generates, so 'best_of' can only be 'n' ({n or 1}) or left out "
+                                                 f"(vLLM V1 does not support best_of either)")
+
+
+def test_parallel_tool_calls_without_tools_ask_for_nothing_and_tools_are_refused_by_name(served, client):
+    """LangChain's function calling sends ``parallel_tool_calls`` beside ``tools``: without tools it asks for
+    nothing and is taken (as vLLM takes it), with tools the refusal names ``tools``, whatever comes first."""
+    for parallel in (True, False):
+        answer = client.chat.completions.create(model="llama3", messages=MESSAGES, max_tokens=2, temperature=0,
+                                                parallel_tool_calls=parallel)
+        assert answer.choices[0].finish_reason == "length"
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    status, body = served.post("/v1/chat/completions", {"parallel_tool_calls": False, "model": "llama3",
+                                                        "messages": MESSAGES, "tools": [tool]})
+    error = json.loads(body)["error"]
+    assert status == 400 and (error["param"], error["code"]) == ("tools", "unsupported_parameter")
+    assert error["message"].startswith("'tools' is not supported yet")
+    for path, payload, message in [
+            ("/v1/chat/completions", {"model": "llama3", "messages": MESSAGES, "parallel_tool_calls": "yes"},
+             "'parallel_tool_calls' must be true or false, got \"yes\""),
+            ("/v1/completions", {"model": "llama3", "prompt": PROMPT, "parallel_tool_calls": False},
+             "unknown parameter 'parallel_tool_calls': /v1/completions takes ")]:
+        status, body = served.post(path, payload)
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == "parallel_tool_calls" and error["message"].startswith(message)
 
 
 def test_n_choices_are_seeded_one_apart_and_a_seed_repeats_them(client, folders):
@@ -501,7 +576,7 @@ def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):
         client.completions.create(model="embed", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="model 'llama3' is a text generation, not an embedding model"):
         client.embeddings.create(model="llama3", input="x")
-    for name, value in (("best_of", 2), ("suffix", "!"), ("skip_special_tokens", False),
+    for name, value in (("suffix", "!"), ("skip_special_tokens", False),
                         ("include_stop_str_in_output", True)):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="llama3", prompt=PROMPT, max_tokens=2, extra_body={name: value})

@@ -11,13 +11,15 @@
   ``frequency_penalty``, ``logit_bias`` (token ids as string keys), ``seed``, ``stop``, ``n`` (n requests, the
   ``i``-th seeded ``seed + i`` when a seed is given), ``echo``, ``logprobs`` (0 to 20: each token's
   log-probability under the model, the most likely tokens' and the chosen one's by text, and ``text_offset``;
-  not with ``echo``, whose prompt's log-probabilities jitserve does not compute), ``stream`` (with
-  ``stream_options.include_usage``).
+  not with ``echo``, whose prompt's log-probabilities jitserve does not compute), ``stream``, ``best_of`` only
+  equal to ``n`` (every choice generated is returned; vLLM V1 does not support it either).
 - ``POST /v1/chat/completions``: ``messages`` rendered by the checkpoint's chat template and encoded without
   adding special tokens (the template writes its own, as ``transformers``' ``apply_chat_template`` encodes
   it); a checkpoint without a chat template is a 400 naming it. ``max_tokens`` (or
   ``max_completion_tokens``) defaults to the room the model has left; ``logprobs: true`` with
-  ``top_logprobs`` (0 to 20) gives ``logprobs.content``, per token its text, log-probability and UTF-8 bytes.
+  ``top_logprobs`` (0 to 20) gives ``logprobs.content``, per token its text, log-probability and UTF-8 bytes;
+  ``parallel_tool_calls`` (true or false) asks for nothing without ``tools`` and is taken, as vLLM takes it
+  (OpenAI refuses it there); ``tools`` themselves are refused by name.
 - ``POST /v1/embeddings``: ``input`` (a text or a list of texts), ``encoding_format`` ``float`` or
   ``base64``.
 - vLLM's ``POST /tokenize`` and ``/detokenize`` (beside ``/v1``, as vLLM serves them): a text generation's
@@ -28,7 +30,9 @@ request past the context (code ``context_length_exceeded``, ``param`` the field 
 counts the tokens the engine read and produced (an ``eos`` included);
 ``finish_reason`` is ``stop`` at an end token, a stop id or a stop sequence, ``length`` at ``max_tokens``. A stream is
 server-sent ``data:`` chunks ending in ``data: [DONE]``, each with the log-probabilities of the tokens its
-text came of where asked; an error once it started is a chunk ``{"error": ...}`` before it.
+text came of where asked; ``stream_options.include_usage`` adds a last chunk with the usage, and with it vLLM's
+``continuous_usage_stats`` gives every chunk its choice's usage so far (its prompt's tokens and those it has
+generated), as vLLM does; an error once it started is a chunk ``{"error": ...}`` before it.
 
 Each request goes to the engine the in-process and KServe callers use (one engine, three doors): a
 generation's ``submit`` and ``outputs_async`` inside a ``Delivery`` (stop sequences, the text), as
@@ -96,15 +100,16 @@ def _event(payload: Any) -> bytes:
 class _Choice:
     """One choice in the making: the text pieces of its request (``pieces``; each paired with the
     log-probabilities of its tokens where the request asked for the ``top`` most likely tokens' too), its tokens
-    counted as they come, why it ended, and where its next token's text starts (``offset``, for a
-    completion's ``text_offset``)."""
+    counted as they come (beside its prompt's, ``prompt_tokens``), why it ended, and where its next token's text
+    starts (``offset``, for a completion's ``text_offset``)."""
 
-    __slots__ = ("index", "prompt", "delivery", "ends", "tokens", "last", "pieces", "top", "offset")
+    __slots__ = ("index", "prompt", "prompt_tokens", "delivery", "ends", "tokens", "last", "pieces", "top", "offset")
 
     def __init__(self, index: int, prompt: str, server: GenerationFront, ids: np.ndarray, max_tokens: int,
                  chosen: dict[str, Any], stop: Any, timeout: float | None) -> None:
         self.index = index
         self.prompt = prompt  # what echo repeats
+        self.prompt_tokens = ids.size
         sampling = fields.choice_sampling(chosen, index)
         self.top = sampling.logprobs
         self.offset = 0
@@ -134,6 +139,10 @@ class _Choice:
         last = self.last if self.top is None or self.last is None else self.last.token
         at_end = self.delivery.done or (last is not None and int(last) in self.ends)
         return "stop" if at_end else "length"
+
+    def usage(self) -> dict[str, int]:
+        """This choice's usage so far (vLLM's ``continuous_usage_stats``): its prompt and its tokens."""
+        return _usage(self.prompt_tokens, self.tokens)
 
 
 class _Choices:
@@ -183,9 +192,11 @@ class _Choices:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
     def usage(self, prompt_tokens: int) -> dict[str, int]:
-        completion = sum(choice.tokens for choice in self.all)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+        return _usage(prompt_tokens, sum(choice.tokens for choice in self.all))
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class _Completion:
@@ -343,6 +354,7 @@ class OpenAIDoor:
     async def chat(self, model: str, request: dict[str, Any], size: int) -> Response | AsyncIterator[bytes]:
         spec, hook = self._spec(model, "generation")
         tokenizer = hook.tokenizer
+        fields.flag(request, "parallel_tool_calls")  # checked; it asks for nothing without tools (refused by name)
         text = await off_loop(size, lambda: _chat_text(model, tokenizer, request, True, spec))
         ids = await off_loop(len(text), lambda: tokenizer.encode(text, special=False))
         given = [name for name in ("max_completion_tokens", "max_tokens") if request.get(name) is not None]
@@ -397,7 +409,8 @@ class OpenAIDoor:
             raise ParameterError(f"{len(prompts)} prompts make {len(prompts)} generations; send at most "
                                  f"{fields.MAX_CHOICES} per request", "prompt")
         stream = fields.flag(request, "stream")
-        usage_chunk = fields.include_usage(request, stream)
+        usage = fields.stream_usage(request, stream)
+        fields.best_of(request, count)
         chosen = {**fields.sampling(request, server.generation.default_sampling), "logprobs": top}
         stop = fields.stop_sequences(request)
         asked = fields.integer(request, steps_field, default_steps)
@@ -427,7 +440,7 @@ class OpenAIDoor:
                   "model": spec.name}
         prompt_tokens = sum(ids.size for ids, _ in prompts)
         if stream:
-            return self._stream(spec, choices, shape, answer, prompt_tokens, usage_chunk)
+            return self._stream(spec, choices, shape, answer, prompt_tokens, *usage)
         pieces: list[list[str]] = [[] for _ in choices.all]
         scores: list[list[TokenLogprobs]] = [[] for _ in choices.all]
         with self.service._tallied(spec):
@@ -442,19 +455,24 @@ class OpenAIDoor:
         return 200, JSON_HEADERS, orjson.dumps(answer)
 
     async def _stream(self, spec: GenerationSpec, choices: _Choices, shape: _Completion, answer: dict[str, Any],
-                      prompt_tokens: int, usage_chunk: bool) -> AsyncIterator[bytes]:
+                      prompt_tokens: int, usage_chunk: bool, usage_always: bool) -> AsyncIterator[bytes]:
         """The chunks of a streamed answer: each choice's opening (a chat's role, a completion's echo), its
-        pieces, its end with its ``finish_reason``; the usage when asked; then ``[DONE]``."""
+        pieces, its end with its ``finish_reason``, each with its choice's usage so far where ``usage_always``
+        (vLLM's ``continuous_usage_stats``); the usage when asked; then ``[DONE]``."""
         chunk = {**answer, "object": shape.chunk_object, **({"usage": None} if usage_chunk else {})}
+
+        def event(choice: _Choice, body: dict[str, Any]) -> bytes:
+            return _event({**chunk, "choices": [body], **({"usage": choice.usage()} if usage_always else {})})
+
         try:
             with self.service._tallied(spec):
                 for choice in choices.all:
                     opening = shape.opening(choice)
                     if opening is not None:
-                        yield _event({**chunk, "choices": [opening]})
+                        yield event(choice, opening)
                 async for choice, piece, scored in choices.each():
                     finish = None if piece is not None else choice.finish_reason
-                    yield _event({**chunk, "choices": [shape.choice(choice, piece, finish, scored)]})
+                    yield event(choice, shape.choice(choice, piece, finish, scored))
             if usage_chunk:
                 yield _event({**chunk, "choices": [], "usage": choices.usage(prompt_tokens)})
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last chunk

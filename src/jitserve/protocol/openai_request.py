@@ -1,8 +1,9 @@
 """An OpenAI API request's body, checked field by field before anything runs: the fields each endpoint takes
 (any other is refused by name, as OpenAI's own API refuses an unrecognized argument), those jitserve's engine
 does not implement yet (refused by name unless given the value that asks for nothing, such as
-``best_of: 1``), and each value's type and range; prompts, chat messages and embedding inputs in
-the forms OpenAI's API reference gives. Every refusal is a :class:`ParameterError` naming the field."""
+``suffix: ""``; ``best_of`` only equal to ``n``), and each value's type and range; prompts, chat messages and
+embedding inputs in the forms OpenAI's API reference gives. Every refusal is a :class:`ParameterError` naming
+the field."""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ VLLM_DEFAULTS: dict[str, tuple[Any, ...]] = {
 # fields that jitserve's engine does not implement yet -> the values that ask for nothing (null always does); any
 # other value is refused by name
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -48,8 +48,10 @@ _GENERATING = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "
                *VLLM_DEFAULTS}
 FIELDS: dict[str, frozenset[str]] = {  # endpoint -> the fields it takes
     "completions": frozenset({*_GENERATING, "prompt", "echo", "best_of", "suffix"}),
+    # parallel_tool_calls: how tools are called, which asks for nothing without tools (vLLM takes it so; OpenAI
+    # refuses it there), and tools are refused by name
     "chat/completions": frozenset({*_GENERATING, "messages", "max_completion_tokens", "top_logprobs", "tools",
-                                   "tool_choice", "response_format"}),
+                                   "tool_choice", "response_format", "parallel_tool_calls"}),
     "embeddings": frozenset({"model", "input", "encoding_format", "dimensions", "user"}),
     # vLLM's, beside /v1: a text's or a chat's token ids, and token ids' text
     "tokenize": frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -58,6 +60,7 @@ FIELDS: dict[str, frozenset[str]] = {  # endpoint -> the fields it takes
 }
 ROOT_ENDPOINTS = ("tokenize", "detokenize")  # served at /{endpoint}, as vLLM serves them; the others at /v1/
 ENCODINGS = ("float", "base64")
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})  # the last one vLLM's
 
 
 def check_fields(request: dict[str, Any], endpoint: str) -> None:
@@ -121,17 +124,30 @@ def text(request: dict[str, Any], name: str) -> str:
     return value
 
 
-def include_usage(request: dict[str, Any], stream: bool) -> bool:
-    """``stream_options.include_usage``: a last chunk with the usage; given only with ``stream``."""
+def stream_usage(request: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """``stream_options``, given only with ``stream``: ``include_usage`` (a last chunk with the usage) and vLLM's
+    ``continuous_usage_stats`` (with ``include_usage``, as vLLM reads it: every chunk with its choice's usage so
+    far)."""
     options = request.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise ParameterError("'stream_options' is only allowed with 'stream': true", "stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ParameterError(f"'stream_options' takes one field, include_usage (true or false); got "
-                             f"{_shown(options)}", "stream_options")
-    return flag(options, "include_usage")
+    if not isinstance(options, dict) or set(options) - STREAM_OPTIONS:
+        raise ParameterError(f"'stream_options' takes {', '.join(sorted(STREAM_OPTIONS))} (each true or false); "
+                             f"got {_shown(options)}", "stream_options")
+    last, every = flag(options, "include_usage"), flag(options, "continuous_usage_stats")
+    return last, last and every
+
+
+def best_of(request: dict[str, Any], count: int) -> None:
+    """``best_of``, the choices to generate of which the ``count`` (``n``) best are returned: only ``count``
+    itself, which returns every one (vLLM V1 takes 1 alone: "vLLM V1 does not yet support best_of.")."""
+    asked = request.get("best_of")
+    if asked is not None and (type(asked) is not int or asked != count):
+        raise ParameterError(f"'best_of' is {_shown(asked)}; jitserve's engine returns every choice it generates, so "
+                             f"'best_of' can only be 'n' ({count}) or left out (vLLM V1 does not support best_of "
+                             f"either)", "best_of", "unsupported_parameter")
 
 
 def sampling(request: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
