@@ -64,8 +64,9 @@ FOLDER_CAPS = {
     # 4,150: their model left out where one is served, logit_bias as a gRPC parameter's text, a gone /infer counted;
     # 4,175: a bound on one model's loads and unloads beside the bound on all (--max-loads-per-model, issue 56);
     # 4,225: a client's text tokenized and rendered off the event loop on every door, refused past the context's
-    # bound before it is (issue 56: the /v1 door's per-prompt work, the streams opened by an await)
-    "protocol": 4_225,
+    # bound before it is (issue 56: the /v1 door's per-prompt work, the streams opened by an await); 4,250: vLLM's
+    # GET /tokenizer_info (lm-eval's remote tokenizer), beside what clients send by default (issue 58)
+    "protocol": 4_250,
     # 700: several HTTP front processes over one engine (issue 48, jitserve serve --http-workers N): the ring
     # of shared memory slots and its frames, the engine's links and the fronts' processes, a front process, and
     # the ASGI relay of the routes the fronts do not decode

@@ -4,7 +4,7 @@ own BOS, one with a ChatML-style template, one without a template, and a BERT en
 streamed and not, equal the in-process ``js.generate`` of the same engine and ``transformers``' greedy
 decoding of ``apply_chat_template``'s tokens; ``usage`` counts the tokenizer's tokens; ``n``, ``seed``,
 ``stop``, ``echo``; what clients send by default (vLLM's continuous usage in a stream, ``best_of`` equal to
-``n``, ``parallel_tool_calls`` without tools); embeddings equal the in-process serving's; errors in OpenAI's
+``n``, ``parallel_tool_calls`` without tools, vLLM's ``/tokenizer_info``); embeddings equal the in-process serving's; errors in OpenAI's
 shape (a wrong model 404, a bad key 401, an unsupported parameter 400 naming it); and the README's example
 against `jitserve serve`."""
 
@@ -562,6 +562,36 @@ def test_tokenize_and_detokenize_answer_as_vllms_with_transformers_tokens(served
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", "OpenAI's shape, its key"
     status, body = served.post("/tokenize", {"model": "mlp", "prompt": PROMPT})
     assert status == 404 and "is not served by the OpenAI API" in json.loads(body)["error"]["message"]
+
+
+def test_tokenizer_info_answers_as_vllms_for_lm_evals_remote_tokenizer(served, folders):
+    """vLLM's ``GET /tokenizer_info``, as lm-eval's ``tokenizer_backend=remote`` reads it where one text generation
+    is served (then ``/tokenize`` and ``/detokenize`` take no model): the special tokens' text, the model's
+    length and the chat template, each as ``transformers`` reads the checkpoint; where several are served, a 400
+    naming them."""
+    tokenizer = AutoTokenizer.from_pretrained(folders["llama3"])
+    port = free_port()
+    with http_front(app.http_config(InferenceService({"llama3": served.servers["llama3"]}), "127.0.0.1", port)):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/tokenizer_info", timeout=30) as answer:
+            info = json.loads(answer.read())
+        assert info == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+                        "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token, "model_max_length": 64,
+                        "chat_template": tokenizer.chat_template} and info["chat_template"] == LLAMA3_TEMPLATE
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", json.dumps(
+            {"prompt": PROMPT, "add_special_tokens": False}).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert json.loads(answer.read())["tokens"] == tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    for method, key, status, message in [
+            ("GET", KEY, 400, "GET /tokenizer_info answers where one text generation is served (vLLM's takes no "
+                              "model, as it serves one); this server serves 3: llama3, chatml, plain"),
+            ("GET", None, 401, None), ("POST", KEY, 405, "POST is not allowed on /tokenizer_info; use GET")]:
+        connection.request(method, "/tokenizer_info", headers={"Authorization": f"Bearer {key}"} if key else {})
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]  # OpenAI's shape
+        assert response.status == status and error["type"] == "invalid_request_error"
+        assert message is None or (error["message"], error["param"]) == (message, "model" if status == 400 else None)
+    connection.close()
 
 
 def test_errors_come_in_openais_shape_naming_what_is_wrong(served, client):

@@ -22,7 +22,7 @@ parameters, top-level or under ``parameters``; the answer's outputs by name,
 a text as a string; the stream's as server-sent events), ``GET /metrics``, and OpenAI's API for
 text generations and embedding models (``protocol/openai.py``): ``GET /v1/models[/{id}]``,
 ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings`` and vLLM's ``/tokenize`` and
-``/detokenize``, whose errors, 401 included,
+``/detokenize`` (and ``GET /tokenizer_info``), whose errors, 401 included,
 are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 Errors are ``{"error": "..."}`` with 400, 404, 408, 413, 431, 503, 504 (500 only when the
 model's own function fails); nothing a client sends stops the server. A client that disconnects before
@@ -76,7 +76,7 @@ _T = TypeVar("_T")
 ORJSON_DTYPES = frozenset(np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
                                                       "uint32", "uint64", "float16", "float32", "float64"))
 # answered in OpenAI's error shape, 401 and 404 included: /v1/ and vLLM's routes beside it
-OPENAI_PATHS = ("/v1/", *(path(endpoint) for endpoint in ROOT_ENDPOINTS))
+OPENAI_PATHS = ("/v1/", "/tokenizer_info", *(path(endpoint) for endpoint in ROOT_ENDPOINTS))
 
 
 def _json(status: int, payload: Any) -> Response:
@@ -134,6 +134,7 @@ class HttpFront:
             ("GET", re.compile(r"/v1/models/(?P<model>[^/]+)"), self.openai.model),
             ("POST", re.compile(r"/v1/(?P<endpoint>completions|chat/completions|embeddings)"), self.openai_request),
             ("POST", re.compile(f"/(?P<endpoint>{'|'.join(ROOT_ENDPOINTS)})"), self.openai_request),  # vLLM's
+            ("GET", re.compile(r"/tokenizer_info"), self.openai.tokenizer_info),  # vLLM's too
             ("GET", re.compile(memory + "/status"), self.shared_memory_status),
             ("POST", re.compile(memory + "/(?P<action>register|unregister)"), self.shared_memory_control),
         ]

@@ -23,7 +23,9 @@
 - ``POST /v1/embeddings``: ``input`` (a text or a list of texts), ``encoding_format`` ``float`` or
   ``base64``.
 - vLLM's ``POST /tokenize`` and ``/detokenize`` (beside ``/v1``, as vLLM serves them): a text generation's
-  tokenizer over HTTP, in vLLM's shapes; ``model`` may be left out where one text generation is served.
+  tokenizer over HTTP, in vLLM's shapes; ``model`` may be left out where one text generation is served. And
+  vLLM's ``GET /tokenizer_info`` for that one (lm-eval's ``tokenizer_backend=remote`` reads the three): its
+  special tokens, length and chat template.
 
 A prompt and its ``max_tokens`` must fit the generation's ``max_length``, as OpenAI's API refuses a
 request past the context (code ``context_length_exceeded``, ``param`` the field to shorten). ``usage``
@@ -70,6 +72,9 @@ DONE = b"data: [DONE]\n\n"
 COMPLETION_TOKENS = 16  # /v1/completions' default max_tokens (OpenAI's)
 KINDS = {GenerationSpec: "generation", ModelSpec: "embedding"}  # the OpenAI models of each spec, by the hook's task
 WHAT = {"generation": "a text generation", "embedding": "an embedding model"}
+NAME_ONE = "'model' must name one of the {count} text generations served: {names}"  # where several are served
+INFO_OF_ONE = ("GET /tokenizer_info answers where one text generation is served (vLLM's takes no model, as it "
+               "serves one); this server serves {count}: {names}")
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
@@ -314,13 +319,14 @@ class OpenAIDoor:
                                  "model_not_supported")
         return spec, hook
 
-    def _only_generation(self) -> str:
-        """The one text generation served (vLLM's tokenizer routes take no ``model`` where one model is served)."""
+    def _only_generation(self, refusal: str = NAME_ONE) -> str:
+        """The one text generation served (vLLM's tokenizer routes take no ``model`` where one model is served),
+        else ``refusal`` (``{count}`` and ``{names}`` those served)."""
         names = [name for name, spec in self.service.models.items()
                  if isinstance(spec, GenerationSpec) and _hook(spec) is not None]
         if len(names) != 1:
-            raise ParameterError(f"'model' must name one of the {len(names)} text generations served: "
-                                 f"{', '.join(names) or 'none'}", "model", "missing_parameter")
+            raise ParameterError(refusal.format(count=len(names), names=", ".join(names) or "none"), "model",
+                                 "missing_parameter")
         return names[0]
 
     def refused(self, model: str, error: BaseException) -> Response:
@@ -385,6 +391,17 @@ class OpenAIDoor:
         ids, shown = await off_loop(len(text), lambda: _tokens(tokenizer, text, special, strings))
         return 200, JSON_HEADERS, orjson.dumps({"count": len(ids), "max_model_len": spec.server.generation.max_length,
                                                 "tokens": ids, "token_strs": shown})
+
+    async def tokenizer_info(self) -> Response:
+        """vLLM's ``GET /tokenizer_info`` (lm-eval's ``tokenizer_backend=remote`` reads it, with ``/tokenize`` and
+        ``/detokenize``) for the one text generation served: the tokenizer's class as ``transformers`` reads a
+        ``tokenizer.json`` alone, its special tokens' text, the model's length and its chat template (see
+        :func:`_tokenizer_info`)."""
+        try:
+            spec, hook = self._spec(self._only_generation(INFO_OF_ONE), "generation")
+        except Exception as error:  # noqa: BLE001 - statuses by error class
+            return self.refused("", error)
+        return 200, JSON_HEADERS, orjson.dumps(_tokenizer_info(hook.tokenizer, spec.server.generation.max_length))
 
     async def detokenize(self, model: str, request: dict[str, Any], size: int) -> Response:
         """vLLM's ``POST /detokenize``: the text of ``tokens``, special tokens included (as vLLM decodes it)."""
@@ -518,6 +535,17 @@ def _tokens(tokenizer: Tokenizer, text: str, special: bool, strings: bool) -> tu
     """``/tokenize``'s answer: the ids of ``text`` and, where asked, each one's string."""
     ids = tokenizer.encode(text, special).tolist()
     return ids, tokenizer.token_strings(ids) if strings else None
+
+
+def _tokenizer_info(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:
+    """``/tokenizer_info``'s answer: the fields of ``tokenizer_config.json`` jitserve reads, in vLLM's shape
+    (``transformers``' ``init_kwargs``, special tokens as their text): ``tokenizer_class``, ``bos_token``,
+    ``eos_token`` and ``pad_token`` (null where the checkpoint has none), ``model_max_length`` (the generation's
+    ``max_length``, what it takes), and ``chat_template`` where it has one."""
+    pad = None if tokenizer.pad is None else tokenizer.token_strings([tokenizer.pad])[0]
+    info = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_text,
+            "eos_token": tokenizer.eos_text, "pad_token": pad, "model_max_length": max_length}
+    return info if tokenizer.chat_template is None else {**info, "chat_template": tokenizer.chat_template}
 
 
 def _chat_text(model: str, tokenizer: Tokenizer, request: dict[str, Any], generation_prompt: bool,
