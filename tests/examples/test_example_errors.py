@@ -43,7 +43,9 @@ JSON_MISTAKES = [
                                                    "BYTES tensor of one element); got float32 values shaped [1]"),
     ("llama", tensor("text_input", "BYTES", ["one", "two"]), "a prompt is one text (str, or UTF-8 bytes; over the "
                                                              "network a BYTES tensor of one element); got 2 texts"),
-    ("llama", tensor("text_input", "BYTES", ["word " * 300]), "tokens, more than max_length (32)"),
+    ("llama", tensor("text_input", "BYTES", ["word " * 100]), "tokens, more than max_length (32)"),
+    ("llama", tensor("text_input", "BYTES", ["word " * 300]), "input 'text_input' is 1,500 bytes long; model 'llama' "
+                                                             "takes at most 1,024 (32 per token of its max_length)"),
     ("mlp", tensor("input", "FP32", [0.5] * 15, [1, 15]), "input 'input' has shape [1, 15], but model 'mlp' expects "
                                                          "[-1, 16]"),
 ]
