@@ -3,21 +3,26 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import http.client
 import json
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from jitserve.defaults import CACHE_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 # perf_analyzer, Triton's benchmark (genai-perf drives it): tritonclient 2.51.0's binary and the CUDA runtime it
@@ -33,6 +38,11 @@ def perf_analyzer_environment() -> dict[str, str]:
     runtime = PERF_ANALYZER / "nvidia" / "cuda_runtime" / "lib"
     return {**os.environ, "PATH": f"{binary.parent}:{os.environ.get('PATH', '')}",
             "LD_LIBRARY_PATH": f"{runtime}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+
+# the compile cache every server this run starts shares, as jitserve serve keeps one by default (not the user's)
+COMPILE_CACHE = tempfile.mkdtemp(prefix="jitserve-compile-cache-")
+atexit.register(shutil.rmtree, COMPILE_CACHE, True)
 
 
 def free_port() -> int:
@@ -152,7 +162,7 @@ def start_server(target: str, *extra: str, tls_ca: str | None = None, open_files
     process = subprocess.Popen(
         [sys.executable, "-m", "jitserve", "serve", target, "--port", str(port), "--grpc-port", str(grpc_port),
          *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=None if open_files is None else limit_files, env=None if env is None else {**os.environ, **env})
+        preexec_fn=None if open_files is None else limit_files, env={**os.environ, CACHE_DIR_ENV: COMPILE_CACHE, **(env or {})})
     running = Running(process, port, grpc_port, tls_ca)
     deadline = time.monotonic() + 300  # a bound for a server that never starts; a busy CI machine compiles slowly
     while time.monotonic() < deadline:

@@ -159,3 +159,21 @@ def test_targets_import_from_the_working_directory_and_beside_their_file(tmp_pat
     elsewhere = subprocess.run([sys.executable, "-c", script, str(tmp_path / "tripler.py") + ":serving"], cwd=ROOT,
                                capture_output=True, text=True, timeout=120)
     assert elsewhere.returncode == 0 and elsewhere.stdout.strip() == "['tripler']", elsewhere.stderr
+
+
+def test_serve_keeps_its_compiled_programs_across_restarts_unless_told_not_to(tmp_path):
+    """``jitserve serve`` writes its compiled programs to the persistent cache by default (``$XDG_CACHE_HOME/
+    jitserve`` here) and a restart reads them; ``--no-compile-cache`` writes none (issue 57)."""
+    from netutil import start_server, stop
+
+    cache = tmp_path / "xdg"
+    env = {"XDG_CACHE_HOME": str(cache), "JITSERVE_CACHE_DIR": ""}
+    for _ in range(2):  # the second start finds the first's programs
+        stop(start_server("examples/mlp.py:serving", "--no-grpc", env=env))
+        written = sorted(p.name for p in (cache / "jitserve").rglob("*") if p.is_file())
+        assert written, "the compiled programs are in the cache folder"
+    assert sorted(p.name for p in (cache / "jitserve").rglob("*") if p.is_file()) == written, "nothing new compiled"
+    off = tmp_path / "off"
+    stop(start_server("examples/mlp.py:serving", "--no-grpc", "--no-compile-cache",
+                      env={"XDG_CACHE_HOME": str(off), "JITSERVE_CACHE_DIR": str(off / "env")}))
+    assert not off.exists() or not any(p.is_file() for p in off.rglob("*"))
