@@ -7,6 +7,10 @@ COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
 COPY examples ./examples
 RUN pip install --no-cache-dir ".[http]"
+# the persistent compile cache jitserve serve keeps: mount a volume here so that a restart compiles nothing
+ENV JITSERVE_CACHE_DIR=/cache
+RUN mkdir /cache && chown 65534 /cache
+VOLUME /cache
 USER 65534
 EXPOSE 8000 8001
 # 0.0.0.0 inside the container only; the published ports decide who reaches it
