@@ -7,7 +7,8 @@ theirs (``bench/pretrained.py``'s maker; ``--size small`` or ``medium``, ~30 M p
 (b) 16 requests sharing a ~180-token prefix, one after another: time to first output, p50, with and without
     prefix caching;
 (c) the paged decode step against its floor: the bytes it must read (the weights, and the keys and values of
-    the positions it attends over) at the memory bandwidth a numpy copy reaches here.
+    the positions it attends over) at the memory bandwidth a numpy copy reaches here;
+(d) the same for one sequence alone on a generation of 32 slots, whose launches run the rows it needs.
 
 ``bench/pretrained.py`` measures tokens/s against ``transformers``' batched ``generate`` (d).
 
@@ -37,6 +38,7 @@ from pretrained import SIZES, make
 
 WORDS = " ".join(checkpoints.CORPUS).split()
 PREFIX = " ".join(checkpoints.CORPUS[:4])
+LONE_STEPS = 64
 
 
 def workload(requests: int, seed: int = 0) -> list[tuple[str, int]]:
@@ -80,6 +82,18 @@ def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def lone_step(llama: Path, common: dict) -> tuple[float, int]:
+    """The decode step of one sequence alone on a generation of 32 slots (a launch of the rows it needs, issue
+    57), over ``LONE_STEPS`` steps of a 20-word prompt; and those steps."""
+    generation = js.from_pretrained(llama, slots=32, **common)
+    with js.serve(generation, name="lone") as server:
+        js.generate("lone", "warm", max_steps=2)
+        before = server.stats()
+        js.generate("lone", " ".join(WORDS[:20]), max_steps=LONE_STEPS, ignore_eos=True)
+        after = server.stats()
+    return (after.step_s - before.step_s) / (after.steps - before.steps), LONE_STEPS
 
 
 def main() -> None:
@@ -130,6 +144,10 @@ def main() -> None:
         floor = (weights + attended * position) / bandwidth()
         rows.append(["(c) paged decode step vs floor", f"floor {floor * 1e6:,.0f} us", f"{step * 1e6:,.0f} us",
                      f"{step / floor:.1f}x the floor"])
+        alone, steps = lone_step(llama, common)
+        floor = (weights + steps * position / 2) / bandwidth()  # the weights, and half its positions on average
+        rows.append(["(d) one sequence alone at 32 slots: decode step vs floor", f"floor {floor * 1e6:,.0f} us",
+                     f"{alone * 1e6:,.0f} us", f"{alone / floor:.1f}x the floor"])
     device = jax.devices()[0]
     print(f"# {args.size} Llama-shaped checkpoint on {device.platform} ({device.device_kind}); equal KV memory: "
           f"{memory:,} positions ({args.slots} slots x {args.max_length}); {args.requests} requests")

@@ -41,12 +41,13 @@ FOLDER_CAPS = {
     "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
     "compilers/evaluator": 1_000,
     "compilers/iree": 800,
-    "models": 1_125,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
+    "models": 1_140,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
     # tokenizer and task, for the OpenAI door); 850: models/sharding.py, tensor parallel per family (issue 44);
     # 990: no silent wrong answer from a folder (issues 59, 56): model_type, a tied head, quantization, counts
     # checked before they size anything, the tokenizer within the embedding; sentence-transformers folders;
     # 1,000: generation_config.json's sampling defaults; 1,125: chat templates rendered within bounds of size and
-    # CPU time (issue 56: the sandbox's checked repetitions, joins, formats and calls, the deadline's trace)
+    # CPU time (issue 56: the sandbox's checked repetitions, joins, formats and calls, the deadline's trace);
+    # 1,140: Qwen3 (issue 59: the Llama family's architectures as data, per-head q and k norms)
     # 2,650: issue 47's hardening (loads on threads of their own, size checks, names quoted short); 2,700:
     # Triton's generate extension (protocol/generate.py); 2,750: loads bounded, 503 with Retry-After; 3,200:
     # OpenAI's API on the HTTP port (protocol/openai.py, its request checks in protocol/openai_request.py);
@@ -84,7 +85,9 @@ FOLDER_CAPS = {
     # and stream, the caller's side of js.generate moved here from the registry); 1,650: log-probabilities
     # and penalties per request on the device (issue 45: picking.py, a scored program of each kind, the
     # penalties' counts and their start, log-probabilities delivered)
-    "serving/generation": 1_650,
+    # 1,700: decode launches of the fewest compiled rows that hold their sequences, each row gathering its
+    # slot's state (issue 57: one sequence alone ran all 32 slots' rows)
+    "serving/generation": 1_700,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

@@ -199,8 +199,9 @@ def test_warm_up_logs_each_compiled_program_naming_the_generation_as_a_servings_
     with js.serve(paged, name="gen-paged") as server:
         compiles = server.stats().compiles
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation server gen-paged: ")]
-    assert len(compiled) == compiles and any(
-        " compiled the decode launch of 2 slots over 4 blocks, sampled in " in line for line in compiled), compiled
+    assert len(compiled) == compiles and all(any(
+        f" compiled the decode launch of {rows} over 4 blocks, sampled in " in line for line in compiled)
+        for rows in ("1 sequence", "2 sequences")), compiled
 
 
 def paged_forward(params, cache, tokens, positions, tables, last):

@@ -20,9 +20,12 @@ program, each compiled ahead for every size it runs at:
   request's first output into its slot, scored (sampled or greedy per row,
   after its penalties, with its log-probabilities): a chunk's pick costs
   little beside its forward;
-- a decode launch: every slot's last output, one position each, for
-  ``steps_per_launch`` steps, the table as wide as the longest sequence needs
-  (a compiled power of two of blocks): attention reads no more than that.
+- a decode launch: the last output of each sequence that decodes, one
+  position each, for ``steps_per_launch`` steps, in a compiled number of rows
+  (the fewest that hold them: one sequence alone runs one row, not one per
+  slot), each row gathering its slot's last output and giving its slot the
+  next, the table as wide as the longest sequence needs (a compiled power of
+  two of blocks): attention reads no more than that.
 
 The pool is donated to each program, so XLA writes it in place. A paged
 generation runs on one device (its programs name no mesh roles).
@@ -57,7 +60,7 @@ class PagedPrograms(Programs):
         self._common(generation, options, on_compile)
         self.forward = generation.forward
         self.max_blocks = cache.table_blocks(generation.max_length)
-        self.table_widths = cache.table_widths(generation.max_length)
+        self.decode_shapes = cache.decode_shapes(generation.max_length, generation.slots)
         pool = Template((cache.layers, cache.blocks(generation.max_length) * cache.block_size, cache.kv_heads,
                          cache.head_dim), cache.dtype)
         self.output_template = Template((), np.int32)
@@ -65,7 +68,7 @@ class PagedPrograms(Programs):
         self.carry_template = ({"k": pool, "v": pool}, Template((generation.slots,), np.int32),
                                *self._seen(self.vocabulary))
         self.sequence_width = generation.max_length  # a preempted sequence starts its counts from its outputs too
-        self.decodes: dict[tuple[int, int], Callable[..., Any]] = {}
+        self.decodes: dict[tuple[int, int, int], Callable[..., Any]] = {}
 
     def _vocabulary(self, pool: Template) -> int:
         """The width of the logits ``forward`` gives (traced for one token, not run)."""
@@ -94,26 +97,24 @@ class PagedPrograms(Programs):
                 Template((rows,), np.int32), *self._option_templates(rows, SCORED_KIND)], (), (), donate=(1,))
         return run
 
-    def _decode_program(self, kind: int, width: int) -> Callable[..., Any]:
-        key = (kind, width)
+    def _decode_program(self, kind: int, width: int, rows: int) -> Callable[..., Any]:
+        key = (kind, width, rows)
         run = self.decodes.get(key)
         if run is None:
-            rows = self.generation.slots
-
-            def decode(packed: Any, carry: Any, positions: Any, tables: Any, *options: Any) -> Any:
+            def decode(packed: Any, carry: Any, slots: Any, positions: Any, tables: Any, *options: Any) -> Any:
                 params = self.layout.unpack(packed)
+                cache, last, *seen = carry
+                chosen = last[slots]  # a padding row's slot is past the last: it reads one, and writes none
                 outputs = []
                 for step in range(self.generation.steps_per_launch):
-                    cache, last, *seen = carry
-                    cache, logits = self.forward(params, cache, last[:, None], (positions + step)[:, None], tables,
+                    cache, logits = self.forward(params, cache, chosen[:, None], (positions + step)[:, None], tables,
                                                  jnp.zeros(rows, jnp.int32))
-                    chosen, scores, seen = self._picked(logits, seen, None, self._stepped(options, step), kind)
-                    carry = (cache, chosen, *seen)
+                    chosen, scores, seen = self._picked(logits, seen, slots, self._stepped(options, step), kind)
                     outputs.append((chosen, *scores))
-                return carry, self._stack(outputs)
+                return (cache, last.at[slots].set(chosen, mode="drop"), *seen), self._stack(outputs)
 
             run = self.decodes[key] = self._compile(decode, [
-                self.layout.templates, self.carry_template, Template((rows,), np.int32),
+                self.layout.templates, self.carry_template, *[Template((rows,), np.int32)] * 2,
                 Template((rows, width), np.int32), *self._option_templates(rows, kind)], (), (), donate=(1,))
         return run
 
@@ -122,9 +123,10 @@ class PagedPrograms(Programs):
         return [*[(f"the prefill of {rows} chunk{'s' * (rows > 1)} of {length} tokens",
                    functools.partial(self._chunk_program, rows, length))
                   for rows in g.prefill_batches for length in g.prefill_lengths],
-                *[(f"the decode launch of {g.slots} slots over {width} block{'s' * (width > 1)}{KIND[kind]}",
-                   functools.partial(self._decode_program, kind, width))
-                  for width in self.table_widths for kind in self.kinds], *self._seed_step()]
+                *[(f"the decode launch of {rows} sequence{'s' * (rows > 1)} over {width} block{'s' * (width > 1)}"
+                   f"{KIND[kind]}", functools.partial(self._decode_program, kind, width, rows))
+                  for rows, widths in self.decode_shapes.items() for width in widths for kind in self.kinds],
+                *self._seed_step()]
 
     def run_each_once(self, params: Any) -> None:
         g = self.generation
@@ -135,11 +137,13 @@ class PagedPrograms(Programs):
                 carry, _ = self._chunk_program(rows, length)(
                     params, carry, np.zeros((rows, length), np.int32), idle, idle + 1,
                     np.zeros((rows, self.max_blocks), np.int32), idle + g.slots, *self._idle(rows, SCORED_KIND))
-        for width in self.table_widths:
-            for kind in self.kinds:
-                carry, outputs = self._decode_program(kind, width)(
-                    params, carry, np.zeros(g.slots, np.int32), np.zeros((g.slots, width), np.int32),
-                    *self._idle(g.slots, kind))
+        for rows, widths in self.decode_shapes.items():
+            for width in widths:
+                for kind in self.kinds:
+                    idle = np.zeros(rows, np.int32)
+                    carry, outputs = self._decode_program(kind, width, rows)(
+                        params, carry, idle + g.slots, idle, np.zeros((rows, width), np.int32),
+                        *self._idle(rows, kind))
         owned_host_array(outputs[0])
 
     def prefill_inputs(self, prefill: Chunk[Any]) -> Launch:
@@ -154,10 +158,11 @@ class PagedPrograms(Programs):
         return self._chunk_program(rows, length)(params, self._seeded(carry, inputs), *inputs.arrays)
 
     def step_inputs(self, step: PagedStep[Any]) -> Launch:
-        """Per slot its cache position and block table, and its options if any slot samples or scores."""
+        """Per row its slot, cache position and block table, and its options if any row samples or scores."""
         launch = super().step_inputs(step)
-        return Launch(launch.kind, [step.cache_positions, step.tables, *launch.arrays])
+        return Launch(launch.kind, [step.rows, step.cache_positions, step.tables, *launch.arrays])
 
     def step_of(self, params: Any, carry: Any, inputs: Launch) -> tuple[Any, Any]:
-        positions, tables, *options = inputs.arrays
-        return self._decode_program(inputs.kind, tables.shape[1])(params, carry, positions, tables, *options)
+        slots, positions, tables, *options = inputs.arrays
+        return self._decode_program(inputs.kind, tables.shape[1], slots.size)(params, carry, slots, positions, tables,
+                                                                              *options)

@@ -56,9 +56,12 @@ class Chunk(NamedTuple, Generic[R]):
 
 
 class PagedStep(NamedTuple, Generic[R]):
-    """A decode launch (see :class:`~.scheduler.Step`, whose fields come first) with, per slot, the position
-    its next token is written at (``cache_positions``, 0 where idle) and its block table (``tables``, as
-    many blocks as the longest sequence needs, rounded up to a compiled count; zeros where idle)."""
+    """A decode launch of the sequences done with their prompts, one row each (``requests`` in ``slots``, in
+    slot order), padded to a compiled number of rows: per row its sequence's slot (``rows``; the number of
+    slots in a padding row), the position its next token is written at (``cache_positions``, 0 in padding)
+    and its block table (``tables``, as many blocks as the longest sequence needs, rounded up to a compiled
+    count; zeros in padding); where some request samples, per row its ``samplings`` and ``positions`` (see
+    :class:`~.scheduler.Step`; greedy and 0 in padding), else both None."""
 
     requests: list[R]
     slots: list[int]
@@ -66,6 +69,12 @@ class PagedStep(NamedTuple, Generic[R]):
     positions: list[int] | None
     cache_positions: np.ndarray
     tables: np.ndarray
+    rows: np.ndarray
+
+    @property
+    def output_rows(self) -> list[int]:
+        """Each request's row of the launch's outputs: its row of the launch."""
+        return list(range(len(self.requests)))
 
 
 class PagedScheduler(Scheduler[R]):
@@ -79,7 +88,8 @@ class PagedScheduler(Scheduler[R]):
         self.block_size = g.cache.block_size
         self.pool = BlockPool(g.cache.blocks(g.max_length), self.block_size)
         self.max_blocks = g.cache.table_blocks(g.max_length)  # a block table's width
-        self.table_widths = g.cache.table_widths(g.max_length)  # compiled decode widths
+        self.decode_shapes = g.cache.decode_shapes(g.max_length, g.slots)  # compiled rows -> their table widths
+        self.row_counts = list(self.decode_shapes)
         self.chunk = self.prefill_lengths[-1]  # prompt tokens prefilled per turn, at most
         self.prefix_caching = g.cache.prefix_caching
         self.prefilling: dict[R, tuple[np.ndarray, list[bytes]]] = {}  # admitted, not prefilled: sequence, keys
@@ -269,21 +279,30 @@ class PagedScheduler(Scheduler[R]):
         return Chunk(length, tokens, starts, counts, tables, slots, samplings, steps, requests, rows)
 
     def _paged_step(self) -> PagedStep[R] | None:
-        """The decode launch of every sequence done with its prompt, if any."""
+        """The decode launch of every sequence done with its prompt, if any, in as few compiled rows as hold
+        them."""
         decoding = {slot: r for slot, r in self.running.items() if r not in self.prefilling}
         if not decoding:
             return None
         slots = sorted(decoding)
         requests = [decoding[slot] for slot in slots]
+        count = self.row_counts[bisect.bisect_left(self.row_counts, len(requests))]
         longest = max(len(request.blocks) for request in requests)
-        tables = np.zeros((self.slots, self.table_widths[bisect.bisect_left(self.table_widths, longest)]), np.int32)
-        positions = np.zeros(self.slots, np.int32)
-        for slot, request in zip(slots, requests):
-            tables[slot, :len(request.blocks)] = request.blocks
-            positions[slot] = request.prompt.size + request.dispatched - 1
-        samplings, steps = self._options(decoding) if any(r.sampling.kind for r in requests) else (None, None)
+        widths = self.decode_shapes[count]
+        tables = np.zeros((count, widths[bisect.bisect_left(widths, longest)]), np.int32)
+        positions = np.zeros(count, np.int32)
+        rows = np.full(count, self.slots, np.int32)
+        for row, request in enumerate(requests):
+            tables[row, :len(request.blocks)] = request.blocks
+            positions[row] = request.prompt.size + request.dispatched - 1
+            rows[row] = request.slot
+        samplings, steps = None, None
+        if any(r.sampling.kind for r in requests):
+            padding = count - len(requests)
+            samplings = [*(r.sampling for r in requests), *[GREEDY] * padding]
+            steps = [*(r.dispatched for r in requests), *[0] * padding]
         self._dispatched(requests, self.steps_per_launch)
-        return PagedStep(requests, slots, samplings, steps, positions, tables)
+        return PagedStep(requests, slots, samplings, steps, positions, tables, rows)
 
     def counters(self) -> dict[str, Any]:
         """The cache's readings for the statistics."""

@@ -81,6 +81,11 @@ class Step(NamedTuple, Generic[R]):
     samplings: list[Sampling] | None
     positions: list[int] | None
 
+    @property
+    def output_rows(self) -> list[int]:
+        """Each request's row of the launch's outputs: its slot."""
+        return self.slots
+
 
 class Plan(NamedTuple, Generic[R]):
     """What one turn of a server's loop launches: the prefills of the prompts it admitted, then a decode

@@ -418,7 +418,7 @@ class GenerationServer(GenerationFront):
             inputs = programs.step_inputs(step)
             calling = time.perf_counter()
             self._carry, outputs = programs.step_of(self._params, self._carry, inputs)
-            dispatched.append(self._dispatched(step.requests, step.slots, outputs, started, calling, True))
+            dispatched.append(self._dispatched(step.requests, step.output_rows, outputs, started, calling, True))
 
     @staticmethod
     def _dispatched(requests: list[GenerationRequest], rows: list[int], outputs: Any, started: float,

@@ -167,6 +167,17 @@ class PagedCache:
         ``PAGED_NARROWEST_TABLE`` (fewer cost no less), up to :meth:`table_blocks`."""
         return powers_of_two_up_to(self.table_blocks(max_length), PAGED_NARROWEST_TABLE)
 
+    def decode_shapes(self, max_length: int, slots: int) -> dict[int, list[int]]:
+        """The decode launches compiled: per number of sequences (rows), its table widths. Rows: powers of four
+        below ``slots``, then ``slots``; a launch runs the fewest that hold its sequences, so one sequence
+        alone reads the weights for itself, not for every slot (a step's cost grows with its rows). Widths:
+        every one of :meth:`table_widths` for ``slots`` rows, only the widest below: a few sequences' keys
+        and values over the widest table cost little beside the weights they read, and the programs stay
+        few."""
+        widths = self.table_widths(max_length)
+        rows = [*(4 ** k for k in range(slots.bit_length()) if 4 ** k < slots), slots]
+        return {count: widths if count == slots else widths[-1:] for count in rows}
+
     def __repr__(self) -> str:
         return (f"PagedCache(layers={self.layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype.name!r}, block_size={self.block_size}, tokens={self.tokens}, "
