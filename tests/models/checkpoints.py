@@ -23,6 +23,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 CORPUS = [
@@ -139,15 +141,18 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 
 def llama(folder: Path, architecture: str = "llama", heads: int = 8, kv_heads: int = 2, tied: bool = False,
-          rope: dict | None = None, seed: int = 0, dtype=torch.float32, **save_options) -> Path:
+          rope: dict | None = None, seed: int = 0, dtype=torch.float32, head_dim: int | None = None,
+          **save_options) -> Path:
     tokenizer = byte_level_tokenizer(VOCABULARY, "<|begin_of_text|>", "<|end_of_text|>", add_bos=True)
     bos, eos = tokenizer.token_to_id("<|begin_of_text|>"), tokenizer.token_to_id("<|end_of_text|>")
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+             "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     config_class, model_class = kinds[architecture]
     extra = {"rope_parameters": {"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}}
     if architecture == "mistral":
         extra["sliding_window"] = None
+    if head_dim is not None:
+        extra["head_dim"] = head_dim
     config = config_class(vocab_size=VOCABULARY, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                           tie_word_embeddings=tied, bos_token_id=bos, eos_token_id=eos, **extra)
@@ -190,6 +195,7 @@ VARIANTS = {  # the config variants the tests compare, by name
     "llama-tied": lambda folder: llama(folder, heads=4, kv_heads=4, tied=True, seed=2),
     "qwen2-biases": lambda folder: llama(folder, "qwen2", seed=3),
     "mistral": lambda folder: llama(folder, "mistral", heads=4, kv_heads=1, seed=4),
+    "qwen3-qk-norms": lambda folder: llama(folder, "qwen3", head_dim=16, seed=7),  # heads x head_dim != width
     "llama-sharded": lambda folder: llama(folder, seed=5, max_shard_size="40KB"),
     "llama-bfloat16": lambda folder: llama(folder, seed=6, dtype=torch.bfloat16),
 }

@@ -58,6 +58,19 @@ def test_an_unexpected_key_is_named(made, tmp_path):
         js.from_pretrained(folder)
 
 
+@pytest.mark.parametrize(("variant", "change", "message"), [
+    ("qwen3-qk-norms", lambda w: w.pop("model.layers.1.self_attn.q_norm.weight"),
+     r"weight 'model\.layers\.1\.self_attn\.q_norm\.weight' is missing; config.json implies it, shaped \(16,\)"),
+    ("qwen3-qk-norms", lambda w: w.update({"model.layers.0.self_attn.k_norm.weight": np.ones(64, np.float32)}),
+     r"weight 'model\.layers\.0\.self_attn\.k_norm\.weight' has shape \(64,\), but config.json implies \(16,\)"),
+])
+def test_a_later_familys_own_weights_are_checked_by_name(made, tmp_path, variant, change, message):
+    folder = copy(made, variant, tmp_path)
+    edit_weights(folder, change)
+    with pytest.raises(js.CheckpointError, match=message):
+        js.from_pretrained(folder)
+
+
 def test_an_untied_head_missing_from_the_checkpoint_is_refused_not_replaced_by_the_embedding(made, tmp_path):
     folder = copy(made, "gpt2-untied", tmp_path)
     edit_weights(folder, lambda w: w.pop("lm_head.weight"))
@@ -87,6 +100,7 @@ def test_a_max_length_beyond_the_context_is_refused_naming_the_field(made):
     ("mistral", lambda c: c.update(sliding_window=128),
      r"config.json's 'sliding_window' is 128, which jitserve does not implement \(attention over a sliding window"),
     ("qwen2-biases", lambda c: c.update(use_sliding_window=True), r"'use_sliding_window' is True"),
+    ("qwen3-qk-norms", lambda c: c.update(use_sliding_window=True), r"'use_sliding_window' is True"),
     ("gpt2-8-heads", lambda c: c.update(activation_function="quick_gelu"), r"'activation_function' is 'quick_gelu'"),
     ("gpt2-8-heads", lambda c: c.update(architectures=["GPT2ForTokenClassification"]),
      r"'architectures' is \['GPT2ForTokenClassification'\]; jitserve serves GPT2LMHeadModel, LlamaForCausalLM"),

@@ -1,10 +1,13 @@
 """``js.from_pretrained`` against ``transformers`` on checkpoints ``transformers`` saved: the same token ids,
 the same logits, and the same greedy text from ``js.generate`` as from ``model.generate(do_sample=False)``
-decoded by the same tokenizer, for prompts of 1 to 200 tokens, alone and 8 at once."""
+decoded by the same tokenizer, for prompts of 1 to 200 tokens, alone and 8 at once; the families added after
+the first five also on the slot cache, the evaluator and IREE, and over ``/v1/completions``."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import jitserve as js
 from jitserve.models import layers
+from jitserve.protocol import app
+from jitserve.protocol.service import InferenceService
+from netutil import free_port, http_front
 
 NEW_TOKENS = 24
 PROMPTS = ["a", "Once upon a time", CORPUS[4], " ".join(CORPUS[:4])]  # 1 to about 200 tokens
@@ -111,3 +117,42 @@ def test_stop_sequences_are_bounded_so_matching_them_stays_cheap(made):
                                                      r"each; got \d+, the longest [\d,]+ long"):
                 js.generate("stops", "Once", max_steps=4, stop=stop)
         assert isinstance(js.generate("stops", "Once", max_steps=4, stop=["z" * 256] * 16), str)
+
+
+LATER_FAMILIES = ["qwen3-qk-norms"]  # the families after the first five, tested on each cache, compiler and door
+
+
+@pytest.mark.parametrize("variant", LATER_FAMILIES)
+@pytest.mark.parametrize("compiler, kv_cache", [("xla", "slots"), ("evaluator", "paged"), ("iree", "slots")])
+def test_the_later_families_give_transformers_greedy_text_on_each_cache_and_compiler(made, variant, compiler,
+                                                                                       kv_cache):
+    """The families added after the first five, beside the paged cache on XLA above: the slot cache, the
+    evaluator (which pages as XLA does) and IREE (which keeps the slot cache), on short prompts (few programs)."""
+    folder = made(variant)
+    model, tokenizer = reference(folder)
+    generation = js.from_pretrained(folder, compiler=compiler, kv_cache=kv_cache, slots=2, max_length=64,
+                                    prefill_lengths=[16])
+    assert generation.engine == kv_cache
+    with js.serve(generation, name=f"{variant}-{compiler}"):
+        got = [js.generate(f"{variant}-{compiler}", prompt, max_steps=NEW_TOKENS) for prompt in PROMPTS[:2]]
+    assert got == [expected_text(model, tokenizer, prompt) for prompt in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("variant", LATER_FAMILIES)
+def test_the_later_families_answer_v1_completions_with_transformers_greedy_text(made, variant):
+    folder = made(variant)
+    expected = expected_text(*reference(folder), PROMPTS[1])
+    server = js.serve(js.from_pretrained(folder, slots=2, max_length=64, prefill_lengths=[16]), name=variant)
+    port = free_port()
+    try:
+        with http_front(app.http_config(InferenceService({variant: server}), "127.0.0.1", port)):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            connection.request("POST", "/v1/completions", json.dumps(
+                {"model": variant, "prompt": PROMPTS[1], "max_tokens": NEW_TOKENS, "temperature": 0}).encode())
+            response = connection.getresponse()
+            status, completion = response.status, json.loads(response.read())
+            connection.close()
+    finally:
+        server.stop()
+    assert status == 200, completion
+    assert completion["choices"][0]["text"] == expected

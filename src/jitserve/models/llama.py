@@ -1,12 +1,14 @@
-"""The Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) over its
-checkpoint's own key names: RMSNorm, rotary positions (``default``, ``linear`` and ``llama3`` scaling),
-grouped-query attention, a SwiGLU MLP, the head tied or untied. The three differ only in which biases
-they carry (Qwen2: q, k and v) and which attention windows they may declare (refused, by name, where a
-window would be shorter than what is served)."""
+"""The Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``) over its checkpoint's own key names: RMSNorm, rotary positions (``default``,
+``linear`` and ``llama3`` scaling), grouped-query attention, a SwiGLU MLP, the head tied or untied. They
+differ only as :data:`VARIANTS` says: which biases they carry (Qwen2: q, k and v), an RMSNorm on each head
+of q and k before the rotation (Qwen3), and which attention windows they may declare (refused, by name,
+where a window would be shorter than what is served)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,26 @@ from .checkpoint import Checkpoint
 from .layers import ACTIVATIONS, linear, merge_heads, rms_norm, rotate, split_heads
 
 ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one architecture differs from Llama. A bias is always there (True), never (False), or where
+    config.json's ``attention_bias`` (q, k, v and o) or ``mlp_bias`` says (None)."""
+
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    mlp_bias: bool | None = None
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k (``q_norm``, ``k_norm``), before the rotation
+    window_switch: str | None = None  # the field that must be false (its ``sliding_window`` is then inert)
+
+
+VARIANTS = {  # architecture -> its variant
+    "LlamaForCausalLM": Variant(),
+    "MistralForCausalLM": Variant(qkv_bias=False, o_bias=False, mlp_bias=False),
+    "Qwen2ForCausalLM": Variant(qkv_bias=True, o_bias=False, mlp_bias=False, window_switch="use_sliding_window"),
+    "Qwen3ForCausalLM": Variant(mlp_bias=False, qk_norm=True, window_switch="use_sliding_window"),
+}
 
 
 class Llama:
@@ -34,17 +56,21 @@ class Llama:
         self.activation = ACTIVATIONS[c.choice("hidden_act", "silu", ACTIVATIONS)]
         self.tied = bool(c.field("tie_word_embeddings", False, bool))
         self.tied_head = ("lm_head.weight", "model.embed_tokens.weight") if self.tied else None
-        qwen = c.architecture == "Qwen2ForCausalLM"
-        self.qkv_bias = qwen or bool(c.field("attention_bias", False, bool))
-        self.o_bias = not qwen and bool(c.field("attention_bias", False, bool))
-        self.mlp_bias = bool(c.field("mlp_bias", False, bool))
+        variant = VARIANTS[str(c.architecture)]  # one of them: pretrained.ARCHITECTURES has refused others
+
+        def bias(fixed: bool | None, field: str) -> bool:
+            return bool(c.field(field, False, bool)) if fixed is None else fixed
+
+        self.qkv_bias, self.o_bias = bias(variant.qkv_bias, "attention_bias"), bias(variant.o_bias, "attention_bias")
+        self.mlp_bias = bias(variant.mlp_bias, "mlp_bias")
+        self.qk_norm = variant.qk_norm
         if self.heads % self.kv_heads:
             raise c.unsupported("num_key_value_heads", self.kv_heads,
                                 f"it must divide num_attention_heads ({self.heads})")
-        if qwen:
-            c.choice("use_sliding_window", False, [False])
+        if variant.window_switch:
+            c.choice(variant.window_switch, False, [False])
         window = c.field("sliding_window", None, int)
-        if not qwen and window is not None and window < max_length:
+        if not variant.window_switch and window is not None and window < max_length:
             raise c.unsupported("sliding_window", window, f"attention over a sliding window; it is served here "
                                 f"only where max_length ({max_length}) fits in the window")
         self.scale = 1 / math.sqrt(self.head_dim)
@@ -65,6 +91,8 @@ class Llama:
                                "self_attn.v_proj.bias": (kv,)})
             if self.o_bias:
                 shapes["self_attn.o_proj.bias"] = (d,)
+            if self.qk_norm:
+                shapes.update({f"self_attn.{name}_norm.weight": (self.head_dim,) for name in "qk"})
             if self.mlp_bias:
                 shapes.update({"mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
                                "mlp.down_proj.bias": (d,)})
@@ -89,6 +117,9 @@ class Llama:
         q = split_heads(linear(h, attention["q_proj"]), self.heads)
         k = split_heads(linear(h, attention["k_proj"]), self.kv_heads)
         v = split_heads(linear(h, attention["v_proj"]), self.kv_heads)
+        if self.qk_norm:
+            q = rms_norm(q, attention["q_norm"]["weight"], self.eps)
+            k = rms_norm(k, attention["k_norm"]["weight"], self.eps)
         return rotate(q, positions, self.inv_freq), rotate(k, positions, self.inv_freq), v
 
     def finish(self, block: Any, x: Any, mixed: Any) -> Any:

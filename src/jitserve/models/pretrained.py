@@ -45,6 +45,7 @@ ARCHITECTURES: dict[str, tuple[str, Callable[..., Any], str, tuple[str, ...]]] =
     "LlamaForCausalLM": ("llama", Llama, "max_position_embeddings", ("generation",)),
     "MistralForCausalLM": ("mistral", Llama, "max_position_embeddings", ("generation",)),
     "Qwen2ForCausalLM": ("qwen2", Llama, "max_position_embeddings", ("generation",)),
+    "Qwen3ForCausalLM": ("qwen3", Llama, "max_position_embeddings", ("generation",)),
     "BertForSequenceClassification": ("bert", Bert, "max_position_embeddings", ("classification", "embedding")),
     "BertModel": ("bert", Bert, "max_position_embeddings", ("embedding",)),
 }
