@@ -20,6 +20,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -146,11 +148,14 @@ def llama(folder: Path, architecture: str = "llama", heads: int = 8, kv_heads: i
     tokenizer = byte_level_tokenizer(VOCABULARY, "<|begin_of_text|>", "<|end_of_text|>", add_bos=True)
     bos, eos = tokenizer.token_to_id("<|begin_of_text|>"), tokenizer.token_to_id("<|end_of_text|>")
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-             "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+             "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+             "phi3": (Phi3Config, Phi3ForCausalLM)}
     config_class, model_class = kinds[architecture]
     extra = {"rope_parameters": {"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}}
     if architecture == "mistral":
         extra["sliding_window"] = None
+    if architecture == "phi3":
+        extra["pad_token_id"] = eos  # Phi3Config's default, 32000, is past this vocabulary
     if head_dim is not None:
         extra["head_dim"] = head_dim
     config = config_class(vocab_size=VOCABULARY, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -196,6 +201,7 @@ VARIANTS = {  # the config variants the tests compare, by name
     "qwen2-biases": lambda folder: llama(folder, "qwen2", seed=3),
     "mistral": lambda folder: llama(folder, "mistral", heads=4, kv_heads=1, seed=4),
     "qwen3-qk-norms": lambda folder: llama(folder, "qwen3", head_dim=16, seed=7),  # heads x head_dim != width
+    "phi3-fused": lambda folder: llama(folder, "phi3", seed=8),  # qkv_proj and gate_up_proj
     "llama-sharded": lambda folder: llama(folder, seed=5, max_shard_size="40KB"),
     "llama-bfloat16": lambda folder: llama(folder, seed=6, dtype=torch.bfloat16),
 }

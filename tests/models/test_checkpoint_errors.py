@@ -63,6 +63,14 @@ def test_an_unexpected_key_is_named(made, tmp_path):
      r"weight 'model\.layers\.1\.self_attn\.q_norm\.weight' is missing; config.json implies it, shaped \(16,\)"),
     ("qwen3-qk-norms", lambda w: w.update({"model.layers.0.self_attn.k_norm.weight": np.ones(64, np.float32)}),
      r"weight 'model\.layers\.0\.self_attn\.k_norm\.weight' has shape \(64,\), but config.json implies \(16,\)"),
+    ("phi3-fused", lambda w: w.pop("model.layers.0.self_attn.qkv_proj.weight"),
+     r"weight 'model\.layers\.0\.self_attn\.qkv_proj\.weight' is missing; config.json implies it, shaped "
+     r"\(96, 64\)"),
+    ("phi3-fused", lambda w: w.update({"model.layers.1.mlp.gate_up_proj.weight": np.ones((128, 64), np.float32)}),
+     r"weight 'model\.layers\.1\.mlp\.gate_up_proj\.weight' has shape \(128, 64\), but config.json implies "
+     r"\(256, 64\)"),
+    ("phi3-fused", lambda w: w.update({"model.layers.0.mlp.up_proj.weight": np.ones((128, 64), np.float32)}),
+     r"weight 'model\.layers\.0\.mlp\.up_proj\.weight' \(shape \(128, 64\)\) is unexpected"),
 ])
 def test_a_later_familys_own_weights_are_checked_by_name(made, tmp_path, variant, change, message):
     folder = copy(made, variant, tmp_path)
@@ -101,6 +109,11 @@ def test_a_max_length_beyond_the_context_is_refused_naming_the_field(made):
      r"config.json's 'sliding_window' is 128, which jitserve does not implement \(attention over a sliding window"),
     ("qwen2-biases", lambda c: c.update(use_sliding_window=True), r"'use_sliding_window' is True"),
     ("qwen3-qk-norms", lambda c: c.update(use_sliding_window=True), r"'use_sliding_window' is True"),
+    *[("phi3-fused", lambda c, kind=kind: (c.pop("rope_parameters"), c.update(rope_theta=1e4, rope_scaling={
+        "type": kind, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})), rf"'rope_scaling' is .*'{kind}'.*"
+       r"jitserve implements default, linear, llama3") for kind in ("longrope", "su", "yarn")],
+    ("phi3-fused", lambda c: c.update(sliding_window=64), r"'sliding_window' is 64, which jitserve does not "
+                                                          r"implement \(attention over a sliding window"),
     ("gpt2-8-heads", lambda c: c.update(activation_function="quick_gelu"), r"'activation_function' is 'quick_gelu'"),
     ("gpt2-8-heads", lambda c: c.update(architectures=["GPT2ForTokenClassification"]),
      r"'architectures' is \['GPT2ForTokenClassification'\]; jitserve serves GPT2LMHeadModel, LlamaForCausalLM"),

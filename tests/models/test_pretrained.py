@@ -119,7 +119,7 @@ def test_stop_sequences_are_bounded_so_matching_them_stays_cheap(made):
         assert isinstance(js.generate("stops", "Once", max_steps=4, stop=["z" * 256] * 16), str)
 
 
-LATER_FAMILIES = ["qwen3-qk-norms"]  # the families after the first five, tested on each cache, compiler and door
+LATER_FAMILIES = ["qwen3-qk-norms", "phi3-fused"]  # the families after the first five, tested on each cache, compiler and door
 
 
 @pytest.mark.parametrize("variant", LATER_FAMILIES)

@@ -41,6 +41,7 @@ class Bert:
     """The encoder of one BERT config; ``prefix`` is ``"bert."`` in a task model's checkpoint."""
 
     tied_head = None  # no language-model head
+    fused = None  # no stored weight split at load
 
     def __init__(self, checkpoint: Checkpoint, task: str, max_length: int) -> None:
         c = checkpoint

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ from ..errors import CheckpointError
 from ..params import flatten, load_params, nest
 
 DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+Fused = Mapping[str, Sequence[tuple[str, int]]]  # a stored weight -> its parts, (name, rows) on its first axis
 MAX_COUNT = 2**31 - 1  # the largest count a config.json may give: ids and positions are int32 on the device
 _ABSENT = object()
 
@@ -124,12 +125,15 @@ class Checkpoint:
                                f"does not implement ({why})")
 
     def weights(self, expected: Mapping[str, tuple[int, ...]], ignored: Iterable[str] = (),
-                dtype: str | None = None, tied: tuple[str, str] | None = None) -> dict[str, Any]:
+                dtype: str | None = None, tied: tuple[str, str] | None = None,
+                fused: Fused | None = None) -> dict[str, Any]:
         """The checkpoint's weights as a nested tree, exactly the ``expected`` names with the expected shapes
         (a missing, misshaped or unexpected key is an error naming it; names matching an ``ignored``
         pattern, such as derivable buffers, are dropped), cast to ``dtype`` where given. ``tied``: the
         names of a head tied to an embedding (``tie_word_embeddings``), whose saved copy is dropped where it
-        equals the embedding and refused where it differs (see :meth:`_tied_copy`)."""
+        equals the embedding and refused where it differs (see :meth:`_tied_copy`). ``fused``: a stored
+        weight (checked as stored) -> the weights it is split into on its first axis, each ``(name, rows)``
+        in order, as the family computes with them (views of the stored rows: nothing is copied)."""
         skip = [re.compile(pattern) for pattern in ignored]
         flat = {name: array for name, array in self.stored.items() if not any(p.fullmatch(name) for p in skip)}
         if tied is not None and tied[0] in flat:
@@ -147,6 +151,10 @@ class Checkpoint:
                                   f"{tuple(flat[unexpected[0]].shape)}) is unexpected: {self.architecture} as "
                                   f"configured has no such weight"
                                   + (f" ({len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+        for name, parts in (fused or {}).items():
+            stored, start = flat.pop(name), 0
+            for part, rows in parts:
+                flat[part], start = stored[start:start + rows], start + rows
         cast = None if dtype is None else DTYPES[dtype]
         return nest({name: array if cast is None or not jnp.issubdtype(array.dtype, jnp.floating)
                      or array.dtype == cast else np.asarray(array).astype(cast) for name, array in flat.items()},

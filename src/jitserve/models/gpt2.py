@@ -28,6 +28,7 @@ class GPT2:
         self.activation = ACTIVATIONS[c.choice("activation_function", "gelu_new", ACTIVATIONS)]
         self.tied = bool(c.field("tie_word_embeddings", True, bool))
         self.tied_head = ("lm_head.weight", "transformer.wte.weight") if self.tied else None
+        self.fused = None  # c_attn, q k and v in one, is computed as stored
         c.choice("scale_attn_by_inverse_layer_idx", False, [False])
         c.choice("add_cross_attention", False, [False])
         if self.width % self.heads:

@@ -1,9 +1,10 @@
 """The Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``) over its checkpoint's own key names: RMSNorm, rotary positions (``default``,
-``linear`` and ``llama3`` scaling), grouped-query attention, a SwiGLU MLP, the head tied or untied. They
-differ only as :data:`VARIANTS` says: which biases they carry (Qwen2: q, k and v), an RMSNorm on each head
-of q and k before the rotation (Qwen3), and which attention windows they may declare (refused, by name,
-where a window would be shorter than what is served)."""
+``Qwen3ForCausalLM``, ``Phi3ForCausalLM``) over its checkpoint's own key names: RMSNorm, rotary positions
+(``default``, ``linear`` and ``llama3`` scaling), grouped-query attention, a SwiGLU MLP, the head tied or
+untied. They differ only as :data:`VARIANTS` says: which biases they carry (Qwen2: q, k and v), an RMSNorm
+on each head of q and k before the rotation (Qwen3), q, k and v stored as one weight and the MLP's gate and
+up as another (Phi-3 and Phi-4: split at load), and which attention windows they may declare (refused, by
+name, where a window would be shorter than what is served)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, Fused
 from .layers import ACTIVATIONS, linear, merge_heads, rms_norm, rotate, split_heads
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -29,6 +30,7 @@ class Variant:
     mlp_bias: bool | None = None
     qk_norm: bool = False  # an RMSNorm over each head of q and of k (``q_norm``, ``k_norm``), before the rotation
     window_switch: str | None = None  # the field that must be false (its ``sliding_window`` is then inert)
+    fused: bool = False  # q, k and v stored as one weight, and the MLP's gate and up (:data:`FUSIONS`)
 
 
 VARIANTS = {  # architecture -> its variant
@@ -36,7 +38,12 @@ VARIANTS = {  # architecture -> its variant
     "MistralForCausalLM": Variant(qkv_bias=False, o_bias=False, mlp_bias=False),
     "Qwen2ForCausalLM": Variant(qkv_bias=True, o_bias=False, mlp_bias=False, window_switch="use_sliding_window"),
     "Qwen3ForCausalLM": Variant(mlp_bias=False, qk_norm=True, window_switch="use_sliding_window"),
+    "Phi3ForCausalLM": Variant(qkv_bias=False, o_bias=False, mlp_bias=False, fused=True),
 }
+# a fused weight of a block -> the weights it holds, in its rows' order; split at load, so that one forward
+# computes every variant (and tensor parallel splits the parts as Llama's)
+FUSIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 class Llama:
@@ -63,7 +70,7 @@ class Llama:
 
         self.qkv_bias, self.o_bias = bias(variant.qkv_bias, "attention_bias"), bias(variant.o_bias, "attention_bias")
         self.mlp_bias = bias(variant.mlp_bias, "mlp_bias")
-        self.qk_norm = variant.qk_norm
+        self.qk_norm, self.fuses = variant.qk_norm, variant.fused
         if self.heads % self.kv_heads:
             raise c.unsupported("num_key_value_heads", self.kv_heads,
                                 f"it must divide num_attention_heads ({self.heads})")
@@ -77,6 +84,20 @@ class Llama:
         self.inv_freq = rope_frequencies(c, self.head_dim)
 
     def weights(self) -> dict[str, tuple[int, ...]]:
+        expected = self._unfused()
+        for name, parts in (self.fused or {}).items():
+            expected[name] = (sum(expected.pop(part)[0] for part, _ in parts), self.width)
+        return expected
+
+    @property
+    def fused(self) -> Fused | None:
+        """The weights stored fused (:data:`FUSIONS`), each with the parts it is split into at load."""
+        rows = {name: shape[0] for name, shape in self._unfused().items()}
+        return {f"{block}{name}.weight": [(f"{block}{part}.weight", rows[f"{block}{part}.weight"]) for part in parts]
+                for block in (f"model.layers.{i}." for i in range(self.layers))
+                for name, parts in FUSIONS.items()} if self.fuses else None
+
+    def _unfused(self) -> dict[str, tuple[int, ...]]:
         d, inner, q, kv = self.width, self.inner, self.heads * self.head_dim, self.kv_heads * self.head_dim
         expected = {"model.embed_tokens.weight": (self.vocabulary, d), "model.norm.weight": (d,)}
         for i in range(self.layers):

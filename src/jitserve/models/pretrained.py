@@ -46,6 +46,7 @@ ARCHITECTURES: dict[str, tuple[str, Callable[..., Any], str, tuple[str, ...]]] =
     "MistralForCausalLM": ("mistral", Llama, "max_position_embeddings", ("generation",)),
     "Qwen2ForCausalLM": ("qwen2", Llama, "max_position_embeddings", ("generation",)),
     "Qwen3ForCausalLM": ("qwen3", Llama, "max_position_embeddings", ("generation",)),
+    "Phi3ForCausalLM": ("phi3", Llama, "max_position_embeddings", ("generation",)),
     "BertForSequenceClassification": ("bert", Bert, "max_position_embeddings", ("classification", "embedding")),
     "BertModel": ("bert", Bert, "max_position_embeddings", ("embedding",)),
 }
@@ -110,7 +111,7 @@ def from_pretrained(path: str | os.PathLike[str], *, task: str | None = None, dt
                               f"integer at most the model's context, config.json's {context_field!r} ({context})")
     dtype = check_dtype(dtype)
     model = family(checkpoint, task, max_length)
-    params = checkpoint.weights(model.weights(), model.ignored(), dtype, model.tied_head)
+    params = checkpoint.weights(model.weights(), model.ignored(), dtype, model.tied_head, model.fused)
     tokenizer = Tokenizer(checkpoint)
     _check_vocabulary(checkpoint, tokenizer, model.vocabulary)
     options = {**({"compiler": compiler} if compiler else {}), **options}
