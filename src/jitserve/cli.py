@@ -29,7 +29,7 @@ import numpy as np
 
 from . import compilers
 from .compilers.xla import run_cpu_computations_inline
-from .defaults import CACHE_DIR_ENV, set_default_options
+from .defaults import keep_compiled
 from .defn import devices, jit, to_mlir
 from .errors import JitserveError, OptionError
 from .template import is_template
@@ -242,20 +242,6 @@ def _logging(args: argparse.Namespace) -> None:
     logs.configure(args.log_format)
 
 
-def _compile_cache(off: bool) -> None:
-    """``jitserve serve`` keeps its compiled programs (JAX's persistent cache, IREE's modules) across restarts:
-    in ``$JITSERVE_CACHE_DIR``, else the user's cache folder; ``off`` (``--no-compile-cache``): nowhere, that
-    variable ignored too. Set in the environment as well, for the processes it starts (workers, fronts)."""
-    if off:
-        os.environ.pop(CACHE_DIR_ENV, None)
-        set_default_options()
-        return
-    folder = os.environ.get(CACHE_DIR_ENV) or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                                                  / "jitserve")
-    os.environ[CACHE_DIR_ENV] = folder
-    set_default_options()  # the defaults read the variable
-
-
 def serve_command(args: argparse.Namespace) -> int:
     from .protocol import app
     from .protocol.repository import exit_past_loads
@@ -263,7 +249,9 @@ def serve_command(args: argparse.Namespace) -> int:
     if [args.target is not None, bool(args.hf), args.model_repository is not None].count(True) != 1:
         raise OptionError("serve takes one of a TARGET, --hf DIR or --model-repository DIR")
     app.check_http_workers(args.http_workers)  # before anything changes this process (JAX's CPU dispatch)
-    _compile_cache(args.no_compile_cache)
+    keep_compiled(not args.no_compile_cache)
+    run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
+    _logging(args)
     if args.model_repository is not None:
         if args.ray is not None or args.name is not None or _overrides(args):
             raise OptionError("--model-repository serves each DIR/NAME/model.py as it is: --ray, --name, "
@@ -271,13 +259,9 @@ def serve_command(args: argparse.Namespace) -> int:
         repository = app.start_repository(args.model_repository, args.model_control_mode,
                                           args.repository_poll_secs, tuple(args.load_model or ()),
                                           args.model_load_timeout, args.max_loads_per_model)
-        run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
-        _logging(args)
         app.run(lambda servers: None, attach=repository, **_network_options(args))
         exit_past_loads()
         return 0
-    run_cpu_computations_inline()  # before the user's module runs anything on JAX's CPU client
-    _logging(args)
     servings = load_servings(args)
     if args.ray is None:
         app.run(app.start_locally(servings), **_network_options(args))
@@ -506,10 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--max-loads-per-model", type=int, default=4, metavar="N",
                               help="load and unload requests of one repository model taken at once, running or "
                               "waiting their turn; one more is refused 503 (default 4; all models: 16)")
-    serve_parser.add_argument("--no-compile-cache", action="store_true",
-                              help=f"compile every program again at start (default: keep them in ${CACHE_DIR_ENV}, "
-                                   f"else $XDG_CACHE_HOME/jitserve or ~/.cache/jitserve, so a restart compiles "
-                                   f"nothing it compiled before)")
+    serve_parser.add_argument("--no-compile-cache", action="store_true", help="compile every program again at "
+                              "start (default: kept in $JITSERVE_CACHE_DIR, else ~/.cache/jitserve, for restarts)")
     serve_parser.add_argument("--name", help="the model name of a single Serving (default: the file's or module's "
                               "name, e.g. 'mlp' for examples/mlp.py:serving)")
     _add_network(serve_parser)

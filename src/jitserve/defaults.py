@@ -14,6 +14,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 DEFAULT_COMPILER = "xla"
@@ -139,3 +140,15 @@ def current() -> Options:
     if found is None:
         found = _effective[scoped] = _defaults.merge(scoped)
     return found
+
+
+def keep_compiled(on: bool) -> None:
+    """What ``jitserve serve`` does at start: keep its compiled programs (JAX's persistent cache, IREE's
+    modules) across restarts, in ``$JITSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/jitserve`` or
+    ``~/.cache/jitserve``; not ``on`` (``--no-compile-cache``): nowhere, that variable ignored too. Set in
+    the environment as well, for the processes it starts (workers, fronts)."""
+    if not on:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    elif not os.environ.get(CACHE_DIR_ENV):
+        os.environ[CACHE_DIR_ENV] = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jitserve")
+    set_default_options()  # the defaults read the variable
