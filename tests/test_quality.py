@@ -80,7 +80,8 @@ FOLDER_CAPS = {
     # warm-up progress shown alike for a Serving and a Generation (serving/warmup.py, issue 46); 1,900: the
     # per-request path lean (issue 48: one queue's plan without urgencies, completions counted per batch);
     # 1,925: the adaptive window's memory of the rows in flight at once (issue 48: batches under gRPC load)
-    "serving": 1_925,
+    # 1,950: a serving's preprocess off the event loop for long texts (issue 56: every door that takes text)
+    "serving": 1_950,
     # 1,400: Triton's statistics (issue 46: a launch's inputs made apart from its call, its phases, each
     # request's share); 1,450: a generation's typed entry points on the one contract (issue 43: Prompt, call
     # and stream, the caller's side of js.generate moved here from the registry); 1,650: log-probabilities

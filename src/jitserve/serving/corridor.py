@@ -27,7 +27,7 @@ from ..errors import BatchSizeError, QueueFullError, RequestTooLargeError, Serve
 from .front import wrong_request
 from .options import seconds_option
 from .queue import Queues
-from .request import Reading, Request, concatenate_outputs, finish, prepare, read, read_async
+from .request import Reading, Request, concatenate_outputs, finish, off_loop, prepare, read, read_async, text_size
 from .serving import Serving
 from .stats import ServerStats
 
@@ -127,8 +127,9 @@ class Corridor:
         return finish(self.serving.postprocess, self.result(request, timeout), info, request.reports)
 
     async def call_async(self, rows: Rows) -> Any:
-        """:meth:`call` for asyncio callers: awaits the rows without blocking the event loop."""
-        request, info, timeout = self._enter(rows, asyncio.get_running_loop(), False)
+        """:meth:`call` for asyncio callers: awaits the rows without blocking the event loop (``preprocess``
+        runs on a thread where the rows are many texts or long ones, see :meth:`open_stream`)."""
+        request, info, timeout = await self._enter_async(rows, False)
         return finish(self.serving.postprocess, await self.result_async(request, timeout), info, request.reports)
 
     def stream(self, rows: Rows) -> Generator[Any, None, None]:
@@ -145,6 +146,12 @@ class Corridor:
         request, info, timeout = self._enter(rows, asyncio.get_running_loop(), True)
         return self._finished_async(self.outputs_async(request, timeout), request, info)
 
+    async def open_stream(self, rows: Rows) -> AsyncGenerator[Any, None]:
+        """:meth:`stream_async` whose ``preprocess`` (a tokenizer, say) runs on a thread where the rows are
+        texts of ``OFF_LOOP_CHARS`` or more in all, so that the event loop goes on answering others."""
+        request, info, timeout = await self._enter_async(rows, True)
+        return self._finished_async(self.outputs_async(request, timeout), request, info)
+
     async def _finished_async(self, items: AsyncIterator[Any], request: Request,
                               info: Any) -> AsyncGenerator[Any, None]:
         async for outputs in items:
@@ -153,16 +160,28 @@ class Corridor:
     def _enter(self, rows: Rows, loop: asyncio.AbstractEventLoop | None,
                stream: bool) -> tuple[Request, Any, float | None]:
         """Prepare and queue: the request, ``preprocess``'s info and the timeout to wait with."""
+        self._check(rows)
+        return self._queued(rows, *prepare(self.serving.preprocess, rows.value), loop, stream)
+
+    async def _enter_async(self, rows: Rows, stream: bool) -> tuple[Request, Any, float | None]:
+        """:meth:`_enter` on an event loop, ``preprocess`` on a thread where the rows' texts are long."""
+        self._check(rows)
+        size = 0 if self.serving.preprocess is None else text_size(rows.value)
+        prepared = await off_loop(size, lambda: prepare(self.serving.preprocess, rows.value))
+        return self._queued(rows, *prepared, asyncio.get_running_loop(), stream)
+
+    def _check(self, rows: Rows) -> None:
         if type(rows) is not Rows:
             raise wrong_request(self.name, Rows, rows)
+        if rows.timeout is not None:
+            seconds_option("timeout", rows.timeout, or_none=True)
+
+    def _queued(self, rows: Rows, batch: Any, info: Any, loop: asyncio.AbstractEventLoop | None,
+                stream: bool) -> tuple[Request, Any, float | None]:
         timeout, priority = rows.timeout, rows.priority
-        if timeout is not None:
-            seconds_option("timeout", timeout, or_none=True)
-        serving = self.serving
-        batch, info = prepare(serving.preprocess, rows.value)
         request = self.submit(batch, loop, priority, stream)
-        if timeout is None and serving.priority_queues:
-            timeout = serving.default_timeout(priority)
+        if timeout is None and self.serving.priority_queues:
+            timeout = self.serving.default_timeout(priority)
         return request, info, timeout
 
     # waiting --------------------------------------------------------------------------------------

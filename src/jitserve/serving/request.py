@@ -46,6 +46,19 @@ async def off_loop(size: int, work: Callable[[], _T]) -> _T:
     return await asyncio.to_thread(work)
 
 
+def text_size(value: Any) -> int:
+    """About how many characters of text ``value`` (what a caller gives a ``preprocess``) holds: a text's
+    length, the sum over an array or list of texts (``OFF_LOOP_CHARS`` once it has as many items); 0 for
+    anything else."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    items = value.reshape(-1) if isinstance(value, np.ndarray) and value.dtype.kind in "OSU" else \
+        value if isinstance(value, list | tuple) else ()
+    if len(items) >= OFF_LOOP_CHARS:
+        return OFF_LOOP_CHARS
+    return sum(len(item) for item in items if isinstance(item, str | bytes))
+
+
 def model_code(function: Callable[..., Any], *arguments: Any) -> Any:
     """``function(*arguments)``, the user's code (a serving's function, ``preprocess``, ``postprocess``):
     what it raises is the model's own failure."""

@@ -107,6 +107,10 @@ class Server(BatchRunner, Front[Rows]):
         """:meth:`stream` for a caller on a running event loop."""
         return self.corridor.stream_async(ask)
 
+    async def open_stream(self, ask: Rows) -> AsyncGenerator[Any, None]:
+        """:meth:`stream_async`, its ``preprocess`` off the event loop for long texts (the network's entry)."""
+        return await self.corridor.open_stream(ask)
+
     @property
     def servable(self) -> Serving:
         return self.serving
