@@ -200,8 +200,7 @@ LIMIT_FLAGS = {  # Limits field -> (type, help); each is the flag --field-with-d
     "max_grpc_connections": (int, "open gRPC connections, counted from accept; one more is closed at once"),
     "idle_timeout": (float, "seconds a gRPC connection may go without a call before it is closed (GOAWAY)"),
     "max_stream_requests": (int, "requests of one gRPC stream in flight; beyond, the stream is not read"),
-    "stream_buffer_bytes": (int, "reply bytes of one gRPC stream waiting for its client; beyond, its requests "
-                                 "wait"),
+    "stream_buffer_bytes": (int, "reply bytes of one gRPC stream waiting for its client; beyond, requests wait"),
 }
 
 
@@ -249,9 +248,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if [args.target is not None, bool(args.hf), args.model_repository is not None].count(True) != 1:
         raise OptionError("serve takes one of a TARGET, --hf DIR or --model-repository DIR")
     app.check_http_workers(args.http_workers)  # before anything changes this process (JAX's CPU dispatch)
-    keep_compiled(not args.no_compile_cache)
-    run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
-    _logging(args)
+    repository = None
     if args.model_repository is not None:
         if args.ray is not None or args.name is not None or _overrides(args):
             raise OptionError("--model-repository serves each DIR/NAME/model.py as it is: --ray, --name, "
@@ -259,6 +256,10 @@ def serve_command(args: argparse.Namespace) -> int:
         repository = app.start_repository(args.model_repository, args.model_control_mode,
                                           args.repository_poll_secs, tuple(args.load_model or ()),
                                           args.model_load_timeout, args.max_loads_per_model)
+    keep_compiled(not args.no_compile_cache)  # the options checked: this process changes from here on
+    run_cpu_computations_inline()  # before a model's module runs anything on JAX's CPU client
+    _logging(args)
+    if repository is not None:
         app.run(lambda servers: None, attach=repository, **_network_options(args))
         exit_past_loads()
         return 0
