@@ -41,14 +41,15 @@ FOLDER_CAPS = {
     "compilers": 350,  # 350: compile_sharded, one program over several devices (tensor parallel, issue 44)
     "compilers/evaluator": 1_000,
     "compilers/iree": 800,
-    "models": 1_165,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
+    "models": 1_210,  # 760: the paged cache's forward; 800: the TextHook a checkpoint's model carries (its
     # tokenizer and task, for the OpenAI door); 850: models/sharding.py, tensor parallel per family (issue 44);
     # 990: no silent wrong answer from a folder (issues 59, 56): model_type, a tied head, quantization, counts
     # checked before they size anything, the tokenizer within the embedding; sentence-transformers folders;
     # 1,000: generation_config.json's sampling defaults; 1,125: chat templates rendered within bounds of size and
     # CPU time (issue 56: the sandbox's checked repetitions, joins, formats and calls, the deadline's trace);
     # 1,140: Qwen3 (issue 59: the Llama family's architectures as data, per-head q and k norms); 1,165:
-    # Phi-3 / Phi-4 (issue 59: fused qkv_proj and gate_up_proj checked as stored, split at load)
+    # Phi-3 / Phi-4 (issue 59: fused qkv_proj and gate_up_proj checked as stored, split at load); 1,210:
+    # paged_attend, attention reading a sequence's blocks a few at a time as far as it reaches (issue 57)
     # 2,650: issue 47's hardening (loads on threads of their own, size checks, names quoted short); 2,700:
     # Triton's generate extension (protocol/generate.py); 2,750: loads bounded, 503 with Retry-After; 3,200:
     # OpenAI's API on the HTTP port (protocol/openai.py, its request checks in protocol/openai_request.py);

@@ -51,7 +51,9 @@ class MeshLayout:
             raise OptionError(f"the mesh placement's weights tree {tree} is not shaped like the generation's "
                               f"weights, {layout.tree}")
         self.weights = [self.replicated] * len(layout.templates)
-        for spec, (position, start) in zip(specs, layout.place):
+        for index, (spec, (position, start)) in enumerate(zip(specs, layout.place)):
+            if index in layout.transposed:  # the matrix travels transposed: so do its axes' roles
+                spec = PartitionSpec(*reversed((*spec, None, None)[:2]))
             if start is None:
                 self.weights[position] = NamedSharding(placement.mesh, spec)
         self.state = jax.tree_util.tree_map(lambda spec: NamedSharding(placement.mesh, PartitionSpec(None, *spec)),

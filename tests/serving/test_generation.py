@@ -14,7 +14,7 @@ import pytest
 import jitserve as js
 from jitserve import compilers
 from jitserve.compilers.xla import XlaCompiler
-from jitserve.packed import PACKED_ELEMENTS, PackedLayout
+from jitserve.packed import PACKED_ELEMENTS, PackedLayout, transposed_reads
 from jitserve.serving.generation import delivery, programs
 from jitserve.serving.generation import server as generation_server
 from jitserve.template import templates_of
@@ -101,6 +101,32 @@ def test_packed_layout_passes_small_weights_in_one_array_per_dtype():
         assert np.asarray(got).dtype == np.asarray(given).dtype and np.array_equal(got, given)
     traced = jax.jit(lambda arrays: weights_checksum(layout.unpack(arrays)))(packed)
     assert float(traced) == float(weights_checksum(MANY_WEIGHTS))
+
+
+def test_a_matrix_read_only_transposed_travels_transposed_and_unpacks_as_given():
+    """issue 57: ``x @ w.T`` on a stored (out, in) matrix made XLA's CPU matrix-vector product copy the whole
+    matrix into the other layout at every decode step; such a matrix now travels transposed."""
+    weights = {"linear": np.arange(6, dtype=np.float32).reshape(2, 3), "table": np.ones((4, 3), np.float32),
+               "both": np.ones((3, 3), np.float32), "bias": np.ones(2, np.float32)}
+    x = js.Template((1, 3), np.float32)
+
+    def forward(params, x):
+        rows = params["table"][jnp.array([0, 1])]  # a gather: kept as stored
+        both = x @ params["both"] + x @ params["both"].T  # read both ways: kept as stored
+        return x @ params["linear"].T + params["bias"] + rows.sum() + both.sum()
+
+    template = templates_of(weights)
+    transposed = transposed_reads(forward, template, x)
+    order = sorted(weights)  # the flattening order of a dict: its sorted keys
+    assert [order[i] for i in transposed] == ["linear"]
+    layout = PackedLayout(template, transposed)
+    assert str(layout.templates[order.index("linear")]) == "float32(3, 2)", "it travels as (in, out)"
+    packed = layout.pack(weights)
+    for got, given in zip(jax.tree_util.tree_leaves(layout.unpack(packed)), jax.tree_util.tree_leaves(weights)):
+        assert np.array_equal(got, given)
+    value = np.array([[1.0, 2.0, 3.0]], np.float32)
+    assert np.array_equal(jax.jit(lambda arrays, x: forward(layout.unpack(arrays), x))(packed, value),
+                          forward(weights, value))
 
 
 def written_prefill(params, tokens, length):
@@ -200,7 +226,7 @@ def test_warm_up_logs_each_compiled_program_naming_the_generation_as_a_servings_
         compiles = server.stats().compiles
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation server gen-paged: ")]
     assert len(compiled) == compiles and all(any(
-        f" compiled the decode launch of {rows} over 4 blocks, sampled in " in line for line in compiled)
+        f" compiled the decode launch of {rows}, sampled in " in line for line in compiled)
         for rows in ("1 sequence", "2 sequences")), compiled
 
 

@@ -68,7 +68,7 @@ def test_a_sequence_holds_the_blocks_of_what_it_has_written_not_its_max_length()
     assert len(r.blocks) == 2 and s.pool.used == 2, "20 prompt positions and the first decode's, in blocks of 16"
     assert plan.step is not None and plan.step.requests == [r] and plan.step.cache_positions[0] == 20
     assert plan.step.tables.shape == (1, 8) and list(plan.step.tables[0]) == [*r.blocks, *[0] * 6], \
-        "one row for one sequence, over the widest table (a launch of fewer rows than slots has that one only)"
+        "one row for one sequence, over the whole table (attention reads only the blocks the row holds)"
     assert list(plan.step.rows) == [r.slot] and plan.step.output_rows == [0]
     delivered(r)
     for _ in range(12):
@@ -80,7 +80,7 @@ def test_a_decode_launch_runs_the_fewest_compiled_rows_that_hold_its_sequences()
     """Rows are powers of four below the slots, then the slots: 1, 4, 16 for 16 slots (issue 57: one sequence
     alone no longer pays for every slot); padding rows name no slot (the slot count) and write block 0."""
     s = PagedScheduler(generation(slots=16, tokens=1024))
-    assert s.decode_shapes == {1: [8], 4: [8], 16: [4, 8]}
+    assert s.row_counts == [1, 4, 16]
     shapes = []
     for count in (1, 2, 5, 16):
         while sum(1 for r in s.running.values()) < count:
@@ -94,7 +94,7 @@ def test_a_decode_launch_runs_the_fewest_compiled_rows_that_hold_its_sequences()
         assert not plan.step.tables[count:].any() and not plan.step.cache_positions[count:].any()
         for r in plan.step.requests:
             delivered(r)
-    assert shapes == [(1, 8), (4, 8), (16, 4), (16, 4)], "5 sequences run in 16 rows, over the table they need"
+    assert shapes == [(1, 8), (4, 8), (16, 8), (16, 8)], "5 sequences run in 16 rows, each table whole"
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_turn_beside_the_running_decodes():

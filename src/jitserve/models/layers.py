@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+PAGED_READ_BLOCKS = 4  # the blocks of each sequence one turn of paged attention reads (64 positions of 16)
+
 
 def layer_norm(x: Any, p: dict[str, Any], eps: float) -> Any:
     """LayerNorm with ``p["weight"]`` and ``p["bias"]``."""
@@ -170,8 +172,6 @@ def paged_forward(model: Decoder, block_size: int, params: Any, cache: Any, toke
     index = positions // block_size
     blocks = jnp.take_along_axis(tables, jnp.minimum(index, width - 1), axis=1)
     writes = (jnp.where(index < width, blocks, 0) * block_size + positions % block_size).reshape(-1)
-    reads = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(rows, width * block_size)
-    visible = jnp.arange(width * block_size)[None, None, :] <= positions[:, :, None]
     x = jax.vmap(model.embed, in_axes=(None, 0, 0))(params, tokens, positions)
     keys, values = cache["k"], cache["v"]
 
@@ -182,8 +182,46 @@ def paged_forward(model: Decoder, block_size: int, params: Any, cache: Any, toke
         q, k, v = jax.vmap(model.qkv, in_axes=(None, 0, 0))(block, x, positions)
         keys = keys.at[layer, writes].set(written(k))
         values = values.at[layer, writes].set(written(v))
-        context_k, context_v = (jnp.swapaxes(pool[layer][reads], 1, 2) for pool in (keys, values))
-        mixed = jax.vmap(attend, in_axes=(0, 0, 0, 0, None))(q, context_k, context_v, visible, model.scale)
+        mixed = paged_attend(q, keys, values, layer, tables, positions, block_size, model.scale)
         x = jax.vmap(model.finish, in_axes=(None, 0, 0))(block, x, mixed)
     hidden = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     return {"k": keys, "v": values}, model.logits(params, hidden)
+
+
+def paged_attend(q: Any, keys: Any, values: Any, layer: int, tables: Any, positions: Any, block_size: int,
+                 scale: float) -> Any:
+    """Rows of queries ``q`` (rows, H, n, D) at their ``positions`` (rows, n) attend over their own sequence
+    in layer ``layer`` of the pool (``keys``, ``values``: (layers, blocks x block size, KV, D)) up to each
+    query's own position, through their rows of the block ``tables``. The blocks are read
+    :data:`PAGED_READ_BLOCKS` at a time, only as far as the furthest position of any row (a loop with an
+    online softmax in float32, as flash-decoding does): a launch reads the blocks its sequences hold, not
+    the table's width, and never gathers a sequence's whole context at once (XLA's CPU gather of that and
+    the products over it cost 3-4x the loop's at 8-32 sequences)."""
+    rows, heads, count, depth = q.shape
+    kv_heads = keys.shape[2]
+    span = PAGED_READ_BLOCKS * block_size
+    padded = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % PAGED_READ_BLOCKS)))
+    offsets = jnp.arange(block_size)
+    turns = jnp.minimum(jnp.max(positions) // span + 1, padded.shape[1] // PAGED_READ_BLOCKS)
+    groups = q.reshape(rows, kv_heads, heads // kv_heads, count, depth)
+    lowest = jnp.finfo(jnp.float32).min
+
+    def turn(i: Any, carry: Any) -> Any:
+        best, total, mixed = carry
+        read = jax.lax.dynamic_slice_in_dim(padded, i * PAGED_READ_BLOCKS, PAGED_READ_BLOCKS, axis=1)
+        index = (read[:, :, None] * block_size + offsets).reshape(rows, span)
+        k, v = keys[layer, index], values[layer, index]  # one gather from the pool: no copy of a layer
+        seen = ((i * span + jnp.arange(span))[None, None, :] <= positions[:, :, None])[:, None, None]
+        scores = jnp.einsum("rkgsd,rtkd->rkgst", groups, k, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(seen, scores, lowest)
+        top = jnp.maximum(best, scores.max(-1))
+        weights = jnp.where(seen, jnp.exp(scores - top[..., None]), 0.0)
+        fade = jnp.exp(best - top)
+        mixed = mixed * fade[..., None] + jnp.einsum("rkgst,rtkd->rkgsd", weights.astype(v.dtype), v,
+                                                     preferred_element_type=jnp.float32)
+        return top, total * fade + weights.sum(-1), mixed
+
+    shape = (rows, kv_heads, heads // kv_heads, count)
+    start = (jnp.full(shape, lowest), jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, depth), jnp.float32))
+    _, total, mixed = jax.lax.fori_loop(0, turns, turn, start)
+    return (mixed / total[..., None]).reshape(rows, heads, count, depth).astype(values.dtype)

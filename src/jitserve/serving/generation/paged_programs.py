@@ -24,8 +24,9 @@ program, each compiled ahead for every size it runs at:
   position each, for ``steps_per_launch`` steps, in a compiled number of rows
   (the fewest that hold them: one sequence alone runs one row, not one per
   slot), each row gathering its slot's last output and giving its slot the
-  next, the table as wide as the longest sequence needs (a compiled power of
-  two of blocks): attention reads no more than that.
+  next, the table as wide as ``max_length``: attention reads only the blocks
+  the sequences hold (the families' ``paged_attend``), so no program is
+  compiled per table width.
 
 The pool is donated to each program, so XLA writes it in place. A paged
 generation runs on one device (its programs name no mesh roles).
@@ -51,7 +52,7 @@ from .spec import SCORED_KIND, Generation
 
 
 class PagedPrograms(Programs):
-    """The prefills per (rows, chunk length) and the decode launches per table width of a paged generation
+    """The prefills per (rows, chunk length) and the decode launches per number of rows of a paged generation
     (see the module); the same entry points as the slot engine's :class:`~.programs.Programs`."""
 
     def __init__(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
@@ -60,23 +61,23 @@ class PagedPrograms(Programs):
         self._common(generation, options, on_compile)
         self.forward = generation.forward
         self.max_blocks = cache.table_blocks(generation.max_length)
-        self.decode_shapes = cache.decode_shapes(generation.max_length, generation.slots)
+        self.decode_rows = cache.decode_rows(generation.slots)
         pool = Template((cache.layers, cache.blocks(generation.max_length) * cache.block_size, cache.kv_heads,
                          cache.head_dim), cache.dtype)
         self.output_template = Template((), np.int32)
-        self.vocabulary: int | None = self._vocabulary(pool)
+        one = Template((1, 1), np.int32)
+        one_token = ({"k": pool, "v": pool}, one, one, one, Template((1,), np.int32))  # forward's other arguments
+        self.vocabulary: int | None = self._vocabulary(one_token)
         self.carry_template = ({"k": pool, "v": pool}, Template((generation.slots,), np.int32),
                                *self._seen(self.vocabulary))
         self.sequence_width = generation.max_length  # a preempted sequence starts its counts from its outputs too
-        self.decodes: dict[tuple[int, int, int], Callable[..., Any]] = {}
+        self.decodes: dict[tuple[int, int], Callable[..., Any]] = {}
+        self._take_weights(self.forward, *one_token)
 
-    def _vocabulary(self, pool: Template) -> int:
+    def _vocabulary(self, one_token: tuple[Any, ...]) -> int:
         """The width of the logits ``forward`` gives (traced for one token, not run)."""
-        cache = {"k": pool, "v": pool}
-        one = Template((1, 1), np.int32)
         shapes = jax.eval_shape(self.forward, *jax.tree_util.tree_map(
-            lambda t: t.abstract(), (self.generation.params_template, cache, one, one, one, Template((1,), np.int32)),
-            is_leaf=is_template))
+            lambda t: t.abstract(), (self.generation.params_template, *one_token), is_leaf=is_template))
         return int(shapes[1].shape[-1])
 
     def _chunk_program(self, rows: int, length: int) -> Callable[..., Any]:
@@ -97,8 +98,8 @@ class PagedPrograms(Programs):
                 Template((rows,), np.int32), *self._option_templates(rows, SCORED_KIND)], (), (), donate=(1,))
         return run
 
-    def _decode_program(self, kind: int, width: int, rows: int) -> Callable[..., Any]:
-        key = (kind, width, rows)
+    def _decode_program(self, kind: int, rows: int) -> Callable[..., Any]:
+        key = (kind, rows)
         run = self.decodes.get(key)
         if run is None:
             def decode(packed: Any, carry: Any, slots: Any, positions: Any, tables: Any, *options: Any) -> Any:
@@ -115,7 +116,8 @@ class PagedPrograms(Programs):
 
             run = self.decodes[key] = self._compile(decode, [
                 self.layout.templates, self.carry_template, *[Template((rows,), np.int32)] * 2,
-                Template((rows, width), np.int32), *self._option_templates(rows, kind)], (), (), donate=(1,))
+                Template((rows, self.max_blocks), np.int32), *self._option_templates(rows, kind)], (), (),
+                donate=(1,))
         return run
 
     def warm_up_steps(self) -> list[Step]:
@@ -123,9 +125,9 @@ class PagedPrograms(Programs):
         return [*[(f"the prefill of {rows} chunk{'s' * (rows > 1)} of {length} tokens",
                    functools.partial(self._chunk_program, rows, length))
                   for rows in g.prefill_batches for length in g.prefill_lengths],
-                *[(f"the decode launch of {rows} sequence{'s' * (rows > 1)} over {width} block{'s' * (width > 1)}"
-                   f"{KIND[kind]}", functools.partial(self._decode_program, kind, width, rows))
-                  for rows, widths in self.decode_shapes.items() for width in widths for kind in self.kinds],
+                *[(f"the decode launch of {rows} sequence{'s' * (rows > 1)}{KIND[kind]}",
+                   functools.partial(self._decode_program, kind, rows))
+                  for rows in self.decode_rows for kind in self.kinds],
                 *self._seed_step()]
 
     def run_each_once(self, params: Any) -> None:
@@ -137,13 +139,12 @@ class PagedPrograms(Programs):
                 carry, _ = self._chunk_program(rows, length)(
                     params, carry, np.zeros((rows, length), np.int32), idle, idle + 1,
                     np.zeros((rows, self.max_blocks), np.int32), idle + g.slots, *self._idle(rows, SCORED_KIND))
-        for rows, widths in self.decode_shapes.items():
-            for width in widths:
-                for kind in self.kinds:
-                    idle = np.zeros(rows, np.int32)
-                    carry, outputs = self._decode_program(kind, width, rows)(
-                        params, carry, idle + g.slots, idle, np.zeros((rows, width), np.int32),
-                        *self._idle(rows, kind))
+        for rows in self.decode_rows:
+            for kind in self.kinds:
+                idle = np.zeros(rows, np.int32)
+                carry, outputs = self._decode_program(kind, rows)(
+                    params, carry, idle + g.slots, idle, np.zeros((rows, self.max_blocks), np.int32),
+                    *self._idle(rows, kind))
         owned_host_array(outputs[0])
 
     def prefill_inputs(self, prefill: Chunk[Any]) -> Launch:
@@ -164,5 +165,4 @@ class PagedPrograms(Programs):
 
     def step_of(self, params: Any, carry: Any, inputs: Launch) -> tuple[Any, Any]:
         slots, positions, tables, *options = inputs.arrays
-        return self._decode_program(inputs.kind, tables.shape[1], slots.size)(params, carry, slots, positions, tables,
-                                                                              *options)
+        return self._decode_program(inputs.kind, slots.size)(params, carry, slots, positions, tables, *options)

@@ -88,8 +88,7 @@ class PagedScheduler(Scheduler[R]):
         self.block_size = g.cache.block_size
         self.pool = BlockPool(g.cache.blocks(g.max_length), self.block_size)
         self.max_blocks = g.cache.table_blocks(g.max_length)  # a block table's width
-        self.decode_shapes = g.cache.decode_shapes(g.max_length, g.slots)  # compiled rows -> their table widths
-        self.row_counts = list(self.decode_shapes)
+        self.row_counts = g.cache.decode_rows(g.slots)  # a decode launch's compiled numbers of rows
         self.chunk = self.prefill_lengths[-1]  # prompt tokens prefilled per turn, at most
         self.prefix_caching = g.cache.prefix_caching
         self.prefilling: dict[R, tuple[np.ndarray, list[bytes]]] = {}  # admitted, not prefilled: sequence, keys
@@ -287,9 +286,7 @@ class PagedScheduler(Scheduler[R]):
         slots = sorted(decoding)
         requests = [decoding[slot] for slot in slots]
         count = self.row_counts[bisect.bisect_left(self.row_counts, len(requests))]
-        longest = max(len(request.blocks) for request in requests)
-        widths = self.decode_shapes[count]
-        tables = np.zeros((count, widths[bisect.bisect_left(widths, longest)]), np.int32)
+        tables = np.zeros((count, self.max_blocks), np.int32)
         positions = np.zeros(count, np.int32)
         rows = np.full(count, self.slots, np.int32)
         for row, request in enumerate(requests):

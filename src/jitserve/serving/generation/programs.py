@@ -34,7 +34,7 @@ import numpy as np
 from ... import compilers
 from ...defn import defn_errors
 from ...mesh import STATE, WEIGHTS, MeshLayout
-from ...packed import PackedLayout
+from ...packed import PackedLayout, transposed_reads
 from ...template import Template, is_template
 from ..serving import owned_host_array
 from ..warmup import Step
@@ -79,6 +79,16 @@ class Programs:
                                *(self._seen(self.vocabulary) if self.vocabulary is not None else []))
         self.sequence_width = g.prefill_lengths[-1]  # the longest sequence a slot's counts start from
         self.steps: dict[int, Callable[..., Any]] = {}
+        self._take_weights(g.decode, stacked, self.carry_template[1])
+
+    def _take_weights(self, step: Callable[..., Any], *templates: Any) -> None:
+        """How the programs take the weights: packed, the matrices the decode ``step`` (given the templates of
+        its other arguments) reads only transposed kept transposed (see :mod:`jitserve.packed`), and placed
+        on the generation's mesh, if it has one."""
+        g = self.generation
+        transposed = transposed_reads(step, g.params_template, *templates) if self.compiler.compiles else ()
+        self.layout = PackedLayout(g.params_template, transposed)
+        self.mesh = None if g.mesh is None else MeshLayout(g.mesh, self.layout)  # None: one device
 
     def _common(self, generation: Generation, options: dict[str, Any], on_compile: Callable[[], None]) -> None:
         """What the programs of both engines keep: the generation, its compiler and options, how they take the
@@ -97,11 +107,9 @@ class Programs:
         # scored; the host picks one per step: a lax.cond would make the host wait for the device on a GPU (XLA
         # reads the predicate back), and the pipeline would stall
         self.kinds = tuple(OPTIONS) if generation.logits else (GREEDY_KIND,)
-        self.layout = PackedLayout(generation.params_template)  # the programs take the weights packed
         # the ids a request's min_tokens holds back, before its own stop ids: the generation's eos
         self.eos_ids = [] if generation.eos is None or not generation.logits else \
             [int(i) for i in stop_outputs(generation.eos, Template((), np.int32)).reshape(-1)]
-        self.mesh = None if generation.mesh is None else MeshLayout(generation.mesh, self.layout)  # None: one device
         # the carry's roles on a mesh: the state rows split, the last outputs and the counts replicated
         self.carry_roles = (STATE, None, None) if generation.logits else (STATE, None)
 

@@ -131,7 +131,6 @@ GREEDY = Sampling(seed=0)
 PAGED_PREFILL_BATCHES = 8  # a paged generation prefills at most this many prompts' chunks in one program
 PAGED_CHUNK = 256  # a paged generation's longest compiled prompt chunk, by default
 PAGED_SHORTEST_CHUNK = 32  # and its shortest (a shorter chunk costs no less to run)
-PAGED_NARROWEST_TABLE = 4  # the fewest blocks a decode launch attends over (fewer cost no less either)
 
 
 class PagedCache:
@@ -162,21 +161,14 @@ class PagedCache:
         """The blocks of a sequence of ``max_length`` positions: a block table's width."""
         return -(-max_length // self.block_size)
 
-    def table_widths(self, max_length: int) -> list[int]:
-        """The table widths a decode launch is compiled for: powers of two of blocks, at least
-        ``PAGED_NARROWEST_TABLE`` (fewer cost no less), up to :meth:`table_blocks`."""
-        return powers_of_two_up_to(self.table_blocks(max_length), PAGED_NARROWEST_TABLE)
-
-    def decode_shapes(self, max_length: int, slots: int) -> dict[int, list[int]]:
-        """The decode launches compiled: per number of sequences (rows), its table widths. Rows: powers of four
-        below ``slots``, then ``slots``; a launch runs the fewest that hold its sequences, so one sequence
-        alone reads the weights for itself, not for every slot (a step's cost grows with its rows). Widths:
-        every one of :meth:`table_widths` for ``slots`` rows, only the widest below: a few sequences' keys
-        and values over the widest table cost little beside the weights they read, and the programs stay
-        few."""
-        widths = self.table_widths(max_length)
-        rows = [*(4 ** k for k in range(slots.bit_length()) if 4 ** k < slots), slots]
-        return {count: widths if count == slots else widths[-1:] for count in rows}
+    @staticmethod
+    def decode_rows(slots: int) -> list[int]:
+        """The numbers of sequences (rows) a decode launch is compiled for: powers of four below ``slots``,
+        then ``slots``; a launch runs the fewest that hold its sequences, so one sequence alone reads the
+        weights for itself, not for every slot (a step's cost grows with its rows). Every launch's table is
+        :meth:`table_blocks` wide: attention reads only the blocks its sequences hold
+        (:func:`jitserve.models.layers.paged_attend`), so a narrower table would buy nothing but programs."""
+        return [*(4 ** k for k in range(slots.bit_length()) if 4 ** k < slots), slots]
 
     def __repr__(self) -> str:
         return (f"PagedCache(layers={self.layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
