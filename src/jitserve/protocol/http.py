@@ -49,6 +49,7 @@ import numpy as np
 import orjson
 
 from ..errors import BodyTooLargeError, ProtocolError
+from ..serving.request import off_loop
 from .access import CORS_METHODS, UNAUTHORIZED, Access, begin_request
 from .codec import BFLOAT16, datatype_of, json_values, raw_contents
 from .disconnect import CLIENT_GONE, begin_watch, disconnected, unless_gone
@@ -359,12 +360,8 @@ class HttpFront:
 
     async def _off_loop(self, size: int, work: Callable[[], _T]) -> _T:
         """``work()`` (decoding or encoding a body of about ``size`` bytes): here when small; when large, on a
-        thread, one at a time, so that the event loop keeps answering other requests and at most one large
-        body's Python objects exist at once."""
-        if size < self.offload_bytes:
-            return work()
-        async with self._offloaded:
-            return await asyncio.to_thread(work)
+        thread, one at a time (see :func:`~jitserve.serving.request.off_loop`)."""
+        return await off_loop(size, work, self.offload_bytes, self._offloaded)
 
     def _failed(self, model: str, error: BaseException, version: str | None = None) -> Response:
         status, _, message = self.service.failed("http", model, error, version)

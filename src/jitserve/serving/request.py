@@ -37,13 +37,19 @@ OFF_LOOP_CHARS = 2048  # a client's text from this long is tokenized (or rendere
 _T = TypeVar("_T")
 
 
-async def off_loop(size: int, work: Callable[[], _T]) -> _T:
-    """``work()`` (tokenizing, rendering or checking a client's text of about ``size`` characters) here when
-    ``size`` is under ``OFF_LOOP_CHARS``, else on a thread, so that the event loop goes on answering others
-    meanwhile (a tokenizer's Rust code lets go of the GIL; Python code shares it in slices)."""
-    if size < OFF_LOOP_CHARS:
+async def off_loop(size: int, work: Callable[[], _T], threshold: int = OFF_LOOP_CHARS,
+                   one_at_a_time: asyncio.Semaphore | None = None) -> _T:
+    """``work()`` (tokenizing, rendering or checking a client's text of about ``size`` characters; decoding
+    or encoding a body of ``size`` bytes) here when ``size`` is under ``threshold``, else on a thread, so
+    that the event loop goes on answering others meanwhile (a tokenizer's Rust code lets go of the GIL;
+    Python code shares it in slices); under ``one_at_a_time`` where given, so that at most one large
+    piece of work's Python objects exist at once."""
+    if size < threshold:
         return work()
-    return await asyncio.to_thread(work)
+    if one_at_a_time is None:
+        return await asyncio.to_thread(work)
+    async with one_at_a_time:
+        return await asyncio.to_thread(work)
 
 
 def text_size(value: Any) -> int:
