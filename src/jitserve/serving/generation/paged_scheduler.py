@@ -59,8 +59,8 @@ class PagedStep(NamedTuple, Generic[R]):
     """A decode launch of the sequences done with their prompts, one row each (``requests`` in ``slots``, in
     slot order), padded to a compiled number of rows: per row its sequence's slot (``rows``; the number of
     slots in a padding row), the position its next token is written at (``cache_positions``, 0 in padding)
-    and its block table (``tables``, as many blocks as the longest sequence needs, rounded up to a compiled
-    count; zeros in padding); where some request samples, per row its ``samplings`` and ``positions`` (see
+    and its block table (``tables``, as wide as ``max_length`` needs, zeros past its blocks and in padding);
+    where some request samples, per row its ``samplings`` and ``positions`` (see
     :class:`~.scheduler.Step`; greedy and 0 in padding), else both None."""
 
     requests: list[R]
