@@ -77,10 +77,10 @@ def test_a_sequence_holds_the_blocks_of_what_it_has_written_not_its_max_length()
 
 
 def test_a_decode_launch_runs_the_fewest_compiled_rows_that_hold_its_sequences():
-    """Rows are powers of four below the slots, then the slots: 1, 4, 16 for 16 slots (issue 57: one sequence
+    """Rows are powers of two below the slots, then the slots: 1, 2, 4, 8, 16 for 16 slots (issue 57: one sequence
     alone no longer pays for every slot); padding rows name no slot (the slot count) and write block 0."""
     s = PagedScheduler(generation(slots=16, tokens=1024))
-    assert s.row_counts == [1, 4, 16]
+    assert s.row_counts == [1, 2, 4, 8, 16]
     shapes = []
     for count in (1, 2, 5, 16):
         while sum(1 for r in s.running.values()) < count:
@@ -94,7 +94,7 @@ def test_a_decode_launch_runs_the_fewest_compiled_rows_that_hold_its_sequences()
         assert not plan.step.tables[count:].any() and not plan.step.cache_positions[count:].any()
         for r in plan.step.requests:
             delivered(r)
-    assert shapes == [(1, 8), (4, 8), (16, 8), (16, 8)], "5 sequences run in 16 rows, each table whole"
+    assert shapes == [(1, 8), (2, 8), (8, 8), (16, 8)], "5 sequences run in 8 rows, each table whole"
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_turn_beside_the_running_decodes():

@@ -163,12 +163,12 @@ class PagedCache:
 
     @staticmethod
     def decode_rows(slots: int) -> list[int]:
-        """The numbers of sequences (rows) a decode launch is compiled for: powers of four below ``slots``,
+        """The numbers of sequences (rows) a decode launch is compiled for: powers of two below ``slots``,
         then ``slots``; a launch runs the fewest that hold its sequences, so one sequence alone reads the
         weights for itself, not for every slot (a step's cost grows with its rows). Every launch's table is
         :meth:`table_blocks` wide: attention reads only the blocks its sequences hold
         (:func:`jitserve.models.layers.paged_attend`), so a narrower table would buy nothing but programs."""
-        return [*(4 ** k for k in range(slots.bit_length()) if 4 ** k < slots), slots]
+        return powers_of_two_up_to(slots)
 
     def __repr__(self) -> str:
         return (f"PagedCache(layers={self.layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
