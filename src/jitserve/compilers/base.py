@@ -105,8 +105,8 @@ class Compiler(abc.ABC):
 
     def first_run_costs(self, options: Mapping[str, Any]) -> bool:
         """Whether an executable's first run on this option set's device does one-off work (a GPU loads its
-        kernels and builds its command buffers), which a generation server's warm-up then pays by running
-        each program once."""
+        kernels and builds its command buffers; XLA's CPU runtime compiles them), which a warm-up then pays
+        by running each program once."""
         return False
 
     def place(self, tree: Any, options: Mapping[str, Any]) -> Any:

@@ -128,8 +128,8 @@ class Server(BatchRunner, Front[Rows]):
     def warm_up(self) -> None:
         """Compile every batch size on every partition for ``input_template`` (no-op without one), and run
         each once on zeros where a first run costs extra (a GPU loads a program's kernels and builds its
-        command buffers then): not a caller's batch pays for it. The runs are not counted in the stats; a
-        streaming serving's generator is not run."""
+        command buffers then, XLA's CPU runtime compiles them): not a caller's batch pays for it. The runs
+        are not counted in the stats; a streaming serving's generator is not run."""
         signature = self.serving.template_signature()
         if signature is None or not self._compiles_own or not self.serving.compiles:
             return

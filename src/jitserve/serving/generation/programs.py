@@ -1,7 +1,8 @@
 """The compiled programs of one generation server.
 
-Everything compiles at warm-up, and on a GPU runs once there on idle slots
-(a GPU's first run of a program loads its kernels): the prefill per (prompt
+Everything compiles at warm-up, and runs once there on idle slots where a
+first run costs extra (XLA: a GPU loads a program's kernels, the CPU compiles
+them): the prefill per (prompt
 length, number of prompts) bucket, the slot update per number of prompts, and
 one launch of decode steps, whose state is donated so that XLA updates it in
 place; the slot update writes rows with ``dynamic_update_slice`` (a prefill
@@ -330,7 +331,8 @@ class Programs:
 
     def run_each_once(self, params: Any) -> None:
         """Run every compiled program once, on idle slots of a scratch carry: a GPU loads a program's
-        kernels and builds its command buffers on its first run, which is then not on a request's time."""
+        kernels and builds its command buffers on its first run, and XLA's CPU runtime compiles them then,
+        which is then not on a request's time."""
         g = self.generation
         carry = self._run_seed_once(self.zeros())
         for count in g.prefill_batches:

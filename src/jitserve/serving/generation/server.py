@@ -250,8 +250,8 @@ class GenerationServer(GenerationFront):
 
     def start(self) -> Self:
         """Compile every prefill bucket, every slot update and the step (a log line each, and a progress bar
-        on a terminal, as a Serving's warm-up shows), and run each once where a first run costs extra (a
-        GPU); then start the loop."""
+        on a terminal, as a Serving's warm-up shows), and run each once where a first run costs extra (XLA,
+        on a GPU or the CPU); then start the loop."""
         programs = self._programs
         steps = programs.warm_up_steps()
         if programs.compiler.compiles:
