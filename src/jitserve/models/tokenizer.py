@@ -62,6 +62,7 @@ class Tokenizer:
         self.byte_runs = None if byte is None or self.token_text(byte) != "A" else self._byte_runs()
         self.bos_text = self._text(settings.get("bos_token"))
         self.eos_text = self._text(settings.get("eos_token"))
+        self._chat_templates: dict[tuple[Any, int], Any] = {}  # (template, max_chars) -> it compiled within them
 
     @staticmethod
     def _text(token: Any) -> str | None:
@@ -130,17 +131,8 @@ class Tokenizer:
                              "tokenizer_config.json's chat_template); send a plain prompt instead")
         import jinja2
 
-        def raise_exception(message: str) -> None:
-            raise ModelError(f"the chat template refused the messages: {message}")
-
-        environment = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
-                                         extensions=["jinja2.ext.loopcontrols"])
-        environment.max_chars = max_chars
-        environment.globals["raise_exception"] = raise_exception
-        environment.filters = {name: _bounded_filter(name, function, max_chars)
-                               for name, function in {**environment.filters, "tojson": _tojson}.items()}
         try:
-            template = environment.from_string(self.chat_template)
+            template = self._compiled_chat(max_chars)
             return _within(max_chars, template.generate(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_text or "",
                 eos_token=self.eos_text or "", **variables))
@@ -150,6 +142,24 @@ class Tokenizer:
                 LookupError, AttributeError) as error:
             raise ModelError(f"the chat template failed on these messages: {type(error).__name__}: "
                              f"{str(error)[:200]}") from None
+
+    def _compiled_chat(self, max_chars: int) -> Any:
+        """The chat template compiled in a bounded sandbox of ``max_chars``, once per template and bound:
+        compiling it costs more than rendering it, and a compiled template renders on any thread."""
+        key = (self.chat_template, max_chars)
+        template = self._chat_templates.get(key)
+        if template is None:
+            def raise_exception(message: str) -> None:
+                raise ModelError(f"the chat template refused the messages: {message}")
+
+            environment = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
+                                             extensions=["jinja2.ext.loopcontrols"])
+            environment.max_chars = max_chars
+            environment.globals["raise_exception"] = raise_exception
+            environment.filters = {name: _bounded_filter(name, function, max_chars)
+                                   for name, function in {**environment.filters, "tojson": _tojson}.items()}
+            template = self._chat_templates[key] = environment.from_string(self.chat_template)
+        return template
 
 
 @functools.cache
