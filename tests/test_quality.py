@@ -89,8 +89,10 @@ FOLDER_CAPS = {
     # and penalties per request on the device (issue 45: picking.py, a scored program of each kind, the
     # penalties' counts and their start, log-probabilities delivered)
     # 1,700: decode launches of the fewest compiled rows that hold their sequences, each row gathering its
-    # slot's state (issue 57: one sequence alone ran all 32 slots' rows)
-    "serving/generation": 1_700,
+    # slot's state (issue 57: one sequence alone ran all 32 slots' rows); 1,800: the engine's output seam
+    # (issue 58: Scheduler.update decides every end and its reason, typed pieces for the doors, moved here
+    # from protocol/openai.py; prompt log-probabilities and structured outputs land on it next)
+    "serving/generation": 1_800,
 }
 SOURCE = ROOT / "src" / "jitserve"
 

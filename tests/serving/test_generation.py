@@ -15,8 +15,9 @@ import jitserve as js
 from jitserve import compilers
 from jitserve.compilers.xla import XlaCompiler
 from jitserve.packed import PACKED_ELEMENTS, PackedLayout, transposed_reads
-from jitserve.serving.generation import delivery, programs
+from jitserve.serving.generation import Prompt, delivery, programs
 from jitserve.serving.generation import server as generation_server
+from jitserve.serving.request import End
 from jitserve.template import templates_of
 from waiting import HANG_S, until
 
@@ -236,19 +237,33 @@ def paged_forward(params, cache, tokens, positions, tables, last):
     return cache, -jnp.abs(jnp.arange(VOCAB)[None, :] - picked[:, None] % VOCAB).astype(jnp.float32)
 
 
+def pieces(server, prompt, max_steps):
+    """The typed pieces a door reads of one request: each piece's item and outputs so far, then the reason."""
+    async def main():
+        items = server.pieces_async(Prompt(prompt, max_steps), prompt)
+        return [(int(piece.item), piece.outputs) if piece.item is not None else piece.finish_reason
+                async for piece in items]
+    return asyncio.run(main())
+
+
 def test_eos_max_steps_and_max_length_stop_exactly():
+    """Each end, and the reason the engine gives for it: ``stop`` at an end token, ``length`` at the last output
+    needed (``max_steps``, or what fits ``max_length``)."""
     prompt = np.array([2, 7], np.int32)
     free_run = expected(prompt, 30)
     eos = free_run[5]
-    with js.serve(generation(eos=eos), name="gen-eos"):
+    with js.serve(generation(eos=eos), name="gen-eos") as server:
         got = js.generate("gen-eos", prompt, max_steps=30).tolist()
+        assert pieces(server, prompt, 30) == [*((token, i + 1) for i, token in enumerate(got)), "stop"]
+        assert pieces(server, prompt, 3)[-1] == "length"
     assert got == free_run[:free_run.index(eos) + 1] and got[-1] == eos, "the eos output is the last one returned"
     stops = [free_run[9], free_run[4]]  # several end tokens: the first of any ends it
     with js.serve(generation(eos=stops), name="gen-eos-list"):
         got = js.generate("gen-eos-list", prompt, max_steps=30).tolist()
     assert got == free_run[:min(free_run.index(stop) for stop in stops) + 1] and got[-1] in stops
-    with js.serve(generation(max_length=12, prefill_lengths=[12]), name="gen-max"):
+    with js.serve(generation(max_length=12, prefill_lengths=[12]), name="gen-max") as server:
         assert len(js.generate("gen-max", np.arange(10, dtype=np.int32), max_steps=50)) == 2  # 10 + 2 = 12
+        assert pieces(server, np.arange(10, dtype=np.int32), 50)[-1] == "length"
         assert len(js.generate("gen-max", [1], max_steps=3)) == 3
 
 
@@ -400,10 +415,11 @@ def test_a_short_request_that_arrives_later_finishes_before_the_long_ones():
         assert [int(next(stream)) for stream in long_ones] == [3] * 3, "the long ones are decoding"
         short = server.outputs(server.submit(np.array([4], np.int32), 3), None)
         permits.release(10)  # the step running now, the short one's 2 steps, and the one queued before delivery
-        assert [int(output) for output in short] == [4] * 3
+        *outputs, end = short
+        assert [int(output) for output in outputs] == [4] * 3 and end == End("length")
         assert server.stats().slots_busy == 3, "the long ones go on"
         permits.release(1000)
-        assert [len(list(stream)) for stream in long_ones] == [59] * 3
+        assert [len(list(stream)) for stream in long_ones] == [59 + 1] * 3, "59 outputs more, then the end"
         assert server.stats().compiles == 0
 
 

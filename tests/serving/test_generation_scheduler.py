@@ -130,6 +130,27 @@ def test_delivery_frees_the_slots_of_ended_requests_only_while_they_hold_them():
     assert s.running == {0: third, 1: second}, "slot 0 is third's now"
 
 
+def test_the_update_decides_every_end_and_its_reason_and_frees_the_slots_of_those_that_end():
+    """One launch of 3 steps over five requests: an eos, a stop id, the last output needed, an eos ignored, and
+    a request cancelled before: each takes its outputs up to its end, which says why."""
+    s = scheduler(slots=5, steps_per_launch=3)
+    at_eos, at_stop, at_length, ignoring, cancelled = submitted(
+        s, request(), request(sampling=Sampling(stop_token_ids=[7])), request(max_steps=2),
+        request(sampling=Sampling(ignore_eos=True)), request(12))
+    s.plan()
+    s.cancel(cancelled)
+    outputs = np.array([[5, 5, 5, 2, 5], [2, 7, 5, 2, 2], [5, 5, 5, 5, 5]], np.int32)  # (steps, rows)
+    requests = [at_eos, at_stop, at_length, ignoring, cancelled]
+    taken, finished = s.update(requests, [0, 1, 2, 3, 4], outputs, np.array([2], np.int32))
+    assert taken == [2, 2, 2, 3, 0]
+    assert finished == [at_eos, at_stop, at_length]
+    assert [r.finish_reason for r in requests] == ["stop", "stop", "length", None, None]
+    assert [r.produced for r in requests] == [2, 2, 2, 3, 0]
+    assert sorted(s.running) == [3, 4] and s.free == [0, 1, 2], "the cancelled one frees its slot at the next plan"
+    taken, finished = s.update([at_eos, ignoring], [0, 1], outputs[:1, :2], np.array([2], np.int32))
+    assert taken == [0, 1] and finished == [], "an ended request takes nothing more"
+
+
 def test_the_queue_is_full_at_max_queue_and_everything_can_be_taken_off():
     s = scheduler(slots=1, max_queue=3)
     running, *waiting = submitted(s, request(max_steps=50), request(), request())

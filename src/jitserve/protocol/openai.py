@@ -30,25 +30,26 @@
 A prompt and its ``max_tokens`` must fit the generation's ``max_length``, as OpenAI's API refuses a
 request past the context (code ``context_length_exceeded``, ``param`` the field to shorten). ``usage``
 counts the tokens the engine read and produced (an ``eos`` included);
-``finish_reason`` is ``stop`` at an end token, a stop id or a stop sequence, ``length`` at ``max_tokens``. A stream is
+``finish_reason`` is the engine's (its scheduler decides every end: ``stop`` at an end token or a stop id, ``length``
+at ``max_tokens``), or ``stop`` at a stop sequence, which this door cuts. A stream is
 server-sent ``data:`` chunks ending in ``data: [DONE]``, each with the log-probabilities of the tokens its
 text came of where asked; ``stream_options.include_usage`` adds a last chunk with the usage, and with it vLLM's
 ``continuous_usage_stats`` gives every chunk its choice's usage so far (its prompt's tokens and those it has
 generated), as vLLM does; an error once it started is a chunk ``{"error": ...}`` before it.
 
 Each request goes to the engine the in-process and KServe callers use (one engine, three doors): a
-generation's ``submit`` and ``outputs_async`` inside a ``Delivery`` (stop sequences, the text), as
-``protocol/model.py`` does; a serving through ``InferenceService.infer``. Fields are checked in
+generation's typed ``pieces_async`` (text, log-probabilities, tokens so far, why it ended: the engine's
+``Delivery``, with the stop sequences), as ``protocol/model.py`` reads its ``open_stream``; a serving through
+``InferenceService.infer``. Fields are checked in
 ``protocol/openai_request.py``; errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,7 @@ import orjson
 from ..errors import OptionError, ParameterError, UnknownServerError
 from ..models.pretrained import TextHook, text_hook
 from ..models.tokenizer import Tokenizer
-from ..serving.generation import Delivery, GenerationFront, TokenLogprobs
+from ..serving.generation import Choices, Prompt, TokenLogprobs, stop_text
 from ..serving.request import off_loop
 from . import openai_request as fields
 from .access import REQUEST_ROWS
@@ -103,47 +104,21 @@ def _event(payload: Any) -> bytes:
 
 
 class _Choice:
-    """One choice in the making: the text pieces of its request (``pieces``; each paired with the
-    log-probabilities of its tokens where the request asked for the ``top`` most likely tokens' too), its tokens
-    counted as they come (beside its prompt's, ``prompt_tokens``), why it ended, and where its next token's text
-    starts (``offset``, for a completion's ``text_offset``)."""
+    """What the answer keeps of one choice: the text echo repeats (``prompt``), its prompt's tokens, its own
+    counted as its pieces come (``tokens``), why it ended (``finish_reason``: the engine's reason, or a stop
+    sequence's), whether it asked for the ``top`` most likely tokens' log-probabilities, and where its next
+    token's text starts (``offset``, for a completion's ``text_offset``)."""
 
-    __slots__ = ("index", "prompt", "prompt_tokens", "delivery", "ends", "tokens", "last", "pieces", "top", "offset")
+    __slots__ = ("index", "prompt", "prompt_tokens", "tokens", "finish_reason", "top", "offset")
 
-    def __init__(self, index: int, prompt: str, server: GenerationFront, ids: np.ndarray, max_tokens: int,
-                 chosen: dict[str, Any], stop: Any, timeout: float | None) -> None:
+    def __init__(self, index: int, prompt: str, prompt_tokens: int, top: int | None) -> None:
         self.index = index
-        self.prompt = prompt  # what echo repeats
-        self.prompt_tokens = ids.size
-        sampling = fields.choice_sampling(chosen, index)
-        self.top = sampling.logprobs
-        self.offset = 0
-        try:
-            self.delivery = Delivery(server.generation, stop, ids, self.top is not None)
-        except OptionError as error:
-            raise ParameterError(f"'stop': {error}", "stop") from None
-        eos = server.generation.eos  # the ids that end it: the model's end tokens (unless ignored), its stop ids
-        self.ends = frozenset(sampling.stop_token_ids).union(
-            np.asarray(eos).reshape(-1).tolist() if eos is not None and not sampling.ignore_eos else ())
+        self.prompt = prompt
+        self.prompt_tokens = prompt_tokens
         self.tokens = 0
-        self.last: Any = None
-        request = server.submit(ids, max_tokens, asyncio.get_running_loop(), sampling)
-        self.pieces = self.delivery.each_async(self._counted(server.outputs_async(request, timeout)))
-
-    async def _counted(self, outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
-        try:
-            async for token in outputs:
-                self.tokens += 1
-                self.last = token
-                yield token
-        finally:
-            await outputs.aclose()
-
-    @property
-    def finish_reason(self) -> str:
-        last = self.last if self.top is None or self.last is None else self.last.token
-        at_end = self.delivery.done or (last is not None and int(last) in self.ends)
-        return "stop" if at_end else "length"
+        self.finish_reason: str | None = None
+        self.top = top
+        self.offset = 0
 
     def usage(self) -> dict[str, int]:
         """This choice's usage so far (vLLM's ``continuous_usage_stats``): its prompt and its tokens."""
@@ -151,50 +126,25 @@ class _Choice:
 
 
 class _Choices:
-    """A request's choices, each read by a task of its own from the moment it is submitted (a request nobody
-    reads would run to its last token), their pieces merged as they come."""
+    """A request's choices in the engine (``engine``: the generation's ``choices_async``, which fans out
+    ``n``) and what the answer keeps of each (``all``)."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[tuple[_Choice, Any]] = asyncio.Queue()
-        self.all: list[_Choice] = []
-        self.tasks: list[asyncio.Future[None]] = []
-
-    def add(self, choice: _Choice) -> None:
-        self.all.append(choice)
-        self.tasks.append(asyncio.ensure_future(self._read(choice)))
-
-    async def _read(self, choice: _Choice) -> None:
-        try:
-            async for piece in choice.pieces:
-                self.queue.put_nowait((choice, piece))
-            self.queue.put_nowait((choice, None))
-        except Exception as error:  # noqa: BLE001 - handed to the reader of the pieces, which answers with it
-            self.queue.put_nowait((choice, error))
+    def __init__(self, engine: Choices, all: list[_Choice]) -> None:
+        self.engine = engine
+        self.all = all
 
     async def each(self) -> AsyncIterator[tuple[_Choice, str | None, list[TokenLogprobs]]]:
         """Every choice's text pieces as they come, each with the log-probabilities of its tokens (where the
         choice asked for them), and ``(choice, None, [])`` once it ended; the first error raises, and ends the
         other choices."""
-        try:
-            left = len(self.all)
-            while left:
-                choice, piece = await self.queue.get()
-                if isinstance(piece, Exception):
-                    raise piece
-                left -= piece is None
-                if piece is None or choice.top is None:
-                    yield choice, piece, []
-                else:
-                    yield choice, *piece
-        finally:
-            await self.close()
+        async for index, piece in self.engine.each():
+            choice = self.all[index]
+            choice.tokens = piece.outputs
+            choice.finish_reason = piece.finish_reason
+            yield choice, piece.item, piece.logprobs or []
 
     async def close(self) -> None:
-        """End every choice still running (its slot freed at the next step)."""
-        await asyncio.sleep(0)  # every task past its first step: one cancelled before it never closes its request
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.engine.close()
 
     def usage(self, prompt_tokens: int) -> dict[str, int]:
         return _usage(prompt_tokens, sum(choice.tokens for choice in self.all))
@@ -430,6 +380,10 @@ class OpenAIDoor:
         fields.best_of(request, count)
         chosen = {**fields.sampling(request, server.generation.default_sampling), "logprobs": top}
         stop = fields.stop_sequences(request)
+        try:
+            stop_text(server.generation, stop)
+        except OptionError as error:
+            raise ParameterError(f"'stop': {error}", "stop") from None
         asked = fields.integer(request, steps_field, default_steps)
         if asked is not None and chosen.get("min_tokens", 0) > asked:
             raise ParameterError(f"'min_tokens' ({chosen['min_tokens']}) must be at most '{steps_field}' ({asked})",
@@ -444,15 +398,12 @@ class OpenAIDoor:
                                      steps_field if room >= 1 else shape.prompt_field, "context_length_exceeded")
         if self.service.access_log:
             REQUEST_ROWS.set(count * len(prompts))
-        choices = _Choices()
-        try:
-            for at, (ids, text) in enumerate(prompts):
-                for index in range(at * count, (at + 1) * count):
-                    choices.add(_Choice(index, text, server, ids, asked or max_length - ids.size, chosen, stop,
-                                        self.service.request_timeout))
-        except BaseException:
-            await choices.close()
-            raise
+        sampling = fields.request_sampling(chosen)
+        timeout = self.service.request_timeout
+        engine = await server.choices_async([(Prompt(text, asked or max_length - ids.size, sampling, stop, timeout),
+                                              ids) for ids, text in prompts], count)
+        choices = _Choices(engine, [_Choice(index, prompts[index // count][1], prompts[index // count][0].size,
+                                            top) for index in range(count * len(prompts))])
         answer = {"id": shape.prefix + os.urandom(12).hex(), "object": shape.object, "created": int(time.time()),
                   "model": spec.name}
         prompt_tokens = sum(ids.size for ids, _ in prompts)

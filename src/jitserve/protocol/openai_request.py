@@ -198,11 +198,12 @@ def logprobs(request: dict[str, Any], endpoint: str) -> int | None:
     return top or 0
 
 
-def choice_sampling(chosen: dict[str, Any], index: int) -> Sampling:
-    """The sampling of choice ``index`` of a request: a given seed plus the index (so that choices differ and
-    the same request gives the same choices), else a fresh seed each."""
+def request_sampling(chosen: dict[str, Any]) -> Sampling:
+    """The sampling of a request's choices: a given seed (any integer, taken modulo ``SEEDS``), else a fresh
+    one; choice ``i`` samples with it plus ``i`` (``Sampling.choice``: choices differ, and the same seeded
+    request gives the same choices)."""
     seed = chosen.get("seed")
-    return Sampling(**{**chosen, "seed": None if seed is None else (seed + index) % SEEDS})
+    return Sampling(**{**chosen, "seed": None if seed is None else seed % SEEDS})
 
 
 def stop_sequences(request: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ import contextvars
 import queue as thread_queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -28,7 +28,15 @@ import numpy as np
 from ..batch import Batch
 from ..errors import BatchError, raised_by_model
 
-END = object()  # the last item of a stream
+
+class End(NamedTuple):
+    """The last item of a stream; ``reason``: why a generation's request ended (``"stop"``: an end token or a
+    stop id, ``"length"``: the last output it needed), None for a serving's rows."""
+
+    reason: str | None = None
+
+
+END = End()  # a serving's stream's last item
 # the caller's trace context (a network front's, when it traces): opaque here, carried from submission to the
 # reports of the batches that run the request's rows (``BatchReport.traces``)
 TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("jitserve_trace", default=None)
@@ -150,29 +158,34 @@ class Reading:
     """One caller reading one request's stream, whichever engine it came from: it waits at most
     ``timeout`` while the request has not ``started`` (then ``expire()``, which raises TimeoutError if the
     request still waits), hands out what each item gives (``order``: row ranges put in order, or each item
-    as it is), and ``close()``s the request once the caller stops reading. :func:`read` and
-    :func:`read_async` are its one waiting loop, for threads and for asyncio callers."""
+    as it is; ``ending``: the stream's :class:`End` last, a generation's reason), and ``close()``s the
+    request once the caller stops reading. :func:`read` and :func:`read_async` are its one waiting loop, for
+    threads and for asyncio callers."""
 
-    __slots__ = ("items", "timeout", "started", "expire", "close", "order")
+    __slots__ = ("items", "timeout", "started", "expire", "close", "order", "ending", "ended")
 
     def __init__(self, stream: Stream, timeout: float | None, started: Callable[[], bool],
                  expire: Callable[[], None], close: Callable[[], None],
-                 order: Callable[[Any], list[Any]] | None = None) -> None:
+                 order: Callable[[Any], list[Any]] | None = None, ending: bool = False) -> None:
         self.items = stream.items
         self.timeout = timeout
         self.started = started
         self.expire = expire
         self.close = close
         self.order = order
+        self.ending = ending
+        self.ended = False
 
     def wait_s(self) -> float | None:
         """How long to wait for the next item: unbounded once the request started."""
         return None if self.started() else self.timeout
 
     def take(self, item: Any) -> list[Any] | None:
-        """What to hand out after ``item``; None at the end; a failure raises."""
-        if item is END:
-            return None
+        """What to hand out after ``item``; None at the end (``ending``: the end, then None); a failure
+        raises."""
+        if type(item) is End:
+            self.ended = True
+            return [item] if self.ending else None
         if isinstance(item, BaseException):
             raise item
         return [item] if self.order is None else self.order(item)
@@ -190,6 +203,8 @@ def read(reading: Reading) -> Generator[Any, None, None]:
             if ready is None:
                 return
             yield from ready
+            if reading.ended:
+                return
     finally:
         reading.close()
 
@@ -207,6 +222,8 @@ async def read_async(reading: Reading) -> AsyncGenerator[Any, None]:
                 return
             for outputs in ready:
                 yield outputs
+            if reading.ended:
+                return
     finally:
         reading.close()
 

@@ -150,8 +150,8 @@ class GenerationReplica(Ownership):
 
     async def generate(self, prompt: Any, max_steps: int, sampling: Sampling, timeout: float | None
                        ) -> AsyncIterator[tuple[Any, int]]:
-        """One request's outputs, each with the prompts this replica holds (in slots or waiting); a caller
-        that cancels the call frees the slot at the next step."""
+        """One request's outputs, then its ``End`` with why it ended, each with the prompts this replica holds
+        (in slots or waiting); a caller that cancels the call frees the slot at the next step."""
         server = self.server
         request = server.submit(prompt, max_steps, asyncio.get_running_loop(), sampling)
         async for output in server.outputs_async(request, timeout):

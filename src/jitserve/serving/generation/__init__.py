@@ -33,9 +33,9 @@ The package is in rooms, each importing only from those above it in this list:
   server see, given what they ask, a :class:`Prompt`.
 """
 
-from .delivery import Delivery, StopText, TokenLogprobs, stacked, stop_text
+from .delivery import Choices, Delivery, Piece, StopText, TokenLogprobs, stacked, stop_text
 from .server import GenerationFront, GenerationServer, Prompt
 from .spec import GREEDY, Generation, PagedCache, Sampling
 
-__all__ = ["GREEDY", "Delivery", "Generation", "GenerationFront", "GenerationServer", "PagedCache", "Prompt",
-           "Sampling", "StopText", "TokenLogprobs", "stacked", "stop_text"]
+__all__ = ["GREEDY", "Choices", "Delivery", "Generation", "GenerationFront", "GenerationServer", "PagedCache",
+           "Piece", "Prompt", "Sampling", "StopText", "TokenLogprobs", "stacked", "stop_text"]

@@ -1,7 +1,7 @@
 """Outputs on their way to a generation's callers, from the loop's hand-over to what each caller reads.
 
-On the loop's side, :func:`hand_over` gives each request its next outputs of a
-launch, in step order, then the end once it needs no more (or reached ``eos``),
+On the loop's side, :func:`hand_over` gives each request the outputs of a launch
+that the scheduler's update gave it, in step order, then its end with the reason,
 in one hand-over for all the streams of one asyncio event loop. On the caller's
 side, the request's stream is read by the one waiting loop of both engines
 (:func:`~jitserve.serving.request.read`), and :class:`Delivery` makes what
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ...errors import OptionError
-from ..request import END, Stream, put_all
+from ..request import End, Stream, put_all
 from .scheduler import SlotRequest
 from .spec import Generation, Sampling
 
@@ -54,44 +54,43 @@ class TokenLogprobs(NamedTuple):
 
 
 def hand_over(requests: Sequence[GenerationRequest], rows: Sequence[int], outputs: np.ndarray,
-              eos: np.ndarray | None, scores: Sequence[np.ndarray] = ()) -> tuple[int, list[GenerationRequest]]:
-    """Each of ``requests`` gets its next outputs from row ``rows[i]`` of ``outputs`` (steps, rows, ...), in
-    step order, all in one :func:`~jitserve.serving.request.put_all`; a request that asked for ``logprobs``
-    gets each as a :class:`TokenLogprobs`, from ``scores`` (a scored program's log-probabilities, (steps,
-    rows, 1 + top), and top tokens). A request that is done (its outputs needed, one of ``eos`` unless it
-    ignores them, or one of its stop ids) gets END
-    and ends, and what was computed for it after is dropped, as for one that ended or was cancelled before.
-    Returns the outputs handed over and the requests that ended."""
-    steps, count = outputs.shape[:2]
-    # which outputs are an eos, at once: comparing row by row costs more than the rest of the delivery
-    at_eos = None if eos is None else (outputs[:, :, None] == eos).reshape(
-        steps, count, len(eos), -1).all(axis=3).any(axis=2)
-    finished = []
+              taken: Sequence[int], scores: Sequence[np.ndarray] = ()) -> int:
+    """Each of ``requests`` gets the first ``taken[i]`` outputs of row ``rows[i]`` of ``outputs`` (steps,
+    rows, ...), as :meth:`~.scheduler.Scheduler.update` gave them, then its :class:`~..request.End` with its
+    reason if they ended it, all in one :func:`~jitserve.serving.request.put_all`; a request that asked for
+    ``logprobs`` gets each as a :class:`TokenLogprobs`, from ``scores`` (a scored program's
+    log-probabilities, (steps, rows, 1 + top), and top tokens). Returns the outputs handed over."""
     deliveries: list[tuple[Stream, Any]] = []
-    for request, row in zip(requests, rows):
+    handed = 0
+    for request, row, took in zip(requests, rows, taken):
+        if not took:
+            continue
+        handed += took
         top = request.sampling.logprobs
-        for step in range(steps):
-            if request.ended or request.cancelled:
-                break
-            request.produced += 1
-            output = outputs[step, row]
-            if request.history is not None:  # a paged cache's request: its state may be computed again from it
-                request.history.append(int(output))
-            if top is not None:
+        stream = request.stream
+        if top is None:
+            deliveries.extend((stream, output) for output in outputs[:took, row])
+        else:
+            for step in range(took):
                 logprobs, tokens = scores[0][step, row], scores[1][step, row]
-                deliveries.append((request.stream, TokenLogprobs(int(output), float(logprobs[0]), tuple(
+                deliveries.append((stream, TokenLogprobs(int(outputs[step, row]), float(logprobs[0]), tuple(
                     zip(tokens[:top].tolist(), logprobs[1:1 + top].tolist())))))
-            else:
-                deliveries.append((request.stream, output))
-            stops = request.sampling.stop_token_ids
-            if request.produced >= request.needed or (at_eos is not None and at_eos[step, row]
-                                                      and not request.sampling.ignore_eos) or \
-                    (stops and int(output) in stops):
-                deliveries.append((request.stream, END))
-                request.ended = True
-                finished.append(request)
+        if request.finish_reason is not None:  # set by this update: an earlier end takes no outputs
+            deliveries.append((stream, End(request.finish_reason)))
     put_all(deliveries)
-    return len(deliveries) - len(finished), finished
+    return handed
+
+
+class Piece(NamedTuple):
+    """What a door gets of a generation, typed (:meth:`Delivery.pieces_async`): ``item``, a piece of text (or
+    a ``postprocess``'s item; None in the last piece), the :class:`TokenLogprobs` of the outputs it came of
+    where the request asked (else None), the request's ``outputs`` so far, and in the last piece only, why
+    it ended (``finish_reason``: ``"stop"`` or ``"length"``)."""
+
+    item: Any
+    logprobs: list[TokenLogprobs] | None
+    outputs: int
+    finish_reason: str | None = None
 
 
 class StopText:
@@ -150,7 +149,9 @@ class Delivery:
     ``stop`` (text pieces only) the text cut at the first stop sequence (:class:`StopText`). ``scored``: the
     request asked for ``logprobs``, its outputs are :class:`TokenLogprobs`, and the caller gets each item
     paired with those of the outputs that gave it: ``(item, [TokenLogprobs, ...])`` (a piece of text may come
-    of several outputs, or of none, while a character or a possible stop sequence is held back)."""
+    of several outputs, or of none, while a character or a possible stop sequence is held back). Once the
+    outputs end, ``finish_reason`` says why: ``"stop"`` (an end token, a stop id or a stop sequence) or
+    ``"length"``, as the engine's :class:`~..request.End` gave it."""
 
     def __init__(self, generation: Generation, stop: Any = None, prompt: Any = None, scored: bool = False) -> None:
         self.generation = generation
@@ -159,6 +160,8 @@ class Delivery:
         self.text = None if generation.detokenizer is None else generation.detokenizer(np.asarray(prompt))
         self.scores: list[TokenLogprobs] | None = [] if scored else None  # those of outputs not paired yet
         self.empty: Any = ""  # a piece of no text, of the pieces' type
+        self.reason: str | None = None  # the engine's, from the outputs' End
+        self.read = 0  # outputs read so far
 
     def of(self, output: Any) -> list[Any]:
         """What the caller gets for ``output``: its piece; with stop sequences, the text that can go out;
@@ -194,6 +197,11 @@ class Delivery:
         """A stop sequence was reached: the caller stops reading, which frees the slot at the next step."""
         return self.stop is not None and self.stop.ended
 
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the outputs ended: at a stop sequence ``"stop"``, else the engine's reason (None before)."""
+        return "stop" if self.done else self.reason
+
     def rest(self) -> list[Any]:
         """What was held back when the outputs ended without a stop sequence: a decoder's unfinished text,
         then text that might have begun a stop sequence."""
@@ -208,10 +216,15 @@ class Delivery:
         return self._paired([self.empty]) if self.scores else []
 
     def each(self, outputs: Generator[Any, None, None]) -> Generator[Any, None, None]:
-        """What the caller gets from a request's ``outputs`` (a server's ``outputs``), one item at a time;
-        closed early, or at a stop sequence, it closes them: the request is cancelled now."""
+        """What the caller gets from a request's ``outputs`` (a server's ``outputs``, ending with its
+        :class:`~..request.End`), one item at a time; closed early, or at a stop sequence, it closes them:
+        the request is cancelled now."""
         try:
             for output in outputs:
+                if type(output) is End:
+                    self.reason = output.reason
+                    continue
+                self.read += 1
                 yield from self.of(output)
                 if self.done:
                     break
@@ -225,6 +238,10 @@ class Delivery:
         """:meth:`each` for a server's ``outputs_async``."""
         try:
             async for output in outputs:
+                if type(output) is End:
+                    self.reason = output.reason
+                    continue
+                self.read += 1
                 for item in self.of(output):
                     yield item
                 if self.done:
@@ -236,6 +253,60 @@ class Delivery:
                 yield item
         finally:
             await outputs.aclose()
+
+    async def pieces_async(self, outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Piece, None]:
+        """:meth:`each_async` typed, as a door reads it: each item a :class:`Piece`, then a last one with why
+        the outputs ended."""
+        items = self.each_async(outputs)
+        scored = self.scores is not None
+        try:
+            async for item in items:
+                yield Piece(item[0], item[1], self.read) if scored else Piece(item, None, self.read)
+            yield Piece(None, [] if scored else None, self.read, self.finish_reason)
+        finally:
+            await items.aclose()
+
+
+class Choices:
+    """The choices of one caller's request (OpenAI's and vLLM's ``n``, over one prompt or several), each read
+    by a task of its own from the moment it is added (a choice nobody reads would run to its last token):
+    :meth:`each` merges their typed pieces as they come, each with its choice's index (the order they were
+    added in)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[int, Piece | Exception]] = asyncio.Queue()
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def add(self, pieces: AsyncGenerator[Piece, None]) -> None:
+        self.tasks.append(asyncio.ensure_future(self._read(len(self.tasks), pieces)))
+
+    async def _read(self, index: int, pieces: AsyncGenerator[Piece, None]) -> None:
+        try:
+            async for piece in pieces:
+                self.queue.put_nowait((index, piece))
+        except Exception as error:  # noqa: BLE001 - handed to the reader of the pieces, which raises it
+            self.queue.put_nowait((index, error))
+
+    async def each(self) -> AsyncGenerator[tuple[int, Piece], None]:
+        """Every choice's pieces as they come, ``(index, piece)``, until each gave its last; the first error
+        raises, and ends the other choices."""
+        try:
+            left = len(self.tasks)
+            while left:
+                index, piece = await self.queue.get()
+                if isinstance(piece, Exception):
+                    raise piece
+                left -= piece.finish_reason is not None
+                yield index, piece
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """End every choice still running (its slot freed at the next step)."""
+        await asyncio.sleep(0)  # every task past its first step: one cancelled before it never closes its request
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 def stacked(outputs: Sequence[Any]) -> np.ndarray:

@@ -6,12 +6,14 @@ a server's loop asks it for a :class:`Plan`: the waiting prompts it admits into
 free slots (lowest first, in arrival order), grouped into prefills by compiled
 prompt length and padded to a compiled number of prompts, then one decode
 launch of every slot when any runs. A slot is free again once the last output
-its request needs is in a plan (the outputs are on their way), when delivery
-sees the request end (at ``eos``, or by an error), or at the next plan once its
-caller cancelled; a request that waited too long leaves the queue. The server
-holds its lock around every call and runs what the plan says on its programs:
-this is vLLM's scheduler / model-runner seam, where a paged KV cache plugs in
-(blocks handed out beside slots).
+its request needs is in a plan (the outputs are on their way), when
+:meth:`Scheduler.update` sees it end with a launch's outputs (at ``eos`` or a
+stop id; the one place that decides an end and why), when it fails, or at the
+next plan once its caller cancelled; a request that waited too long leaves the
+queue. The server holds its lock around every call and runs what the plan says
+on its programs: this is vLLM's ``schedule`` / ``update_from_output`` /
+model-runner seam, where a paged KV cache plugs in (blocks handed out beside
+slots).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ class SlotRequest:
     ``eos`` ends it first (``max_steps``, or as many as fit ``max_length``; the first always), how many are
     ``dispatched`` (in a plan: being computed or computed, ahead of ``produced`` by a launch at most) and
     ``produced`` (delivered), whether it ``ended`` (it got its end or an error: later outputs computed for
-    it are dropped) or was ``cancelled``, and its ``slot`` once admitted (-1 before). In a paged cache
+    it are dropped) and why (``finish_reason``: ``"stop"`` or ``"length"``, None after an error) or was
+    ``cancelled``, and its ``slot`` once admitted (-1 before). In a paged cache
     (:mod:`~.paged_scheduler`) also the ``blocks`` it holds, how many positions of its sequence are
     ``computed`` (their keys and values written, or on their way), and its outputs so far (``history``,
     from which its state is computed again after a preemption)."""
 
-    __slots__ = ("prompt", "sampling", "needed", "dispatched", "produced", "ended", "cancelled", "slot", "blocks",
-                 "computed", "history")
+    __slots__ = ("prompt", "sampling", "needed", "dispatched", "produced", "ended", "finish_reason", "cancelled",
+                 "slot", "blocks", "computed", "history")
 
     def __init__(self, prompt: np.ndarray, max_steps: int, sampling: Sampling, max_length: int) -> None:
         self.prompt = prompt
@@ -45,6 +48,7 @@ class SlotRequest:
         self.dispatched = 0
         self.produced = 0
         self.ended = False
+        self.finish_reason: str | None = None
         self.cancelled = False
         self.slot = -1
         self.blocks: list[int] = []
@@ -163,9 +167,43 @@ class Scheduler(Generic[R]):
             self.release(gone)
         return len(gone)
 
+    def update(self, requests: list[R], rows: list[int], outputs: np.ndarray,
+               eos: np.ndarray | None) -> tuple[list[int], list[R]]:
+        """A launch's ``outputs`` (steps, rows, ...) given to ``requests``, each from row ``rows[i]``, in step
+        order, as vLLM's ``update_from_output`` and ``check_stop``: how many each takes, and the requests
+        they end, whose slots are freed. An output ends its request with ``finish_reason`` ``"stop"`` when it
+        is one of ``eos`` (unless the request ignores them) or of its stop ids, else ``"length"`` when it is
+        the last output needed; a request that ended or was cancelled takes none (what was computed for it
+        meanwhile is dropped)."""
+        steps, count = outputs.shape[:2]
+        # which outputs are an eos, at once: comparing row by row costs more than the rest of the update
+        at_eos = None if eos is None else (outputs[:, :, None] == eos).reshape(
+            steps, count, len(eos), -1).all(axis=3).any(axis=2)
+        taken, finished = [], []
+        for request, row in zip(requests, rows):
+            took = 0
+            stops = request.sampling.stop_token_ids
+            ends_at_eos = at_eos is not None and not request.sampling.ignore_eos
+            while took < steps and not (request.ended or request.cancelled):
+                output = outputs[took, row]
+                took += 1
+                request.produced += 1
+                if request.history is not None:  # a paged cache's request: its state may be computed again from it
+                    request.history.append(int(output))
+                if (ends_at_eos and at_eos[took - 1, row]) or (stops and int(output) in stops):  # type: ignore[index]
+                    request.finish_reason = "stop"
+                elif request.produced >= request.needed:
+                    request.finish_reason = "length"
+                else:
+                    continue
+                request.ended = True
+                finished.append(request)
+            taken.append(took)
+        self.release(finished)
+        return taken, finished
+
     def release(self, requests: list[R]) -> None:
-        """Free the slots of ``requests`` that still hold one: they ended (delivery saw their last output, or
-        an ``eos``)."""
+        """Free the slots of ``requests`` that still hold one: they ended."""
         for request in requests:
             self._free(request)
 

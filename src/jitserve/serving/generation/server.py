@@ -22,8 +22,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, NamedTuple, Self
 
 import jax
@@ -37,7 +37,7 @@ from ..request import OFF_LOOP_CHARS, Reading, off_loop, read, read_async
 from ..serving import owned_host_array
 from ..stats import GenerationStats, Phases
 from ..warmup import compile_each
-from .delivery import Delivery, GenerationRequest, hand_over, stacked
+from .delivery import Choices, Delivery, GenerationRequest, Piece, hand_over, stacked
 from .paged_programs import PagedPrograms
 from .paged_scheduler import PagedScheduler
 from .programs import Programs, to_host
@@ -74,7 +74,8 @@ class GenerationFront(Front[Prompt]):
     :class:`Prompt` (``call``, ``stream`` and their asyncio forms) run the generation's ``preprocess`` and
     what each output gives the caller (a :class:`~.delivery.Delivery`) in the caller, around the engine's
     own: ``submit`` checks and queues a request's token ids; ``outputs`` / ``outputs_async`` give its outputs
-    as they come (closing them cancels it), as a cluster replica, which runs neither, calls them."""
+    as they come, then its :class:`~..request.End` with its reason (closing them cancels it), as a cluster
+    replica, which runs neither, calls them."""
 
     asks = Prompt
     generation: Generation
@@ -132,6 +133,29 @@ class GenerationFront(Front[Prompt]):
             await off_loop(size, lambda: self.generation.prompt_of(prompt))
         delivery, request = self._queued(ask, tokens, asyncio.get_running_loop())
         return delivery.each_async(self.outputs_async(request, ask.timeout))
+
+    def pieces_async(self, ask: Prompt, tokens: Any) -> AsyncGenerator[Piece, None]:
+        """The typed entry of a door that made the prompt's token ids itself (``tokens``; ``ask.prompt`` is
+        what it read): each :class:`~.delivery.Piece` as it comes, the last with why the request ended;
+        closing them cancels it."""
+        self._check(ask)
+        delivery, request = self._queued(ask, tokens, asyncio.get_running_loop())
+        return delivery.pieces_async(self.outputs_async(request, ask.timeout))
+
+    async def choices_async(self, asks: Sequence[tuple[Prompt, Any]], n: int = 1) -> Choices:
+        """``n`` choices of each of ``asks`` (a :class:`Prompt` and the token ids its door made), submitted
+        now, choice ``i`` of an ask sampling with its seed plus ``i`` (:meth:`~.spec.Sampling.choice`): an
+        error raises here, and the choices submitted before it end. Choice ``i`` of ask ``k`` is index
+        ``k * n + i`` of their merged pieces (:meth:`~.delivery.Choices.each`)."""
+        choices = Choices()
+        try:
+            for ask, tokens in asks:
+                for index in range(n):
+                    choices.add(self.pieces_async(replace(ask, sampling=ask.sampling.choice(index)), tokens))
+        except BaseException:
+            await choices.close()
+            raise
+        return choices
 
     def _enter(self, ask: Prompt, loop: asyncio.AbstractEventLoop | None) -> tuple[Delivery, Any]:
         """The caller's side of a request (its token ids, what it makes of the outputs) and the request, queued."""
@@ -344,7 +368,8 @@ class GenerationServer(GenerationFront):
                            f"for a free slot")
 
     def outputs(self, request: GenerationRequest, timeout: float | None) -> Generator[Any, None, None]:
-        """The request's outputs as they come; closing the iterator cancels the request."""
+        """The request's outputs as they come, then its :class:`~..request.End` with why it ended; closing
+        the iterator cancels the request."""
         return read(self._reading(request, timeout))
 
     def outputs_async(self, request: GenerationRequest, timeout: float | None) -> AsyncGenerator[Any, None]:
@@ -353,7 +378,7 @@ class GenerationServer(GenerationFront):
 
     def _reading(self, request: GenerationRequest, timeout: float | None) -> Reading:
         return Reading(request.stream, timeout, request.admitted.is_set, lambda: self._expire(request, timeout),
-                       lambda: self.cancel(request))
+                       lambda: self.cancel(request), ending=True)
 
     # the loop --------------------------------------------------------------------------------------
 
@@ -431,8 +456,9 @@ class GenerationServer(GenerationFront):
         return _Dispatched(requests, rows, outputs, started, step, queued)
 
     def _deliver(self, item: _Dispatched) -> None:
-        """Once ``item`` is computed, its outputs to their requests (:func:`~.delivery.hand_over`) and the
-        statistics, under the lock; a request that ended frees its slot; then the listeners."""
+        """Once ``item`` is computed, its outputs to their requests as the scheduler's update decides (it
+        frees the slots of those that end; :func:`~.delivery.hand_over` hands them over) and the statistics,
+        under the lock; then the listeners."""
         waiting = time.perf_counter()
         jax.block_until_ready(item.outputs)
         computed = time.perf_counter()
@@ -451,7 +477,8 @@ class GenerationServer(GenerationFront):
             request.infer_s += phases.infer_s
             request.output_s += phases.output_s
         with self._lock:  # so that a caller handed its last output finds itself counted
-            delivered, finished = hand_over(item.requests, item.rows, outputs, self._eos, scores)
+            taken, finished = self._scheduler.update(item.requests, item.rows, outputs, self._eos)
+            delivered = hand_over(item.requests, item.rows, outputs, taken, scores)
             stats = self._stats
             stats.outputs += delivered
             if item.step:
@@ -465,7 +492,6 @@ class GenerationServer(GenerationFront):
                 stats.completed += 1
                 stats.completed_queue_s += request.waited_s
                 stats.completed_phases += Phases(request.input_s, request.infer_s, request.output_s)
-            self._scheduler.release(finished)
         if item.step:
             for _ in range(steps):
                 self._tell("step", elapsed / steps)

@@ -111,6 +111,13 @@ class Sampling:
                               f"from -{self.BIAS_LIMIT:g} to {self.BIAS_LIMIT:g}, got {logit_bias!r:.80}")
         self.logit_bias = tuple((int(i), float(bias)) for i, bias in (logit_bias or {}).items())
 
+    def choice(self, index: int) -> Sampling:
+        """This sampling for choice ``index`` of a request of several (OpenAI's and vLLM's ``n``): its seed plus
+        ``index``, so that choices differ and a seeded request gives the same choices again."""
+        chosen = copy.copy(self)
+        chosen.seed = (self.seed + index) % 2**32
+        return chosen
+
     @property
     def penalized(self) -> bool:
         """Some penalty changes its logits: the device counts the tokens of its prompt and outputs."""
