@@ -22,6 +22,7 @@ from gates import gate_env, holding, started
 import jitserve as js
 from jitserve.protocol.grpc import MESSAGES, GrpcFront, StreamCall
 from jitserve.protocol.limits import Limits
+from jitserve.protocol.service import NO_SPAN, NoSpan
 from netutil import Running, start_server, stop
 from waiting import HANG_S, until
 
@@ -180,6 +181,9 @@ class OneOutput:
 
     def count(self, *_: object) -> None:
         pass
+
+    def span(self, *_: object) -> NoSpan:
+        return NO_SPAN
 
 
 def test_a_reply_that_waits_for_room_in_the_stream_buffer_is_held_once():

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import json_format
@@ -39,8 +39,11 @@ from .grpc_request import (
     requested_outputs,
 )
 from .limits import Limits, Tls
-from .service import InferenceService, status_of
+from .service import NO_SPAN, InferenceService, NoSpan, status_of
 from .shared_memory import CALLS
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is configured
+    from .tracing import RequestSpan
 
 log = logging.getLogger("jitserve.grpc")
 
@@ -126,32 +129,27 @@ class GrpcFront:
         if self.service.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         self.calls += 1  # what ``quiet`` waits on at a shutdown
-        tracing = self.service.tracing
-        span = None if tracing is None else tracing.request("grpc", model, context.invocation_metadata() or ())
+        span = self.service.span("grpc", model, lambda: context.invocation_metadata() or ())
         try:
             tensors = decode_inputs(request, self.service.shared_memory, raw)
             names, slots = requested_outputs(request, self.service.shared_memory) if request.outputs else (None, {})
-            if span is not None:
-                span.phase("receive")
+            span.phase("receive")
             given = request.parameters  # each read of the field makes a new wrapper
             level, parameters = (priority(given), parameter_values(given)) if given else (None, None)
             served, outputs = await self.service.infer(model, tensors, names, level, request.model_version,
                                                        parameters)
-            if span is not None:
-                span.phase(None)  # the queue and batch spans come from the batches
+            span.phase(None)  # the queue and batch spans come from the batches
             response = infer_response(model, served, request.id, outputs, slots)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is INTERNAL
             _, status, message = self.service.failed("grpc", model, error, request.model_version)
-            if span is not None:
-                span.end(error, status)
+            span.end(error, status)
             await context.abort(getattr(grpc.StatusCode, status), message)
         finally:
             self.calls -= 1
             self.last_call = asyncio.get_running_loop().time()
         self.service.count(model, "grpc", "OK", served)
-        if span is not None:
-            span.phase("send")
-            span.end(status="OK")
+        span.phase("send")
+        span.end(status="OK")
         return response
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
@@ -262,23 +260,21 @@ class StreamCall:
         REQUEST_ARRIVED.set(time.perf_counter())  # this request's task: its latency in the access log
         service = self.front.service
         model = ""
-        request = span = failure = stream = None
+        request = failure = stream = None
+        span: RequestSpan | NoSpan = NO_SPAN
         status = "CANCELLED"  # unless it ends or fails
         try:
             request, raw = parse_infer(data)
             model = request.model_name
-            if service.tracing is not None:
-                span = service.tracing.request("grpc", model, self.context.invocation_metadata() or (), "stream infer")
+            span = service.span("grpc", model, lambda: self.context.invocation_metadata() or (), "stream infer")
             tensors = decode_inputs(request, service.shared_memory, raw)
             names, slots = requested_outputs(request, service.shared_memory)
-            if span is not None:
-                span.phase("receive")
+            span.phase("receive")
             served, stream = await service.infer_stream(model, tensors, names, priority(request.parameters),
                                                         request.model_version, parameter_values(request.parameters))
             marked = flag(request, "triton_enable_empty_final_response")  # so the last one tells it is
             async for outputs in stream:
-                if span is not None:
-                    span.output()
+                span.output()
                 # made in place: a local reply kept across the await would hold each waiting reply twice
                 reply = MESSAGES["ModelStreamInferResponse"](
                     infer_response=infer_response(model, served, request.id, outputs, slots))
@@ -293,9 +289,8 @@ class StreamCall:
             await self._put(_stream_error(request, model, message))
             return
         finally:
-            if span is not None:
-                span.phase(None if stream is None else "stream")
-                span.end(failure, status)
+            span.phase(None if stream is None else "stream")
+            span.end(failure, status)
         service.count(model, "grpc", "OK", served)
         if marked:
             final = MESSAGES["ModelInferResponse"](model_name=model, model_version=served, id=request.id)

@@ -43,7 +43,7 @@ import logging
 import re
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import orjson
@@ -59,8 +59,11 @@ from .limits import Limits
 from .metrics import CONTENT_TYPE
 from .openai import OpenAIDoor, openai_error
 from .openai_request import ROOT_ENDPOINTS, path
-from .service import InferenceService, loggable, status_of
+from .service import NO_SPAN, InferenceService, NoSpan, loggable, status_of
 from .shared_memory import OutputSlot, cuda_register, cuda_status
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is configured
+    from .tracing import RequestSpan
 
 log = logging.getLogger("jitserve.http")
 
@@ -324,38 +327,33 @@ class HttpFront:
 
     async def infer(self, headers: dict[bytes, bytes], receive: Callable[..., Any], model: str,
                     version: str | None) -> Response:
-        span = None if self.service.tracing is None else self.service.tracing.request("http", model, headers.items())
+        span = self.service.span("http", model, headers.items)
         try:
             body, header_length = await self._read_body(headers, receive)
             parse = functools.partial(parse_request, body, header_length, self.service.shared_memory)
             # a small body is decoded (and its answer encoded) here, without the coroutine of _off_loop
             request, tensors, requested, binary_outputs = parse() if len(body) < self.offload_bytes \
                 else await self._off_loop(len(body), parse)
-            if span is not None:
-                span.phase("receive")
+            span.phase("receive")
             answered = await unless_gone(self.service.infer(model, tensors, _classes(requested), priority(request),
                                                             version, request.get("parameters")))
             if answered is None:  # counted and traced as nginx logs it, never sent
                 self.service.count(model, "http", CLIENT_GONE[0], version)
-                if span is not None:
-                    span.end(status=CLIENT_GONE[0])
+                span.end(status=CLIENT_GONE[0])
                 return CLIENT_GONE
             served, outputs = answered
-            if span is not None:
-                span.phase(None)  # the queue and batch spans come from the batches
+            span.phase(None)  # the queue and batch spans come from the batches
             size = sum([array.nbytes for _, array in outputs])
             encode = functools.partial(_encode_response, model, served, request.get("id"), outputs, _how(requested),
                                        binary_outputs)
             response = encode() if size < self.offload_bytes else await self._off_loop(size, encode)
         except Exception as error:  # noqa: BLE001 - statuses by error class; the model's own failure is a 500
             failed = self._failed(model, error, version)
-            if span is not None:
-                span.end(error, failed[0])
+            span.end(error, failed[0])
             return failed
         self.service.count(model, "http", 200, served)
-        if span is not None:
-            span.phase("send")
-            span.end(status=200)
+        span.phase("send")
+        span.end(status=200)
         return response
 
     async def _off_loop(self, size: int, work: Callable[[], _T]) -> _T:
@@ -372,20 +370,17 @@ class HttpFront:
                            version: str | None) -> Response | _Events:
         """The request is read, checked and queued first (its errors are ordinary 4xx/5xx responses); then
         the outputs go out as events while the rows run."""
-        tracing = self.service.tracing
-        span = None if tracing is None else tracing.request("http", model, headers.items(), "infer_stream")
+        span = self.service.span("http", model, headers.items, "infer_stream")
         try:
             body, header_length = await self._read_body(headers, receive)
             request, tensors, requested, _ = await self._off_loop(
                 len(body), lambda: parse_request(body, header_length, self.service.shared_memory))
-            if span is not None:
-                span.phase("receive")
+            span.phase("receive")
             served, stream = await self.service.infer_stream(model, tensors, _classes(requested),
                                                        priority(request), version, request.get("parameters"))
         except Exception as error:  # noqa: BLE001 - statuses by error class
             failed = self._failed(model, error, version)
-            if span is not None:
-                span.end(error, failed[0])
+            span.end(error, failed[0])
             return failed
         slots = {name: (None, slot) for name, (_, slot) in _how(requested).items()}  # events are JSON
         return _Events(self._events(model, served, request.get("id"), stream, span,
@@ -416,7 +411,7 @@ class HttpFront:
             served, stream = await self.service.infer_stream(model, tensors, None, None, version, parameters)
         except Exception as error:  # noqa: BLE001 - statuses by error class
             return self._failed(model, error, version)
-        return _Events(self._events(model, served, request_id, stream, None, generated))
+        return _Events(self._events(model, served, request_id, stream, NO_SPAN, generated))
 
     async def openai_request(self, headers: dict[bytes, bytes], receive: Callable[..., Any],
                              endpoint: str) -> Response | _Events:
@@ -432,15 +427,14 @@ class HttpFront:
         return answer if isinstance(answer, tuple) else _Events(answer)
 
     async def _events(self, model: str, served: str, request_id: Any,
-                      stream: AsyncIterator[list[tuple[str, np.ndarray]]], span: Any,
+                      stream: AsyncIterator[list[tuple[str, np.ndarray]]], span: RequestSpan | NoSpan,
                       encode: Callable[[str, str, Any, list[tuple[str, np.ndarray]]], bytes]) -> AsyncIterator[bytes]:
         """Each of ``stream``'s outputs as an event, encoded by ``encode``."""
         failure: BaseException | None = None
         status: int | str = "disconnected"  # unless it ends or fails
         try:
             async for outputs in stream:
-                if span is not None:
-                    span.output()
+                span.output()
                 yield b"data: " + encode(model, served, request_id, outputs) + b"\n\n"
             status = 200
         except Exception as error:  # noqa: BLE001 - the stream has started: the error is its last event
@@ -450,9 +444,8 @@ class HttpFront:
             return
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
-            if span is not None:
-                span.phase("stream")
-                span.end(failure, status)
+            span.phase("stream")
+            span.end(failure, status)
         self.service.count(model, "http", 200, served)
 
 

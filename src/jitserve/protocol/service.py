@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,7 +47,7 @@ from .model import SPECS, Spec, select_outputs
 from .shared_memory import SystemSharedMemory
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is configured
-    from .tracing import Tracing
+    from .tracing import RequestSpan, Tracing
 
 log = logging.getLogger("jitserve.serve")
 
@@ -150,6 +150,25 @@ class ModelControl(Protocol):
         """Stop serving ``name``: new requests are refused, those it holds finish, then it is freed."""
 
 
+class NoSpan:
+    """The span of a request that is not traced: every mark is nothing, so that a door marks a request's
+    phases the same whether tracing is on or not (:class:`~.tracing.RequestSpan` is the traced one)."""
+
+    __slots__ = ()
+
+    def output(self) -> None:
+        pass
+
+    def phase(self, name: str | None) -> None:
+        pass
+
+    def end(self, error: BaseException | None = None, status: int | str | None = None) -> None:
+        pass
+
+
+NO_SPAN = NoSpan()
+
+
 class InferenceService:
     """The served models by name and version, and inference on them.
 
@@ -177,6 +196,12 @@ class InferenceService:
             self.put(key, server)
         self.control: ModelControl = FixedModels(self)
         self.controls_in_flight = 0  # loads and unloads running (load_or_unload), at most MAX_CONTROLS
+
+    def span(self, protocol: str, model: str, carrier: Callable[[], Iterable[tuple[Any, Any]]],
+             call: str = "infer") -> RequestSpan | NoSpan:
+        """A request's span (``carrier()``: its headers or metadata, read only when tracing): the tracer's,
+        else :data:`NO_SPAN`."""
+        return NO_SPAN if self.tracing is None else self.tracing.request(protocol, model, carrier(), call)
 
     def put(self, key: str, server: Front) -> Front | None:
         """Serve ``server`` as ``key`` (``name`` or ``name/version``) from now on; returns the server it
