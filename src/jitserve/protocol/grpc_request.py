@@ -18,8 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from ..errors import ProtocolError
 from .codec import datatype_of, decode_raw, decode_values, dtype_of, raw_contents, shown
-from .model import class_count
-from .service import refuse_unsupported
+from .parameters import class_count, refuse_unsupported
 from .shared_memory import OutputSlot, SystemSharedMemory, output_placement, placement
 
 SERVICE = "inference.GRPCInferenceService"

@@ -14,8 +14,7 @@ import simdjson
 
 from ..errors import ProtocolError
 from .codec import DATATYPES, decode_numbers, decode_raw, decode_values, number_kind
-from .model import class_count
-from .service import refuse_unsupported
+from .parameters import class_count, refuse_unsupported
 from .shared_memory import OutputSlot, SystemSharedMemory, output_placement, placement
 
 # a JSON document up to this size (a binary request's header, a tiny tensor) is read by orjson into Python objects

@@ -263,14 +263,6 @@ def select_outputs(outputs: Sequence[tuple[str, np.ndarray]], requested: Mapping
             for name, count in requested.items()]
 
 
-def class_count(value: Any, where: str) -> int:
-    """A requested output's ``classification`` parameter: how many classes to return (0: the tensor)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ProtocolError(f"{where}: the 'classification' parameter must be a whole number of classes >= 0, "
-                            f"got {value!r:.40}")
-    return int(value)
-
-
 def classify(array: np.ndarray, count: int, labels: Sequence[str] | None, name: str) -> np.ndarray:
     """Triton's classification: each row's ``count`` highest values (all of them if fewer), highest first,
     as BYTES ``value:index[:label]`` shaped ``[rows, count]``; a value as C++'s ``std::to_string`` writes it,

@@ -411,7 +411,7 @@ class OpenAIDoor:
             return self._stream(spec, choices, shape, answer, prompt_tokens, *usage)
         pieces: list[list[str]] = [[] for _ in choices.all]
         scores: list[list[TokenLogprobs]] = [[] for _ in choices.all]
-        with self.service._tallied(spec):
+        with self.service.tallied(spec):
             async for choice, piece, scored in choices.each():
                 if piece:
                     pieces[choice.index].append(piece)
@@ -433,7 +433,7 @@ class OpenAIDoor:
             return _event({**chunk, "choices": [body], **({"usage": choice.usage()} if usage_always else {})})
 
         try:
-            with self.service._tallied(spec):
+            with self.service.tallied(spec):
                 for choice in choices.all:
                     opening = shape.opening(choice)
                     if opening is not None:

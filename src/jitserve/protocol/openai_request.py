@@ -15,8 +15,8 @@ import orjson
 
 from ..errors import OptionError, ParameterError, ProtocolError
 from ..serving.generation import Sampling
+from .codec import shown
 from .llm import PROMPT_CHARS_PER_TOKEN, logit_bias
-from .service import shown
 
 MAX_CHOICES = 128  # choices of one request (n times its prompts): each is a generation request
 MAX_INPUTS = 2048  # texts of one embeddings request (OpenAI's limit)

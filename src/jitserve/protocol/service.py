@@ -44,6 +44,7 @@ from .codec import shown
 from .logs import ClientMistakes
 from .metrics import Metrics
 from .model import SPECS, Spec, select_outputs
+from .parameters import refuse_unsupported
 from .shared_memory import SystemSharedMemory
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is configured
@@ -72,24 +73,6 @@ STATUSES: tuple[tuple[type[BaseException], int, str], ...] = (
 
 MAX_CONTROLS = 16  # loads and unloads running at once; one more is 503 (a thread each: bounded)
 OFF_LOOP_CLASSES = 10_000  # class results formatted off the event loop from this many (each a Python string)
-
-# parameters of the protocol that jitserve does not implement: refused by name, never silently ignored
-UNSUPPORTED_PARAMETERS = {
-    "sequence_id": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
-    "sequence_start": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
-    "sequence_end": "jitserve has no sequence batching (Triton's stateful models); each request stands alone",
-    "classification": "it is a parameter of a requested output (tritonclient's InferRequestedOutput(name, "
-                      "class_count=k)), not of the request",
-}
-
-
-def refuse_unsupported(parameters: Iterable[str], where: str) -> None:
-    """A ProtocolError naming the first parameter of ``parameters`` that jitserve does not implement."""
-    for name in parameters:
-        why = UNSUPPORTED_PARAMETERS.get(name)
-        if why is not None:
-            raise ProtocolError(f"{where}: the '{name}' parameter is not supported: {why}")
-
 
 def status_of(error: BaseException) -> tuple[int, str]:
     """The HTTP and gRPC status for an error, by where it arose: a model's :class:`ModelError` carries its
@@ -358,7 +341,7 @@ class InferenceService:
             REQUEST_ROWS.set(spec.rows(tensors))
         parameters = parameters or {}
         ask: Any = spec.ask(tensors, parameters, priority, self.request_timeout, False)  # what its spec reads
-        with self._tallied(spec):
+        with self.tallied(spec):
             try:
                 named = await spec.call(ask)
             except ServerStoppedError:
@@ -396,7 +379,7 @@ class InferenceService:
     async def _stream(self, spec: Spec, items: AsyncIterator[list[tuple[str, np.ndarray]]],
                       requested: Mapping[str, int] | None) -> AsyncIterator[list[tuple[str, np.ndarray]]]:
         """The stream's outputs; tallied in the statistics once it ends or fails (not when the client leaves)."""
-        with self._tallied(spec):
+        with self.tallied(spec):
             async for outputs in items:
                 yield select_outputs(outputs, requested, spec.name, spec.labels)
 
@@ -408,7 +391,7 @@ class InferenceService:
             raise ServerStoppedError(f"server {spec.name!r} is stopped and takes no new requests")
         return self.model(spec.name, spec.version)
 
-    def _tallied(self, spec: Spec) -> _Tallied:
+    def tallied(self, spec: Spec) -> _Tallied:
         """Count what a ``with`` block runs in the model's statistics (see :class:`_Tallied`)."""
         return _Tallied(self.tallies[(spec.name, spec.version)])
 
