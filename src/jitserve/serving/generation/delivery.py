@@ -215,16 +215,23 @@ class Delivery:
         a stop sequence, or no text at all), with an empty piece."""
         return self._paired([self.empty]) if self.scores else []
 
+    def _counted(self, output: Any) -> bool:
+        """Note one item of the engine's outputs: an output is counted (True), its :class:`~..request.End`
+        gives the reason (False: nothing to hand out)."""
+        if type(output) is End:
+            self.reason = output.reason
+            return False
+        self.read += 1
+        return True
+
     def each(self, outputs: Generator[Any, None, None]) -> Generator[Any, None, None]:
         """What the caller gets from a request's ``outputs`` (a server's ``outputs``, ending with its
         :class:`~..request.End`), one item at a time; closed early, or at a stop sequence, it closes them:
         the request is cancelled now."""
         try:
             for output in outputs:
-                if type(output) is End:
-                    self.reason = output.reason
+                if not self._counted(output):
                     continue
-                self.read += 1
                 yield from self.of(output)
                 if self.done:
                     break
@@ -238,10 +245,8 @@ class Delivery:
         """:meth:`each` for a server's ``outputs_async``."""
         try:
             async for output in outputs:
-                if type(output) is End:
-                    self.reason = output.reason
+                if not self._counted(output):
                     continue
-                self.read += 1
                 for item in self.of(output):
                     yield item
                 if self.done:
@@ -274,7 +279,7 @@ class Choices:
     added in)."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[tuple[int, Piece | Exception]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Piece | Exception | None]] = asyncio.Queue()  # None: a choice's end
         self.tasks: list[asyncio.Future[None]] = []
 
     def add(self, pieces: AsyncGenerator[Piece, None]) -> None:
@@ -284,19 +289,22 @@ class Choices:
         try:
             async for piece in pieces:
                 self.queue.put_nowait((index, piece))
+            self.queue.put_nowait((index, None))
         except Exception as error:  # noqa: BLE001 - handed to the reader of the pieces, which raises it
             self.queue.put_nowait((index, error))
 
     async def each(self) -> AsyncGenerator[tuple[int, Piece], None]:
-        """Every choice's pieces as they come, ``(index, piece)``, until each gave its last; the first error
-        raises, and ends the other choices."""
+        """Every choice's pieces as they come, ``(index, piece)``, until each choice's pieces ended; the first
+        error raises, and ends the other choices."""
         try:
             left = len(self.tasks)
             while left:
                 index, piece = await self.queue.get()
+                if piece is None:
+                    left -= 1
+                    continue
                 if isinstance(piece, Exception):
                     raise piece
-                left -= piece.finish_reason is not None
                 yield index, piece
         finally:
             await self.close()
